@@ -1,0 +1,15 @@
+// Cached per-device properties; the core asks for them on every launch.
+#pragma once
+
+namespace distgemm {
+
+struct DeviceInfo {
+  int arch = 0;      // 90 for sm_90, 100 for sm_100
+  int sm_count = 0;
+};
+
+// Properties of `device` (the current device when negative). Cached after the first call.
+const DeviceInfo& device_info(int device = -1);
+int current_device();
+
+}  // namespace distgemm

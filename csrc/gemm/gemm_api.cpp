@@ -1,0 +1,268 @@
+// dg_gemm: argument checks, the instance table and dispatch. Host-only.
+#include <cstdint>
+#include <vector>
+
+#include "common/device.h"
+#include "common/dtype.h"
+#include "common/status.h"
+#include "distgemm/distgemm.h"
+#include "gemm/gemm_heuristic.h"
+#include "gemm/gemm_problem.h"
+
+namespace distgemm::gemm {
+namespace {
+
+#if defined(DISTGEMM_WITH_SM90)
+#define DG_SM90_GEMM(A, B, D, BK, S, TM, TN, CM, CN)                                         \
+  {90, A, B, D, BK != 0, Schedule(S), TM, TN, CM, CN, #S "_" #TM "x" #TN "_c" #CM "x" #CN,    \
+   &Sm90GemmKernel<A, B, D, BK != 0, S, TM, TN, CM, CN>::run,                                \
+   &Sm90GemmKernel<A, B, D, BK != 0, S, TM, TN, CM, CN>::workspace},
+#else
+#define DG_SM90_GEMM(...)
+#endif
+#if defined(DISTGEMM_WITH_SM100)
+#define DG_SM100_GEMM(A, B, D, BK, S, TM, TN, CM, CN)                                        \
+  {100, A, B, D, BK != 0, Schedule(S), TM, TN, CM, CN, #S "_" #TM "x" #TN "_c" #CM "x" #CN,   \
+   &Sm100GemmKernel<A, B, D, BK != 0, S, TM, TN, CM, CN>::run,                               \
+   &Sm100GemmKernel<A, B, D, BK != 0, S, TM, TN, CM, CN>::workspace},
+#else
+#define DG_SM100_GEMM(...)
+#endif
+
+const GemmInstance kInstances[] = {
+#include "gemm/gemm_instances.def"
+#if defined(DISTGEMM_TUNING_INSTANCES)
+#include "gemm/gemm_instances_tuning.def"
+#endif
+};
+#undef DG_SM90_GEMM
+#undef DG_SM100_GEMM
+
+// The arch whose kernels serve a device of compute capability `arch` (e.g. 90 -> 90).
+int kernel_arch(int device_arch) {
+  if (device_arch == 90) return 90;
+  if (device_arch == 100) return 100;
+  return 0;
+}
+
+bool b_is_k_major(const dg_matrix& b) { return b.col_stride == 1; }
+
+std::vector<const GemmInstance*> candidates(const dg_gemm_desc& d, int device_arch) {
+  std::vector<const GemmInstance*> out;
+  const int arch = kernel_arch(device_arch);
+  const bool bk = b_is_k_major(d.b);
+  for (const GemmInstance& inst : kInstances) {
+    if (inst.arch == arch && inst.a == d.a.dtype && inst.b == d.b.dtype && inst.d == d.d.dtype &&
+        inst.b_k_major == bk)
+      out.push_back(&inst);
+  }
+  return out;
+}
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+// A (rows, cols) matrix whose columns are contiguous, with a 16-byte aligned row pitch.
+dg_status check_row_major(const dg_matrix& m, const char* name, int64_t rows, int64_t cols) {
+  DG_REQUIRE(m.rows == rows && m.cols == cols, name, " must have shape (", rows, ", ", cols,
+             "), got (", m.rows, ", ", m.cols, ")");
+  DG_REQUIRE(m.col_stride == 1 || cols == 1, name,
+             " must be row-major (unit column stride), got strides (", m.row_stride, ", ",
+             m.col_stride, ")");
+  const int bytes = dtype_bytes(m.dtype);
+  DG_REQUIRE(m.row_stride >= cols || rows == 1, name, " row stride ", m.row_stride,
+             " is smaller than its ", cols, " columns");
+  DG_REQUIRE((m.row_stride * bytes) % 16 == 0 || rows == 1, name, " row stride of ",
+             m.row_stride, " elements is not a multiple of 16 bytes");
+  DG_REQUIRE((cols * bytes) % 16 == 0, name, " has ", cols, " columns of ", dtype_name(m.dtype),
+             ": the contiguous dimension must be a multiple of ", 16 / bytes,
+             " elements (16 bytes)");
+  DG_REQUIRE(aligned16(m.data), name, " data pointer must be 16-byte aligned");
+  return DG_SUCCESS;
+}
+
+dg_status check_dtypes(const dg_gemm_desc& d) {
+  const dg_dtype a = d.a.dtype, b = d.b.dtype, out = d.d.dtype;
+  if (is_16bit_float(a)) {
+    DG_REQUIRE(b == a, "a and b must have the same dtype, got ", dtype_name(a), " and ",
+               dtype_name(b));
+    DG_REQUIRE(out == a || out == DG_F32, "out dtype must be ", dtype_name(a),
+               " or float32 for ", dtype_name(a), " inputs, got ", dtype_name(out));
+    DG_REQUIRE(!d.scale_a && !d.scale_b, "scale_a / scale_b apply to float8 inputs only");
+    return DG_SUCCESS;
+  }
+  if (is_fp8(a)) {
+    DG_REQUIRE(is_fp8(b), "a is ", dtype_name(a), " so b must be float8 too, got ",
+               dtype_name(b));
+    DG_REQUIRE(!(a == DG_E5M2 && b == DG_E5M2),
+               "float8_e5m2 x float8_e5m2 is not supported (one operand must be float8_e4m3fn)");
+    DG_REQUIRE(out == DG_BF16 || out == DG_F16 || out == DG_F32,
+               "out dtype for float8 inputs must be bfloat16, float16 or float32, got ",
+               dtype_name(out));
+    return DG_SUCCESS;
+  }
+  return fail(DG_ERROR_INVALID_ARGUMENT,
+              cat("a must be bfloat16, float16, float8_e4m3fn or float8_e5m2, got ",
+                  dtype_name(a)));
+}
+
+// Validates `d` and lowers it to a GemmProblem (pointers and leading dimensions).
+dg_status lower(const dg_gemm_desc* desc, GemmProblem* p) {
+  DG_REQUIRE(desc != nullptr, "desc must not be NULL");
+  const dg_gemm_desc& d = *desc;
+  DG_RETURN_IF_ERROR(check_dtypes(d));
+  const int64_t m = d.a.rows, k = d.a.cols, n = d.b.rows;
+  DG_REQUIRE(m >= 1 && n >= 1 && k >= 1, "M, N and K must be positive, got M=", m, " N=", n,
+             " K=", k);
+  DG_REQUIRE(m < (int64_t(1) << 31) && n < (int64_t(1) << 31) && k < (int64_t(1) << 31),
+             "M, N and K must be below 2^31");
+  DG_RETURN_IF_ERROR(check_row_major(d.a, "a", m, k));
+  DG_REQUIRE(d.b.cols == k, "b must have shape (N, K) with K=", k, " (a's columns), got (",
+             d.b.rows, ", ", d.b.cols, ")");
+  if (b_is_k_major(d.b)) {
+    DG_RETURN_IF_ERROR(check_row_major(d.b, "b", n, k));
+    p->ldb = d.b.row_stride;
+    p->b_k_major = true;
+  } else {
+    DG_REQUIRE(d.b.row_stride == 1, "b must be K-major (unit column stride) or N-major (unit row "
+               "stride), got strides (", d.b.row_stride, ", ", d.b.col_stride, ")");
+    DG_REQUIRE(is_16bit_float(d.b.dtype), "float8 b must be K-major (row-major (N, K))");
+    dg_matrix bt{d.b.data, d.b.dtype, k, n, d.b.col_stride, 1};
+    DG_RETURN_IF_ERROR(check_row_major(bt, "b (N-major, as its (K, N) transpose)", k, n));
+    p->ldb = d.b.col_stride;
+    p->b_k_major = false;
+  }
+  DG_RETURN_IF_ERROR(check_row_major(d.d, "out", m, n));
+  if (d.c.data) {
+    DG_REQUIRE(d.c.dtype == d.d.dtype, "c must have the output dtype ", dtype_name(d.d.dtype),
+               ", got ", dtype_name(d.c.dtype));
+    if (d.c.rows == 1 && m != 1) {
+      DG_RETURN_IF_ERROR(check_row_major(d.c, "c (bias)", 1, n));
+      p->bias = d.c.data;
+    } else {
+      DG_RETURN_IF_ERROR(check_row_major(d.c, "c", m, n));
+      p->c = d.c.data;
+      p->ldc = d.c.row_stride;
+    }
+  }
+  if (d.scale_a) {
+    DG_REQUIRE(d.scale_a_len == 1 || d.scale_a_len == m, "scale_a must hold 1 or M=", m,
+               " values, got ", d.scale_a_len);
+    DG_REQUIRE(aligned16(d.scale_a), "scale_a must be 16-byte aligned");
+  }
+  if (d.scale_b) {
+    DG_REQUIRE(d.scale_b_len == 1 || d.scale_b_len == n, "scale_b must hold 1 or N=", n,
+               " values, got ", d.scale_b_len);
+    DG_REQUIRE(aligned16(d.scale_b), "scale_b must be 16-byte aligned");
+  }
+  p->m = static_cast<int>(m);
+  p->n = static_cast<int>(n);
+  p->k = static_cast<int>(k);
+  p->a = d.a.data;
+  p->lda = d.a.row_stride;
+  p->b = d.b.data;
+  p->d = const_cast<void*>(d.d.data);
+  p->ldd = d.d.row_stride;
+  p->alpha = d.alpha;
+  p->beta = d.beta;
+  p->scale_a = d.scale_a;
+  p->scale_a_per_row = d.scale_a && d.scale_a_len > 1;
+  p->scale_b = d.scale_b;
+  p->scale_b_per_col = d.scale_b && d.scale_b_len > 1;
+  return DG_SUCCESS;
+}
+
+// Lowers `desc` and lists the kernels that can run it.
+dg_status lower_and_list(const dg_gemm_desc* desc, int device_arch, GemmProblem* p,
+                         std::vector<const GemmInstance*>* list) {
+  DG_RETURN_IF_ERROR(lower(desc, p));
+  if (!kernel_arch(device_arch))
+    return fail(DG_ERROR_NOT_SUPPORTED,
+                cat("distgemm kernels run on sm_90 and sm_100; this device is sm_", device_arch));
+  *list = candidates(*desc, device_arch);
+  if (list->empty())
+    return fail(DG_ERROR_NOT_SUPPORTED,
+                cat("no sm_", kernel_arch(device_arch), " kernel in this build for a=",
+                    dtype_name(desc->a.dtype), " b=", dtype_name(desc->b.dtype),
+                    " out=", dtype_name(desc->d.dtype), p->b_k_major ? " (b K-major)" : " (b N-major)",
+                    "; DISTGEMM_CUDA_ARCHS may exclude this arch"));
+  return DG_SUCCESS;
+}
+
+// Lowers, checks that a kernel exists and picks it (desc->config, else the heuristic).
+dg_status plan(const dg_gemm_desc* desc, int device_arch, int sm_count, GemmProblem* p,
+               const GemmInstance** chosen) {
+  std::vector<const GemmInstance*> list;
+  DG_RETURN_IF_ERROR(lower_and_list(desc, device_arch, p, &list));
+  if (desc->config >= 0) {
+    DG_REQUIRE(desc->config < static_cast<int>(list.size()), "config ", desc->config,
+               " out of range: ", list.size(), " configs for these dtypes");
+    *chosen = list[desc->config];
+  } else {
+    *chosen = select_instance(list, p->m, p->n, p->k, sm_count);
+  }
+  p->sm_count = sm_count;
+  p->swizzle = desc->swizzle > 0 ? desc->swizzle : select_swizzle(**chosen, p->m, p->n, sm_count);
+  DG_REQUIRE(p->swizzle == 1 || p->swizzle == 2 || p->swizzle == 4 || p->swizzle == 8,
+             "swizzle must be 0, 1, 2, 4 or 8, got ", desc->swizzle);
+  return DG_SUCCESS;
+}
+
+}  // namespace
+}  // namespace distgemm::gemm
+
+using namespace distgemm;
+using namespace distgemm::gemm;
+
+extern "C" dg_status dg_gemm_check(const dg_gemm_desc* desc, int device_arch) {
+  GemmProblem p;
+  std::vector<const GemmInstance*> list;
+  return lower_and_list(desc, device_arch, &p, &list);
+}
+
+extern "C" dg_status dg_gemm_workspace_size(const dg_gemm_desc* desc, size_t* bytes) {
+  DG_REQUIRE(bytes != nullptr, "bytes must not be NULL");
+  const DeviceInfo& dev = device_info();
+  GemmProblem p;
+  const GemmInstance* inst = nullptr;
+  DG_RETURN_IF_ERROR(plan(desc, dev.arch, dev.sm_count, &p, &inst));
+  *bytes = inst->workspace(p);
+  return DG_SUCCESS;
+}
+
+extern "C" dg_status dg_gemm(const dg_gemm_desc* desc, void* workspace, size_t workspace_bytes,
+                             cudaStream_t stream) {
+  const int device = current_device();
+  const DeviceInfo& dev = device_info(device);
+  GemmProblem p;
+  const GemmInstance* inst = nullptr;
+  DG_RETURN_IF_ERROR(plan(desc, dev.arch, dev.sm_count, &p, &inst));
+  const size_t needed = inst->workspace(p);
+  DG_REQUIRE(workspace_bytes >= needed && (needed == 0 || workspace != nullptr),
+             "workspace of ", workspace_bytes, " bytes is smaller than the ", needed, " needed");
+  p.device = device;
+  p.workspace = workspace;
+  p.workspace_bytes = workspace_bytes;
+  return inst->run(p, stream);
+}
+
+extern "C" int dg_gemm_config_count(const dg_gemm_desc* desc, int device_arch) {
+  return desc ? static_cast<int>(candidates(*desc, device_arch).size()) : 0;
+}
+
+extern "C" const char* dg_gemm_config_name(const dg_gemm_desc* desc, int device_arch, int config) {
+  if (!desc) return nullptr;
+  auto list = candidates(*desc, device_arch);
+  return config >= 0 && config < static_cast<int>(list.size()) ? list[config]->name : nullptr;
+}
+
+extern "C" int dg_gemm_select_config(const dg_gemm_desc* desc, int device_arch, int sm_count) {
+  GemmProblem p;
+  const GemmInstance* inst = nullptr;
+  dg_gemm_desc auto_desc = desc ? *desc : dg_gemm_desc{};
+  auto_desc.config = -1;
+  if (plan(&auto_desc, device_arch, sm_count, &p, &inst) != DG_SUCCESS) return -1;
+  auto list = candidates(auto_desc, device_arch);
+  for (size_t i = 0; i < list.size(); ++i)
+    if (list[i] == inst) return static_cast<int>(i);
+  return -1;
+}

@@ -1,0 +1,80 @@
+// The checked, normalized form of a dense GEMM that the kernels consume.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "distgemm/distgemm.h"
+
+namespace distgemm::gemm {
+
+// D (M, N) row-major = alpha * (sa[m] * sb[n] * sum_k A[m,k] B[n,k]) + beta * (C[m,n] or bias[n]).
+struct GemmProblem {
+  int m = 0, n = 0, k = 0;
+  const void* a = nullptr;  // (M, K), K-major, leading dimension lda
+  int64_t lda = 0;
+  const void* b = nullptr;  // (N, K): K-major (ldb = row stride) or N-major (ldb = column stride)
+  int64_t ldb = 0;
+  bool b_k_major = true;
+  const void* c = nullptr;  // (M, N) row-major or nullptr
+  int64_t ldc = 0;
+  const void* bias = nullptr;  // (N,) in the output dtype, or nullptr
+  void* d = nullptr;
+  int64_t ldd = 0;
+  float alpha = 1.f, beta = 0.f;
+  const float* scale_a = nullptr;  // nullptr, one value, or M values
+  bool scale_a_per_row = false;
+  const float* scale_b = nullptr;  // nullptr, one value, or N values
+  bool scale_b_per_col = false;
+  int device = 0;
+  int sm_count = 0;  // SMs the persistent grid may use
+  int swizzle = 1;
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
+};
+
+using GemmRunFn = dg_status (*)(const GemmProblem&, cudaStream_t);
+using GemmWorkspaceFn = size_t (*)(const GemmProblem&);
+
+// Kernel schedules; the numbers are part of the instance table (gemm_instances.def).
+enum Schedule : int {
+  kCooperative = 0,  // sm90: two consumer warpgroups share one tile
+  kPingpong = 1,     // sm90: consumer warpgroups alternate tiles (small M, short K)
+  kOneSm = 2,        // sm100: 1-SM UMMA
+  kTwoSm = 3,        // sm100: 2-SM UMMA pair
+};
+// Spellings used in the .def instance lists.
+constexpr int coop = kCooperative;
+constexpr int pingpong = kPingpong;
+constexpr int sm1 = kOneSm;
+constexpr int sm2 = kTwoSm;
+
+// One compiled kernel: its dtypes, layout, tile and entry points.
+struct GemmInstance {
+  int arch;
+  dg_dtype a, b, d;
+  bool b_k_major;
+  Schedule schedule;
+  int tile_m, tile_n, cluster_m, cluster_n;
+  const char* name;
+  GemmRunFn run;
+  GemmWorkspaceFn workspace;
+};
+
+// Entry points of one compiled kernel; defined in sm90_gemm.cuh / sm100_gemm.cuh and
+// explicitly instantiated by the files CMake generates from gemm_instances.def.
+template <dg_dtype A, dg_dtype B, dg_dtype D, bool BKMajor, int Sched, int TileM, int TileN,
+          int ClusterM, int ClusterN>
+struct Sm90GemmKernel {
+  static dg_status run(const GemmProblem& problem, cudaStream_t stream);
+  static size_t workspace(const GemmProblem& problem);
+};
+
+template <dg_dtype A, dg_dtype B, dg_dtype D, bool BKMajor, int Sched, int TileM, int TileN,
+          int ClusterM, int ClusterN>
+struct Sm100GemmKernel {
+  static dg_status run(const GemmProblem& problem, cudaStream_t stream);
+  static size_t workspace(const GemmProblem& problem);
+};
+
+}  // namespace distgemm::gemm

@@ -1,0 +1,47 @@
+// The distgemm torch library: op schemas, and the marshalling helpers they share.
+#include <torch/library.h>
+
+#include "torch/marshal.h"
+
+namespace distgemm::torch_binding {
+
+dg_dtype to_dg_dtype(at::ScalarType t, const char* arg) {
+  switch (t) {
+    case at::kFloat: return DG_F32;
+    case at::kHalf: return DG_F16;
+    case at::kBFloat16: return DG_BF16;
+    case at::kFloat8_e4m3fn: return DG_E4M3;
+    case at::kFloat8_e5m2: return DG_E5M2;
+    case at::kInt: return DG_I32;
+    default: break;
+  }
+  TORCH_CHECK_VALUE(false, arg, " has unsupported dtype ", t);
+}
+
+dg_matrix to_matrix(const at::Tensor& t, const char* arg) {
+  if (!t.defined()) return dg_matrix{nullptr, DG_F32, 0, 0, 0, 0};
+  TORCH_CHECK_VALUE(t.dim() == 1 || t.dim() == 2, arg, " must be 1-D or 2-D, got ", t.dim(), "-D");
+  if (t.dim() == 1) return dg_matrix{t.data_ptr(), to_dg_dtype(t.scalar_type(), arg), 1, t.size(0),
+                                     t.size(0), t.stride(0)};
+  return dg_matrix{t.data_ptr(), to_dg_dtype(t.scalar_type(), arg), t.size(0), t.size(1),
+                   t.stride(0), t.stride(1)};
+}
+
+void check(dg_status status, const char* op) {
+  if (status == DG_SUCCESS) return;
+  const std::string msg = std::string(op) + ": " + dg_last_error();
+  switch (status) {
+    case DG_ERROR_INVALID_ARGUMENT: TORCH_CHECK_VALUE(false, msg);
+    case DG_ERROR_NOT_SUPPORTED: TORCH_CHECK_NOT_IMPLEMENTED(false, msg);
+    default: TORCH_CHECK(false, msg, " (", dg_status_name(status), ")");
+  }
+}
+
+at::Tensor workspace(size_t bytes, const at::Device& device) {
+  return at::empty({static_cast<int64_t>(bytes)}, at::TensorOptions().dtype(at::kByte).device(device));
+}
+
+}  // namespace distgemm::torch_binding
+
+// Each op file adds its schemas with TORCH_LIBRARY_FRAGMENT(distgemm, m).
+TORCH_LIBRARY(distgemm, m) {}

@@ -1,0 +1,27 @@
+// Tensor <-> C API marshalling shared by the op bindings. No logic beyond translation.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <string>
+
+#include "distgemm/distgemm.h"
+
+namespace distgemm::torch_binding {
+
+dg_dtype to_dg_dtype(at::ScalarType t, const char* arg);
+
+// A 2-D view of `t`; a 1-D tensor becomes one row. An undefined tensor gives a NULL matrix.
+dg_matrix to_matrix(const at::Tensor& t, const char* arg);
+
+// Raises the Python exception matching `status` (ValueError, NotImplementedError,
+// TimeoutError or RuntimeError) with the core's message, prefixed by `op`.
+void check(dg_status status, const char* op);
+
+// A device workspace of `bytes` from the caching allocator (graph-safe); empty if 0.
+at::Tensor workspace(size_t bytes, const at::Device& device);
+
+inline cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
+
+}  // namespace distgemm::torch_binding

@@ -1,0 +1,42 @@
+"""Loads the compiled ops and answers what this build and device can run."""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+
+import torch
+
+_LIB_PATH = os.path.join(os.path.dirname(__file__), "_C.so")
+
+if not os.path.exists(_LIB_PATH):
+    raise ImportError(
+        f"distgemm's compiled library is missing ({_LIB_PATH}): install the package with "
+        "`pip install --no-build-isolation .` from the repository root"
+    )
+torch.ops.load_library(_LIB_PATH)
+ops = torch.ops.distgemm
+
+# Compute capabilities (major * 10 + minor) that distgemm has kernels for.
+KERNEL_ARCHS = (90, 100)
+
+
+@functools.lru_cache(maxsize=None)
+def device_arch(device: torch.device) -> int:
+    major, minor = torch.cuda.get_device_capability(device)
+    return major * 10 + minor
+
+
+def has_kernels(device: torch.device) -> bool:
+    """True when `device` is a GPU that distgemm's CUTLASS kernels run on."""
+    return device.type == "cuda" and device_arch(device) in KERNEL_ARCHS
+
+
+@functools.lru_cache(maxsize=None)
+def warn_once(message: str) -> None:
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def env_flag(name: str) -> bool:
+    return os.environ.get(name, "0").lower() not in ("", "0", "false", "no")

@@ -1,0 +1,224 @@
+"""distgemm.gemm: ``alpha * (a @ b.T) + beta * c`` on CUTLASS kernels, with autograd."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from ._library import has_kernels, ops, warn_once
+
+FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+FLOAT16 = (torch.bfloat16, torch.float16)
+_OUT_DTYPES_FP8 = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _shape(t: torch.Tensor) -> tuple:
+    return tuple(t.shape)
+
+
+def check_operands(op: str, a, b, c, out_dtype, scale_a, scale_b) -> torch.dtype:
+    """Validates the arguments of a gemm-like op (a (M, K), b (N, K)); returns the out dtype."""
+    for name, t in (("a", a), ("b", b)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 2:
+            raise ValueError(f"{op}: {name} must be 2-D, got shape {_shape(t)}")
+    if a.dtype not in FLOAT16 + FLOAT8:
+        raise ValueError(
+            f"{op}: a must be bfloat16, float16, float8_e4m3fn or float8_e5m2, got {a.dtype}"
+        )
+    if a.dtype in FLOAT16 and b.dtype != a.dtype:
+        raise ValueError(f"{op}: b must have a's dtype {a.dtype}, got {b.dtype}")
+    if a.dtype in FLOAT8:
+        if b.dtype not in FLOAT8:
+            raise ValueError(f"{op}: a is {a.dtype} so b must be float8 too, got {b.dtype}")
+        if a.dtype == b.dtype == torch.float8_e5m2:
+            raise ValueError(f"{op}: float8_e5m2 x float8_e5m2 is not supported; one of a, b "
+                             "must be float8_e4m3fn")
+    if b.shape[1] != a.shape[1]:
+        raise ValueError(
+            f"{op}: b must have shape (N, K) with K = a.shape[1] = {a.shape[1]}, got {_shape(b)}"
+        )
+    if b.device != a.device:
+        raise ValueError(f"{op}: b is on {b.device} but a is on {a.device}")
+
+    if out_dtype is None:
+        out_dtype = a.dtype if a.dtype in FLOAT16 else torch.bfloat16
+    if a.dtype in FLOAT16 and out_dtype not in (a.dtype, torch.float32):
+        raise ValueError(f"{op}: out_dtype must be {a.dtype} or torch.float32 for {a.dtype} "
+                         f"inputs, got {out_dtype}")
+    if a.dtype in FLOAT8 and out_dtype not in _OUT_DTYPES_FP8:
+        raise ValueError(f"{op}: out_dtype must be bfloat16, float16 or float32 for float8 "
+                         f"inputs, got {out_dtype}")
+
+    m, n = a.shape[0], b.shape[0]
+    if c is not None:
+        if not isinstance(c, torch.Tensor):
+            raise TypeError(f"{op}: c must be a torch.Tensor or None, got {type(c).__name__}")
+        if c.device != a.device:
+            raise ValueError(f"{op}: c is on {c.device} but a is on {a.device}")
+        if not c.is_floating_point():
+            raise ValueError(f"{op}: c must be a floating-point tensor, got {c.dtype}")
+        if _shape(c) not in ((m, n), (n,), (1, n)):
+            raise ValueError(f"{op}: c must have shape (M, N) = ({m}, {n}) or be a bias of "
+                             f"shape ({n},), got {_shape(c)}")
+    for name, s, length, axis in (("scale_a", scale_a, m, "M"), ("scale_b", scale_b, n, "N")):
+        if s is None:
+            continue
+        if a.dtype not in FLOAT8:
+            raise ValueError(f"{op}: {name} applies to float8 inputs only (a is {a.dtype})")
+        if not isinstance(s, torch.Tensor) or s.dtype != torch.float32:
+            raise ValueError(f"{op}: {name} must be a float32 tensor")
+        if s.device != a.device:
+            raise ValueError(f"{op}: {name} is on {s.device} but a is on {a.device}")
+        if s.numel() not in (1, length):
+            raise ValueError(f"{op}: {name} must hold 1 value (per tensor) or {axis} = {length} "
+                             f"values (row-wise), got shape {_shape(s)}")
+    return out_dtype
+
+
+def gemm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: Optional[torch.Tensor] = None,
+    *,
+    alpha: float = 1.0,
+    beta: float = 0.0,
+    out_dtype: Optional[torch.dtype] = None,
+    scale_a: Optional[torch.Tensor] = None,
+    scale_b: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """``alpha * (scale_a * scale_b * (a @ b.T)) + beta * c`` with FP32 accumulation.
+
+    a: (M, K); b: (N, K), the ``nn.Linear`` weight layout; c: (M, N) or a bias (N,).
+    bfloat16/float16 inputs give their own dtype or float32 (``out_dtype``); float8 inputs
+    (e4m3, or e5m2 against e4m3) take FP32 scales, one per tensor or one per row of a
+    (``scale_a``, M values) / of b (``scale_b``, N values), and give bfloat16 by default.
+    Differentiable for bfloat16/float16 in a, b and c.
+    """
+    out_dtype = check_operands("distgemm.gemm", a, b, c, out_dtype, scale_a, scale_b)
+    return gemm_unchecked(a, b, c, alpha, beta, out_dtype, scale_a, scale_b)
+
+
+def gemm_unchecked(a, b, c, alpha, beta, out_dtype, scale_a=None, scale_b=None):
+    """gemm for arguments check_operands accepted."""
+    if a.shape[1] == 0 or not has_kernels(a.device):
+        if a.device.type == "cuda" and a.shape[1] > 0:
+            warn_once(f"distgemm: no CUTLASS kernels for {torch.cuda.get_device_name(a.device)}; "
+                      "running the PyTorch reference")
+        return reference_gemm(a, b, c, alpha, beta, out_dtype, scale_a, scale_b)
+    a, b, c, scale_b, n = _kernel_operands(a, b, c, out_dtype, scale_b)
+    out = ops.gemm(a, b, c, alpha, beta, out_dtype, _flat(scale_a), scale_b)
+    return out if out.shape[1] == n else out[:, :n].contiguous()
+
+
+def _flat(scale: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return None if scale is None else scale.reshape(-1).contiguous()
+
+
+def _pad_to(x: int, elems: int) -> int:
+    return -x % elems
+
+
+def _kernel_operands(a, b, c, out_dtype, scale_b):
+    """Copies or pads what the kernels cannot read in place (a fallback, not a fast path):
+    operands that are neither K-major nor (16-bit b) N-major, K or N not a multiple of 16
+    bytes (zero padding leaves the product unchanged)."""
+    n = b.shape[0]
+    k_pad = _pad_to(a.shape[1], 16 // a.element_size())
+    n_pad = _pad_to(n, max(16 // torch.empty((), dtype=out_dtype).element_size(),
+                           16 // b.element_size() if b.stride(0) == 1 and b.stride(1) != 1 else 1))
+    if k_pad:
+        a = F.pad(a, (0, k_pad))
+        b = F.pad(b, (0, k_pad))
+    if not _k_major(a):
+        a = a.contiguous()
+    if not (_k_major(b) or (b.dtype in FLOAT16 and _n_major(b))):
+        b = b.contiguous()
+    if c is not None:
+        c = c.to(out_dtype)
+        if c.dim() == 2 and c.shape[0] == a.shape[0] and c.stride(0) == 0:
+            c = c[0]  # an expanded row is a bias
+        if c.dim() == 2 and c.shape[0] == 1 and a.shape[0] != 1:
+            c = c[0]
+        if not (_k_major(c) if c.dim() == 2 else c.stride(0) == 1):
+            c = c.contiguous()
+    if n_pad:
+        b = F.pad(b, (0, 0, 0, n_pad))
+        if c is not None:
+            c = F.pad(c, (0, n_pad))
+        if scale_b is not None and scale_b.numel() > 1:
+            scale_b = F.pad(scale_b.reshape(-1), (0, n_pad), value=1.0)
+    return a, b, c, _flat(scale_b), n
+
+
+def _k_major(t: torch.Tensor) -> bool:
+    """Row-major with a 16-byte multiple row pitch."""
+    return t.stride(1) == 1 and (t.shape[0] == 1 or
+                                 (t.stride(0) >= t.shape[1] and t.stride(0) * t.element_size() % 16 == 0))
+
+
+def _n_major(t: torch.Tensor) -> bool:
+    return t.stride(0) == 1 and t.stride(1) >= t.shape[0] and t.stride(1) * t.element_size() % 16 == 0
+
+
+def reference_gemm(a, b, c, alpha, beta, out_dtype, scale_a=None, scale_b=None):
+    """The same math in plain PyTorch, FP32 accumulation (CPU tensors, other GPUs, tests)."""
+    acc = a.float() @ b.float().T
+    if scale_a is not None:
+        acc = acc * scale_a.float().reshape(-1, 1)
+    if scale_b is not None:
+        acc = acc * scale_b.float().reshape(1, -1)
+    out = alpha * acc
+    if c is not None:
+        out = out + beta * c.float().reshape(-1, b.shape[0])
+    return out.to(out_dtype)
+
+
+# ---------------------------------------------------------------- op registration
+
+
+@torch.library.register_fake("distgemm::gemm")
+def _gemm_fake(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, config=-1, swizzle=0):
+    return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
+
+
+@torch.library.register_kernel("distgemm::gemm", "cpu")
+def _gemm_cpu(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, config=-1, swizzle=0):
+    return reference_gemm(a, b, c, alpha, beta, out_dtype, scale_a, scale_b)
+
+
+def _gemm_setup_context(ctx, inputs, output):
+    a, b, c, alpha, beta, out_dtype, scale_a, scale_b = inputs[:8]
+    ctx.save_for_backward(a, b)
+    ctx.alpha, ctx.beta = alpha, beta
+    ctx.c_meta = None if c is None else (c.shape, c.dtype)
+    ctx.fp8 = a.dtype in FLOAT8
+
+
+def _gemm_backward(ctx, grad):
+    if ctx.fp8:
+        raise NotImplementedError("distgemm.gemm: autograd through float8 inputs is not supported")
+    a, b = ctx.saved_tensors
+    grad_a = grad_b = grad_c = None
+    g = grad.to(a.dtype)
+    if ctx.needs_input_grad[0]:
+        # dA = alpha * dD @ B: b.T is an N-major operand the kernels read in place.
+        grad_a = gemm_unchecked(g, b.T, None, ctx.alpha, 0.0, a.dtype)
+    if ctx.needs_input_grad[1]:
+        grad_b = torch.matmul(g.T, a)
+        if ctx.alpha != 1.0:
+            grad_b = grad_b * ctx.alpha
+    if ctx.needs_input_grad[2] and ctx.c_meta is not None:
+        shape, dtype = ctx.c_meta
+        gc = grad.float() * ctx.beta
+        grad_c = (gc if len(shape) == 2 and shape[0] == grad.shape[0] else gc.sum(0)).reshape(shape)
+        grad_c = grad_c.to(dtype)
+    return grad_a, grad_b, grad_c, None, None, None, None, None, None, None
+
+
+torch.library.register_autograd(
+    "distgemm::gemm", _gemm_backward, setup_context=_gemm_setup_context
+)
