@@ -82,6 +82,13 @@ typename G::Adapter::Arguments gemm_arguments(const GemmProblem& p) {
   args.epilogue.thread = scaled_bias_epilogue_args<
       typename G::CollectiveEpilogue::FusionCallbacks::Arguments, typename G::ElementD>(p);
   args.scheduler.max_swizzle_size = p.swizzle;
+  if constexpr (G::kArch == 90) {
+    args.scheduler.sync = p.sync;
+    if (p.sync.num_chunks > 0 || p.sync.c_ready) {
+      // Chunk order needs row-blocks walked one after another.
+      args.scheduler.raster_order = decltype(args.scheduler.raster_order)::AlongN;
+    }
+  }
   return args;
 }
 

@@ -6,7 +6,7 @@
 #include "common/dtype.h"
 #include "common/status.h"
 #include "distgemm/distgemm.h"
-#include "gemm/gemm_heuristic.h"
+#include "common/tile_heuristic.h"
 #include "gemm/gemm_problem.h"
 
 namespace distgemm::gemm {
@@ -57,6 +57,13 @@ std::vector<const GemmInstance*> candidates(const dg_gemm_desc& d, int device_ar
       out.push_back(&inst);
   }
   return out;
+}
+
+// Raster swizzle for the persistent scheduler: wider swizzles keep the operands of
+// neighbouring tiles in L2 once the grid spans many tiles.
+int select_swizzle(const GemmInstance& inst, int m, int n, int sm_count) {
+  const int64_t tiles = int64_t((m + inst.tile_m - 1) / inst.tile_m) * ((n + inst.tile_n - 1) / inst.tile_n);
+  return tiles >= 4 * static_cast<int64_t>(sm_count) ? 2 : 1;
 }
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
@@ -198,7 +205,7 @@ dg_status plan(const dg_gemm_desc* desc, int device_arch, int sm_count, GemmProb
                " out of range: ", list.size(), " configs for these dtypes");
     *chosen = list[desc->config];
   } else {
-    *chosen = select_instance(list, p->m, p->n, p->k, sm_count);
+    *chosen = select_cheapest(list, p->m, p->n, p->k, 1, sm_count);
   }
   p->sm_count = sm_count;
   p->swizzle = desc->swizzle > 0 ? desc->swizzle : select_swizzle(**chosen, p->m, p->n, sm_count);

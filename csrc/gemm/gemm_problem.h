@@ -4,6 +4,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "common/sync.h"
 #include "distgemm/distgemm.h"
 
 namespace distgemm::gemm {
@@ -31,6 +32,7 @@ struct GemmProblem {
   int swizzle = 1;
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
+  SyncParams sync{};  // cross-GPU waits (sm90 tensor-parallel GEMMs); empty for a plain GEMM
 };
 
 using GemmRunFn = dg_status (*)(const GemmProblem&, cudaStream_t);

@@ -8,6 +8,7 @@
 #include <cutlass/gemm/kernel/gemm_universal.hpp>
 
 #include "gemm/cutlass_gemm.cuh"
+#include "gemm/sm90_tile_scheduler.cuh"
 
 namespace distgemm::gemm::sm90 {
 
@@ -58,7 +59,7 @@ struct Sm90Gemm {
       typename Traits::Mainloop>::CollectiveOp;
 
   using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, CollectiveMainloop,
-                                                      CollectiveEpilogue>;
+                                                      CollectiveEpilogue, SyncTileSchedulerTag>;
   using Adapter = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 };
 

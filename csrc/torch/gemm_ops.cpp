@@ -76,7 +76,7 @@ int64_t gemm_select_config(int64_t m, int64_t n, int64_t k, at::ScalarType a, at
                            at::ScalarType out, bool b_k_major, int64_t arch, int64_t sm_count) {
   dg_gemm_desc d = make_desc(a, b, out, b_k_major);
   // Shapes only: aligned dummy pointers and packed strides.
-  static const alignas(16) char dummy[16] = {};
+  alignas(16) static const char dummy[16] = {};
   d.a = {dummy, d.a.dtype, m, k, k, 1};
   d.b = b_k_major ? dg_matrix{dummy, d.b.dtype, n, k, k, 1} : dg_matrix{dummy, d.b.dtype, n, k, 1, n};
   d.d = {dummy, d.d.dtype, m, n, n, 1};

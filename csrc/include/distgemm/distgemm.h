@@ -85,6 +85,50 @@ DG_API int dg_gemm_config_count(const dg_gemm_desc* desc, int device_arch);
 DG_API const char* dg_gemm_config_name(const dg_gemm_desc* desc, int device_arch, int config);
 DG_API int dg_gemm_select_config(const dg_gemm_desc* desc, int device_arch, int sm_count);
 
+/* ---------------------------------------------------------------- grouped GEMM (MoE) */
+
+/* Per group g, with rows [offs[g-1], offs[g]) of the token dimension (offs[-1] = 0):
+ *   DG_GROUPED_FORWARD: out[rows] (T, N) = a[rows] (T, K) @ b[g]^T,  b (G, N, K)
+ *   DG_GROUPED_DGRAD:   out[rows] (T, N) = a[rows] (T, K) @ b[g],    b (G, K, N)
+ *   DG_GROUPED_WGRAD:   out[g] (G, N, K) = a[rows]^T @ b[rows],      a (T, N), b (T, K)
+ * offs: G int32 cumulative row ends on the device; they never leave it. Offsets are clamped
+ * to [0, T] and a decreasing offset ends its group where it starts, so no launch reads or
+ * writes out of bounds. FORWARD/DGRAD leave rows past offs[G-1] untouched; WGRAD writes
+ * zeros for empty groups, or leaves them untouched with accumulate.
+ * accumulate: out += result (out must then hold valid data). */
+typedef enum dg_grouped_kind {
+  DG_GROUPED_FORWARD = 0,
+  DG_GROUPED_DGRAD = 1,
+  DG_GROUPED_WGRAD = 2,
+} dg_grouped_kind;
+
+typedef struct dg_grouped_desc {
+  dg_grouped_kind kind;
+  int num_groups;
+  const int32_t* offs;
+  int64_t tokens; /* T */
+  int64_t n;
+  int64_t k;
+  const void* a;  /* contiguous, see above */
+  const void* b;  /* contiguous, see above */
+  void* out;      /* contiguous */
+  dg_dtype in_dtype;  /* a and b */
+  dg_dtype out_dtype;
+  int accumulate;
+  int config;     /* -1: heuristic */
+} dg_grouped_desc;
+
+DG_API dg_status dg_grouped_gemm_workspace_size(const dg_grouped_desc* desc, size_t* bytes);
+DG_API dg_status dg_grouped_gemm(const dg_grouped_desc* desc, void* workspace,
+                                 size_t workspace_bytes, cudaStream_t stream);
+DG_API int dg_grouped_gemm_config_count(const dg_grouped_desc* desc, int device_arch);
+DG_API const char* dg_grouped_gemm_config_name(const dg_grouped_desc* desc, int device_arch,
+                                               int config);
+/* The multi-stream cuBLAS baseline (one GEMM per non-empty group on a pool of streams joined
+ * back to `stream`). It needs the offsets on the host: host_offs (G values). */
+DG_API dg_status dg_grouped_gemm_cublas(const dg_grouped_desc* desc, const int32_t* host_offs,
+                                        cudaStream_t stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -2,6 +2,8 @@
 
 from ._library import KERNEL_ARCHS, has_kernels
 from .gemm import gemm
+from .grouped import grouped_mm, grouped_mm_wgrad
+from . import nn
 
-__all__ = ["gemm", "has_kernels", "KERNEL_ARCHS"]
+__all__ = ["gemm", "grouped_mm", "grouped_mm_wgrad", "nn", "has_kernels", "KERNEL_ARCHS"]
 __version__ = "0.1.0"

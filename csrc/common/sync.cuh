@@ -1,0 +1,56 @@
+// Device side of SyncParams: bounded spin-waits on flags other GPUs (or copy engines) set.
+#pragma once
+
+#include <cstdint>
+
+#include "common/sync.h"
+
+namespace distgemm {
+
+__device__ __forceinline__ uint32_t load_acquire_sys(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ uint64_t global_timer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+  return t;
+}
+
+// Orders the acquired flag before later TMA (async-proxy) reads of the data it guards.
+__device__ __forceinline__ void fence_generic_to_async_global() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+#endif
+}
+
+// Spins until *flag reaches epoch (s.error must be set whenever a wait is requested). On timeout (or when another wait already failed) records
+// the error and returns false; the caller proceeds so the kernel always finishes.
+__device__ __forceinline__ bool wait_flag(const uint32_t* flag, const SyncParams& s, int peer) {
+  if (static_cast<int32_t>(load_acquire_sys(flag) - s.epoch) >= 0) {
+    fence_generic_to_async_global();
+    return true;
+  }
+  const uint64_t start = global_timer_ns();
+  for (uint32_t spin = 1;; ++spin) {
+    __nanosleep(128);
+    if (static_cast<int32_t>(load_acquire_sys(flag) - s.epoch) >= 0) break;
+    if ((spin & 63u) == 0) {
+      if (*reinterpret_cast<volatile int*>(s.error) != 0) return false;
+      if (global_timer_ns() - start > s.timeout_ns) {
+        const int code = s.error_tag | (peer + 1);
+        if (atomicCAS(s.error, 0, code) == 0 && s.error_host) {
+          *reinterpret_cast<volatile int*>(s.error_host) = code;
+          __threadfence_system();
+        }
+        return false;
+      }
+    }
+  }
+  fence_generic_to_async_global();
+  return true;
+}
+
+}  // namespace distgemm

@@ -1,0 +1,102 @@
+// The multi-stream cuBLAS grouped GEMM: one cublasGemmEx per non-empty group, spread over a
+// pool of streams forked from and joined back to the caller's stream (the seed's
+// nvte_multi_stream_cublas_gemm baseline, with FP32 output and accumulation).
+#include <cublas_v2.h>
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <array>
+#include <mutex>
+
+#include "common/device.h"
+#include "common/dtype.h"
+#include "common/status.h"
+#include "common/stream_pool.h"
+#include "grouped/grouped_lower.h"
+
+namespace distgemm::grouped {
+namespace {
+
+constexpr int kStreams = 4;
+
+// One cuBLAS handle per side stream of each device, created on first use.
+cublasHandle_t* cublas_handles(int device, StreamPool& pool) {
+  static std::array<std::array<cublasHandle_t, kStreams>, 64> handles;
+  static std::array<std::once_flag, 64> once;
+  static std::array<bool, 64> ok{};
+  std::call_once(once[device], [&] {
+    bool good = true;
+    for (int i = 0; i < kStreams && good; ++i)
+      good = cublasCreate(&handles[device][i]) == CUBLAS_STATUS_SUCCESS &&
+             cublasSetStream(handles[device][i], pool.streams[i]) == CUBLAS_STATUS_SUCCESS;
+    ok[device] = good;
+  });
+  return ok[device] ? handles[device].data() : nullptr;
+}
+
+cudaDataType_t cuda_type(dg_dtype t) {
+  switch (t) {
+    case DG_BF16: return CUDA_R_16BF;
+    case DG_F16: return CUDA_R_16F;
+    default: return CUDA_R_32F;
+  }
+}
+
+}  // namespace
+}  // namespace distgemm::grouped
+
+using namespace distgemm;
+using namespace distgemm::grouped;
+
+extern "C" dg_status dg_grouped_gemm_cublas(const dg_grouped_desc* desc, const int32_t* host_offs,
+                                            cudaStream_t stream) {
+  GroupedProblem p;
+  DG_RETURN_IF_ERROR(lower(desc, &p));
+  DG_REQUIRE(host_offs != nullptr, "host_offs must not be NULL");
+  const int device = current_device();
+  StreamPool* pool = stream_pool(device);
+  if (!pool) return DG_ERROR_CUDA;
+  cublasHandle_t* handles = cublas_handles(device, *pool);
+  if (!handles) return fail(DG_ERROR_CUDA, "creating the cuBLAS handles failed");
+
+  const size_t in_bytes = dtype_bytes(desc->in_dtype), out_bytes = dtype_bytes(desc->out_dtype);
+  const cudaDataType_t in_type = cuda_type(desc->in_dtype), out_type = cuda_type(desc->out_dtype);
+  const float alpha = 1.f, beta = p.accumulate ? 1.f : 0.f;
+  auto const* a = static_cast<const char*>(p.a);
+  auto const* b = static_cast<const char*>(p.b);
+  auto* out = static_cast<char*>(p.d);
+  const int n = static_cast<int>(p.n), k = static_cast<int>(p.k);
+
+  DG_RETURN_IF_ERROR(fork_streams(*pool, stream, kStreams));
+  auto clamp_row = [&](int64_t r) { return std::min<int64_t>(std::max<int64_t>(r, 0), p.tokens); };
+  for (int g = 0; g < p.groups; ++g) {
+    // Same bounds as the device-side argument builder.
+    const int64_t start = g == 0 ? 0 : clamp_row(host_offs[g - 1]);
+    const int64_t end = std::max(start, clamp_row(host_offs[g]));
+    const int rows = static_cast<int>(end - start);
+    const int s = g % kStreams;
+    cublasStatus_t st = CUBLAS_STATUS_SUCCESS;
+    if (p.kind == DG_GROUPED_WGRAD) {
+      char* out_g = out + static_cast<int64_t>(g) * n * k * out_bytes;
+      if (rows == 0) {
+        if (!p.accumulate) DG_CUDA_RETURN(cudaMemsetAsync(out_g, 0, size_t(n) * k * out_bytes, pool->streams[s]));
+      } else {
+        // out_g^T (K x N, column-major) = x_g^T (K x rows) @ dy_g (rows x N)
+        st = cublasGemmEx(handles[s], CUBLAS_OP_N, CUBLAS_OP_T, k, n, rows, &alpha,
+                          b + start * k * in_bytes, in_type, k, a + start * n * in_bytes, in_type, n,
+                          &beta, out_g, out_type, k, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+      }
+    } else if (rows > 0) {
+      // out_g^T (N x rows) = W op (N x K) @ x_g^T (K x rows)
+      const char* w = b + static_cast<int64_t>(g) * n * k * in_bytes;
+      const bool forward = p.kind == DG_GROUPED_FORWARD;
+      st = cublasGemmEx(handles[s], forward ? CUBLAS_OP_T : CUBLAS_OP_N, CUBLAS_OP_N, n, rows, k,
+                        &alpha, w, in_type, forward ? k : n, a + start * k * in_bytes, in_type, k,
+                        &beta, out + start * n * out_bytes, out_type, n, CUBLAS_COMPUTE_32F,
+                        CUBLAS_GEMM_DEFAULT);
+    }
+    if (st != CUBLAS_STATUS_SUCCESS)
+      return fail(DG_ERROR_CUDA, cat("cublasGemmEx failed for group ", g, ": ", cublasGetStatusString(st)));
+  }
+  return join_streams(*pool, stream, kStreams);
+}

@@ -1,0 +1,222 @@
+// SM90 grouped GEMM: CUTLASS's ptr-array TMA + WGMMA persistent kernels over all groups in
+// one launch. A small kernel turns the device-side offsets into the per-group problem shapes,
+// pointers and strides, so the host never reads the group sizes.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/cutlass.h>
+#include <cutlass/epilogue/collective/collective_builder.hpp>
+#include <cutlass/gemm/collective/collective_builder.hpp>
+#include <cutlass/gemm/device/gemm_universal_adapter.h>
+#include <cutlass/gemm/dispatch_policy.hpp>
+#include <cutlass/gemm/group_array_problem_shape.hpp>
+#include <cutlass/gemm/kernel/gemm_universal.hpp>
+
+#include "common/cutlass_types.cuh"
+#include "common/status.h"
+#include "grouped/grouped_problem.h"
+
+namespace distgemm::grouped::sm90 {
+
+using namespace cute;
+
+template <int Sched> struct ScheduleTraits;
+template <> struct ScheduleTraits<gemm::kCooperative> {
+  using Mainloop = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+  using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+};
+template <> struct ScheduleTraits<gemm::kPingpong> {
+  using Mainloop = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
+  using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
+};
+
+template <dg_dtype In, dg_dtype Out, int Kind, int Sched, int TileM, int TileN, int ClusterM,
+          int ClusterN>
+struct Sm90Grouped {
+  static constexpr int kKind = Kind;
+  using Element = cutlass_type_t<In>;
+  using ElementD = cutlass_type_t<Out>;
+  // forward: A (T, K) K-major, B (N, K) K-major; dgrad: B (K, N) N-major;
+  // wgrad: A = dy^T M-major, B = x^T N-major, contraction over the group's tokens.
+  using LayoutA = std::conditional_t<Kind == DG_GROUPED_WGRAD, cutlass::layout::ColumnMajor,
+                                     cutlass::layout::RowMajor>;
+  using LayoutB = std::conditional_t<Kind == DG_GROUPED_FORWARD, cutlass::layout::ColumnMajor,
+                                     cutlass::layout::RowMajor>;
+  using LayoutD = cutlass::layout::RowMajor;
+  static constexpr int kAlign = 16 / sizeof(Element);
+  static constexpr int kAlignD = 16 / sizeof(ElementD);
+  using TileShape = Shape<Int<TileM>, Int<TileN>, Int<128 / sizeof(Element)>>;
+  using ClusterShape = Shape<Int<ClusterM>, Int<ClusterN>, _1>;
+  using Traits = ScheduleTraits<Sched>;
+  using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;
+
+  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementD, LayoutD*, kAlignD,
+      ElementD, LayoutD*, kAlignD, typename Traits::Epilogue,
+      cutlass::epilogue::fusion::LinearCombination<ElementD, float>>::CollectiveOp;
+
+  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA*, kAlign, Element,
+      LayoutB*, kAlign, float, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+          sizeof(typename CollectiveEpilogue::SharedStorage))>,
+      typename Traits::Mainloop>::CollectiveOp;
+
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop,
+                                                      CollectiveEpilogue>;
+  using Adapter = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  using StrideA = typename Kernel::InternalStrideA;
+  using StrideB = typename Kernel::InternalStrideB;
+  using StrideC = typename Kernel::InternalStrideC;
+  using StrideD = typename Kernel::InternalStrideD;
+  using Shape3 = typename ProblemShape::UnderlyingProblemShape;
+
+  // Per-group argument arrays, carved out of the caller's workspace.
+  struct Arrays {
+    Shape3* shapes;
+    Element const** ptr_a;
+    Element const** ptr_b;
+    ElementD const** ptr_c;
+    ElementD** ptr_d;
+    StrideA* stride_a;
+    StrideB* stride_b;
+    StrideC* stride_c;
+    StrideD* stride_d;
+    Element* zeros;  // max(N, K) zeros: the operands of empty wgrad groups
+    void* cutlass_workspace;
+  };
+
+  static size_t align(size_t bytes) { return (bytes + 255) / 256 * 256; }
+
+  // Lays out the arrays (base == nullptr only measures); returns the bytes used.
+  static size_t carve(const GroupedProblem& p, char* base, Arrays* out) {
+    const size_t g = static_cast<size_t>(p.groups);
+    size_t off = 0;
+    auto take = [&](auto** field, size_t count) {
+      using T = std::remove_pointer_t<std::remove_reference_t<decltype(*field)>>;
+      if (base) *field = reinterpret_cast<T*>(base + off);
+      off += align(count * sizeof(T));
+    };
+    Arrays a{};
+    take(&a.shapes, g);
+    take(&a.ptr_a, g);
+    take(&a.ptr_b, g);
+    take(&a.ptr_c, g);
+    take(&a.ptr_d, g);
+    take(&a.stride_a, g);
+    take(&a.stride_b, g);
+    take(&a.stride_c, g);
+    take(&a.stride_d, g);
+    take(&a.zeros, static_cast<size_t>(std::max(p.n, p.k)));
+    if (base) a.cutlass_workspace = base + off;
+    if (out) *out = a;
+    return off;
+  }
+
+  static typename Adapter::Arguments arguments(const GroupedProblem& p, const Arrays& arr) {
+    typename CollectiveEpilogue::FusionCallbacks::Arguments fusion{};
+    fusion.alpha = 1.f;
+    fusion.beta = p.accumulate ? 1.f : 0.f;
+    cutlass::KernelHardwareInfo hw{p.device, p.sm_count};
+    return typename Adapter::Arguments{
+        cutlass::gemm::GemmUniversalMode::kGrouped,
+        {p.groups, arr.shapes, nullptr},
+        {arr.ptr_a, arr.stride_a, arr.ptr_b, arr.stride_b},
+        {fusion, p.accumulate ? arr.ptr_c : nullptr, arr.stride_c, arr.ptr_d, arr.stride_d},
+        hw};
+  }
+};
+
+template <class G>
+__global__ void build_grouped_arguments(typename G::Arrays arr, GroupedProblem p) {
+  using Element = typename G::Element;
+  using ElementD = typename G::ElementD;
+  const int64_t zeros = p.n > p.k ? p.n : p.k;
+  for (int64_t i = blockIdx.x * blockDim.x + threadIdx.x; i < zeros; i += gridDim.x * blockDim.x)
+    arr.zeros[i] = Element(0);
+  const int g = blockIdx.x * blockDim.x + threadIdx.x;
+  if (g >= p.groups) return;
+  auto clamp_row = [&](int64_t r) { return r < 0 ? int64_t(0) : (r > p.tokens ? p.tokens : r); };
+  const int64_t start = g == 0 ? 0 : clamp_row(p.offs[g - 1]);
+  int64_t end = clamp_row(p.offs[g]);
+  if (end < start) end = start;
+  const int rows = static_cast<int>(end - start);
+  auto const* a = static_cast<Element const*>(p.a);
+  auto const* b = static_cast<Element const*>(p.b);
+  auto* d = static_cast<ElementD*>(p.d);
+  typename G::StrideA sa{};
+  typename G::StrideB sb{};
+  typename G::StrideD sd{};
+  const int n = static_cast<int>(p.n), k = static_cast<int>(p.k);
+  if constexpr (G::kKind == DG_GROUPED_WGRAD) {
+    // out[g] (N, K) = a[rows]^T (N x rows) @ b[rows] (rows x K)
+    get<1>(sa) = p.n;
+    get<1>(sb) = p.k;
+    get<0>(sd) = p.k;
+    arr.ptr_d[g] = d + static_cast<int64_t>(g) * p.n * p.k;
+    if (rows > 0) {
+      arr.shapes[g] = {n, k, rows};
+      arr.ptr_a[g] = a + start * p.n;
+      arr.ptr_b[g] = b + start * p.k;
+    } else {
+      // No tokens: one zero-valued K step writes zeros (or, accumulating, nothing at all).
+      arr.shapes[g] = {p.accumulate ? 0 : n, k, 1};
+      arr.ptr_a[g] = arr.zeros;
+      arr.ptr_b[g] = arr.zeros;
+    }
+  } else {
+    arr.shapes[g] = {rows, n, k};
+    arr.ptr_a[g] = a + start * p.k;
+    get<0>(sa) = p.k;
+    if constexpr (G::kKind == DG_GROUPED_FORWARD) get<0>(sb) = p.k; else get<1>(sb) = p.n;
+    arr.ptr_b[g] = b + static_cast<int64_t>(g) * p.n * p.k;
+    arr.ptr_d[g] = d + start * p.n;
+    get<0>(sd) = p.n;
+  }
+  arr.ptr_c[g] = arr.ptr_d[g];
+  arr.stride_a[g] = sa;
+  arr.stride_b[g] = sb;
+  arr.stride_c[g] = sd;
+  arr.stride_d[g] = sd;
+}
+
+}  // namespace distgemm::grouped::sm90
+
+namespace distgemm::grouped {
+
+template <dg_dtype In, dg_dtype Out, int Kind, int S, int TM, int TN, int CM, int CN>
+dg_status Sm90GroupedKernel<In, Out, Kind, S, TM, TN, CM, CN>::run(const GroupedProblem& p,
+                                                                   cudaStream_t stream) {
+  using G = sm90::Sm90Grouped<In, Out, Kind, S, TM, TN, CM, CN>;
+  typename G::Arrays arr;
+  G::carve(p, static_cast<char*>(p.workspace), &arr);
+  const int64_t work = std::max<int64_t>(p.groups, std::max(p.n, p.k));
+  const int blocks = static_cast<int>(std::min<int64_t>((work + 255) / 256, 1024));
+  sm90::build_grouped_arguments<G><<<blocks, 256, 0, stream>>>(arr, p);
+  DG_CUDA_RETURN(cudaGetLastError());
+  typename G::Adapter gemm;
+  auto args = G::arguments(p, arr);
+  if (gemm.can_implement(args) != cutlass::Status::kSuccess)
+    return fail(DG_ERROR_INTERNAL, cat("CUTLASS sm90 grouped GEMM cannot implement N=", p.n, " K=", p.k));
+  if (gemm.initialize(args, arr.cutlass_workspace, stream) != cutlass::Status::kSuccess)
+    return fail(DG_ERROR_INTERNAL, "CUTLASS sm90 grouped GEMM initialization failed");
+  if (gemm.run(stream) != cutlass::Status::kSuccess)
+    return fail(DG_ERROR_CUDA, cat("sm90 grouped GEMM launch failed: ",
+                                   cudaGetErrorString(cudaGetLastError())));
+  return DG_SUCCESS;
+}
+
+template <dg_dtype In, dg_dtype Out, int Kind, int S, int TM, int TN, int CM, int CN>
+size_t Sm90GroupedKernel<In, Out, Kind, S, TM, TN, CM, CN>::workspace(const GroupedProblem& p) {
+  using G = sm90::Sm90Grouped<In, Out, Kind, S, TM, TN, CM, CN>;
+  typename G::Arrays arr{};
+  const size_t arrays = G::carve(p, nullptr, nullptr);
+  return arrays + G::Adapter::get_workspace_size(G::arguments(p, arr));
+}
+
+}  // namespace distgemm::grouped
+
+#define DG_INSTANTIATE_SM90_GROUPED(IN, OUT, KIND, S, TM, TN, CM, CN)                       \
+  template struct distgemm::grouped::Sm90GroupedKernel<IN, OUT, distgemm::grouped::KIND,    \
+                                                       distgemm::grouped::S, TM, TN, CM, CN>;

@@ -1,0 +1,116 @@
+// distgemm grouped GEMM ops: tensors -> dg_grouped_desc -> dg_grouped_gemm (CUTLASS) or
+// dg_grouped_gemm_cublas (multi-stream cuBLAS, which reads the offsets on the host).
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include "torch/marshal.h"
+
+namespace distgemm::torch_binding {
+namespace {
+
+enum Backend : int64_t { kCutlass = 0, kCublas = 1 };
+
+void run_grouped(dg_grouped_kind kind, const at::Tensor& a, const at::Tensor& b,
+                 const at::Tensor& offs, const at::Tensor& out, bool accumulate, int64_t backend,
+                 int64_t config, int64_t n, int64_t k) {
+  const char* op = kind == DG_GROUPED_WGRAD ? "distgemm.grouped_mm_wgrad" : "distgemm.grouped_mm";
+  for (const at::Tensor* t : {&a, &b, &offs, &out}) {
+    TORCH_CHECK_VALUE(t->device() == a.device(), op, ": all tensors must be on ", a.device());
+    TORCH_CHECK_VALUE(t->is_contiguous(), op, ": operands must be contiguous");
+  }
+  TORCH_CHECK_VALUE(offs.scalar_type() == at::kInt && offs.dim() == 1, op,
+                    ": offs must be a 1-D int32 tensor");
+  const c10::cuda::CUDAGuard guard(a.device());
+  dg_grouped_desc desc{};
+  desc.kind = kind;
+  desc.num_groups = static_cast<int>(offs.numel());
+  desc.offs = offs.data_ptr<int32_t>();
+  desc.tokens = a.size(0);
+  desc.n = n;
+  desc.k = k;
+  desc.a = a.data_ptr();
+  desc.b = b.data_ptr();
+  desc.out = out.data_ptr();
+  desc.in_dtype = to_dg_dtype(a.scalar_type(), "x");
+  desc.out_dtype = to_dg_dtype(out.scalar_type(), "out");
+  desc.accumulate = accumulate;
+  desc.config = static_cast<int>(config);
+  if (backend == kCublas) {
+    const at::Tensor host_offs = offs.to(at::kCPU);  // the baseline's host sync
+    check(dg_grouped_gemm_cublas(&desc, host_offs.data_ptr<int32_t>(), current_stream()), op);
+    return;
+  }
+  size_t bytes = 0;
+  check(dg_grouped_gemm_workspace_size(&desc, &bytes), op);
+  at::Tensor ws = workspace(bytes, a.device());
+  check(dg_grouped_gemm(&desc, ws.data_ptr(), bytes, current_stream()), op);
+}
+
+// x (T, K); w (G, N, K) when trans_w, else (G, K, N); out (T, N).
+void grouped_mm_out(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offs,
+                    const at::Tensor& out, bool accumulate, bool trans_w, int64_t backend,
+                    int64_t config) {
+  TORCH_CHECK_VALUE(x.dim() == 2 && w.dim() == 3, "distgemm.grouped_mm: x must be 2-D and w 3-D");
+  const int64_t n = trans_w ? w.size(1) : w.size(2);
+  run_grouped(trans_w ? DG_GROUPED_FORWARD : DG_GROUPED_DGRAD, x, w, offs, out, accumulate,
+              backend, config, n, x.size(1));
+}
+
+at::Tensor grouped_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offs,
+                      at::ScalarType out_dtype, bool trans_w, int64_t backend, int64_t config) {
+  TORCH_CHECK_VALUE(x.dim() == 2 && w.dim() == 3, "distgemm.grouped_mm: x must be 2-D and w 3-D");
+  at::Tensor out = at::empty({x.size(0), trans_w ? w.size(1) : w.size(2)}, x.options().dtype(out_dtype));
+  grouped_mm_out(x, w, offs, out, false, trans_w, backend, config);
+  return out;
+}
+
+// dy (T, N), x (T, K); out (G, N, K) = per group dy_g^T @ x_g.
+void grouped_mm_wgrad_out(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& offs,
+                          const at::Tensor& out, bool accumulate, int64_t backend, int64_t config) {
+  TORCH_CHECK_VALUE(dy.dim() == 2 && x.dim() == 2, "distgemm.grouped_mm_wgrad: dy and x must be 2-D");
+  run_grouped(DG_GROUPED_WGRAD, dy, x, offs, out, accumulate, backend, config, dy.size(1), x.size(1));
+}
+
+at::Tensor grouped_mm_wgrad(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& offs,
+                            at::ScalarType out_dtype, int64_t backend, int64_t config) {
+  TORCH_CHECK_VALUE(dy.dim() == 2 && x.dim() == 2, "distgemm.grouped_mm_wgrad: dy and x must be 2-D");
+  at::Tensor out = at::empty({offs.numel(), dy.size(1), x.size(1)}, dy.options().dtype(out_dtype));
+  grouped_mm_wgrad_out(dy, x, offs, out, false, backend, config);
+  return out;
+}
+
+std::vector<std::string> grouped_configs(int64_t kind, at::ScalarType in, at::ScalarType out,
+                                         int64_t arch) {
+  dg_grouped_desc d{};
+  d.kind = static_cast<dg_grouped_kind>(kind);
+  d.in_dtype = to_dg_dtype(in, "in");
+  d.out_dtype = to_dg_dtype(out, "out");
+  std::vector<std::string> names;
+  const int count = dg_grouped_gemm_config_count(&d, static_cast<int>(arch));
+  for (int i = 0; i < count; ++i)
+    names.emplace_back(dg_grouped_gemm_config_name(&d, static_cast<int>(arch), i));
+  return names;
+}
+
+}  // namespace
+}  // namespace distgemm::torch_binding
+
+TORCH_LIBRARY_FRAGMENT(distgemm, m) {
+  m.def("grouped_mm(Tensor x, Tensor w, Tensor offs, ScalarType out_dtype, bool trans_w, "
+        "int backend=0, int config=-1) -> Tensor");
+  m.def("grouped_mm_out(Tensor x, Tensor w, Tensor offs, Tensor(a!) out, bool accumulate, "
+        "bool trans_w, int backend=0, int config=-1) -> ()");
+  m.def("grouped_mm_wgrad(Tensor dy, Tensor x, Tensor offs, ScalarType out_dtype, "
+        "int backend=0, int config=-1) -> Tensor");
+  m.def("grouped_mm_wgrad_out(Tensor dy, Tensor x, Tensor offs, Tensor(a!) out, bool accumulate, "
+        "int backend=0, int config=-1) -> ()");
+  m.def("grouped_configs(int kind, ScalarType in_dtype, ScalarType out_dtype, int arch) -> str[]",
+        &distgemm::torch_binding::grouped_configs);
+}
+
+TORCH_LIBRARY_IMPL(distgemm, CUDA, m) {
+  m.impl("grouped_mm", &distgemm::torch_binding::grouped_mm);
+  m.impl("grouped_mm_out", &distgemm::torch_binding::grouped_mm_out);
+  m.impl("grouped_mm_wgrad", &distgemm::torch_binding::grouped_mm_wgrad);
+  m.impl("grouped_mm_wgrad_out", &distgemm::torch_binding::grouped_mm_wgrad_out);
+}

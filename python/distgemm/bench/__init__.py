@@ -1,0 +1,1 @@
+"""Benchmark suites: `python -m distgemm.bench`."""

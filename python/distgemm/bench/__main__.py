@@ -1,0 +1,76 @@
+"""python -m distgemm.bench: runs every benchmark suite this machine's GPUs allow, prints one
+line per shape with TFLOP/s and ratios to each peer plus geomeans, and writes JSON + PNG
+results (bench/results/ by default). Without a GPU it runs the CPU reference check."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+for _var, _val in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                   ("NVSHMEM_DISABLE_NVLS", "1")):
+    os.environ[_var] = _val
+
+SUITES = ("gemm", "grouped", "tp")
+
+
+def cpu_reference_check() -> None:
+    import distgemm
+    from distgemm.gemm import reference_gemm
+
+    a = torch.randn(64, 128).to(torch.bfloat16)
+    b = torch.randn(96, 128).to(torch.bfloat16)
+    c = torch.randn(96).to(torch.bfloat16)
+    out = distgemm.gemm(a, b, c, alpha=0.5, beta=2.0)
+    ref = 0.5 * (a.double() @ b.double().T) + 2.0 * c.double()
+    err = ((out.double() - ref).norm() / ref.norm()).item()
+    status = "OK" if err < 1e-2 else "FAILED"
+    print(f"CPU reference check of distgemm.gemm (64x96x128 bf16): relative error {err:.2e}: {status}")
+    if status != "OK":
+        sys.exit(1)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m distgemm.bench", description=__doc__)
+    parser.add_argument("--suites", default=",".join(SUITES),
+                        help=f"comma-separated subset of {','.join(SUITES)}")
+    parser.add_argument("--out", default=os.path.join("bench", "results"), help="results folder")
+    parser.add_argument("--quick", action="store_true", help="a few shapes per suite")
+    parser.add_argument("--tune", action="store_true",
+                        help="also sweep every GEMM tile configuration and swizzle")
+    args = parser.parse_args(argv)
+    suites = [s for s in args.suites.split(",") if s]
+    unknown = set(suites) - set(SUITES)
+    if unknown:
+        parser.error(f"unknown suites {sorted(unknown)}; choose from {SUITES}")
+
+    import distgemm
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    usable = gpus and distgemm.has_kernels(torch.device("cuda", 0))
+    if not usable:
+        what = "no CUDA GPU" if not gpus else f"{torch.cuda.get_device_name(0)} has no distgemm kernels"
+        print(f"distgemm.bench: {what}; the benchmarks need an sm_90 or sm_100 GPU. "
+              "Running the CPU reference check instead.")
+        cpu_reference_check()
+        return
+
+    print(f"distgemm.bench on {gpus} x {torch.cuda.get_device_name(0)}, torch {torch.__version__}, "
+          f"CUDA {torch.version.cuda}; results in {args.out}")
+    summary = {}
+    if "gemm" in suites:
+        from . import gemm_suite
+
+        summary.update(gemm_suite.run(args.out, args.quick))
+        if args.tune:
+            gemm_suite.tune(args.out, args.quick)
+    print("\n== summary (geomean of peer time / distgemm time)")
+    for name, value in summary.items():
+        print(f"  {name}: {value}")
+
+
+if __name__ == "__main__":
+    main()

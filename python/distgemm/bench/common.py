@@ -1,0 +1,119 @@
+"""Timing, result files and plots shared by the benchmark suites."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+
+def commit() -> str:
+    if os.environ.get("DISTGEMM_COMMIT"):
+        return os.environ["DISTGEMM_COMMIT"]
+    try:
+        here = os.path.dirname(os.path.abspath(__file__))
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=here, text=True,
+                                       stderr=subprocess.DEVNULL).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def gpu_slug(gpus: int) -> str:
+    """'h200' for one NVIDIA H200, 'h200x2' for two."""
+    name = torch.cuda.get_device_name(0).lower().replace("nvidia", "").strip()
+    name = name.split()[0] if name else "gpu"
+    return name if gpus == 1 else f"{name}x{gpus}"
+
+
+def env_info(gpus: int = 1) -> dict:
+    return {"gpu": torch.cuda.get_device_name(0), "gpus": gpus, "torch": torch.__version__,
+            "cuda": torch.version.cuda, "commit": commit()}
+
+
+class Timer:
+    """Median device time of a callable: CUDA events around each run, L2 flushed before
+    each run by overwriting a buffer twice the L2 size."""
+
+    def __init__(self, device=None):
+        props = torch.cuda.get_device_properties(device)
+        l2 = getattr(props, "L2_cache_size", 64 << 20)
+        self._flush = torch.empty(2 * l2 // 4, dtype=torch.int32, device=device)
+
+    def __call__(self, fn: Callable[[], object], warmup: int = 3, reps: int = 20) -> float:
+        for _ in range(warmup):
+            fn()
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        for s, e in zip(starts, ends):
+            self._flush.zero_()
+            torch.cuda._sleep(100_000)  # queue the run behind ~50 us of GPU work: no host gaps
+            s.record()
+            fn()
+            e.record()
+        torch.cuda.synchronize()
+        times = sorted(s.elapsed_time(e) for s, e in zip(starts, ends))
+        return times[len(times) // 2]
+
+
+def entry(ms: float, flops: float) -> dict:
+    return {"ms": round(ms, 5), "tflops": round(flops / ms / 1e9, 2)}
+
+
+def geomean(values: List[float]) -> float:
+    values = [v for v in values if v > 0 and math.isfinite(v)]
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
+
+
+def ratio_geomeans(rows: List[dict], ours: str, peers: List[str]) -> Dict[str, float]:
+    """{peer: geomean over rows of peer_ms / ours_ms} (>1: ours faster)."""
+    out = {}
+    for peer in peers:
+        ratios = [r[peer]["ms"] / r[ours]["ms"] for r in rows if peer in r and ours in r]
+        if ratios:
+            out[peer] = round(geomean(ratios), 4)
+    return out
+
+
+def write_results(out_dir: str, slug: str, suite: str, rows: List[dict], geo: Dict[str, object],
+                  gpus: int = 1, extra: Optional[dict] = None) -> str:
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"{slug}_{suite}.json")
+    doc = {"env": env_info(gpus), "rows": rows, "geomean": geo}
+    if extra:
+        doc.update(extra)
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+    return path
+
+
+def plot_ratios(path_png: str, title: str, labels: List[str], series: Dict[str, List[float]],
+                ylabel: str, line: Optional[float] = 1.0) -> None:
+    """Grouped bars: one group per shape, one bar per series."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(8, 0.38 * len(labels) * max(1, len(series))), 4.8))
+    width = 0.8 / max(1, len(series))
+    for i, (name, values) in enumerate(series.items()):
+        xs = [x + i * width for x in range(len(labels))]
+        ax.bar(xs, values, width, label=name)
+    if line is not None:
+        ax.axhline(line, color="black", lw=0.8, ls="--")
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(labels))])
+    ax.set_xticklabels(labels, rotation=70, ha="right", fontsize=7)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path_png, dpi=110)
+    plt.close(fig)
+
+
+def print_row(label: str, cols: Dict[str, str]) -> None:
+    print(f"{label:<34}" + "  ".join(f"{k}={v}" for k, v in cols.items()), flush=True)

@@ -1,0 +1,116 @@
+"""Dense GEMM suite: distgemm.gemm against cuBLAS (torch.matmul) in bf16 and against
+torch._scaled_mm in fp8, same inputs, same timer; plus the tile-configuration sweep."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+
+import torch
+from tqdm import tqdm
+
+import distgemm
+from distgemm._library import device_arch, ops
+
+from .common import Timer, entry, geomean, gpu_slug, plot_ratios, print_row, write_results
+
+LLM_NK = (4096, 8192, 14336, 28672)
+
+
+def shapes(quick: bool):
+    square = [(4096, 4096, 4096), (8192, 8192, 8192)]
+    if quick:
+        return square + [(4096, 14336, 4096), (8192, 4096, 14336)]
+    return square + [(m, n, k) for m in (4096, 8192, 16384) for n in LLM_NK for k in LLM_NK]
+
+
+def _inputs(m, n, k, fp8: bool):
+    a = torch.randn(m, k, device="cuda")
+    b = torch.randn(n, k, device="cuda")
+    if fp8:
+        return (a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn),
+                torch.tensor(0.5, device="cuda"), torch.tensor(0.25, device="cuda"))
+    return a.to(torch.bfloat16), b.to(torch.bfloat16), None, None
+
+
+def _rel(x, y):
+    return ((x.float() - y.float()).norm() / y.float().norm()).item()
+
+
+def run(out_dir: str, quick: bool = False) -> dict:
+    timer = Timer()
+    result = {}
+    for fp8 in (False, True):
+        peer = "scaled_mm" if fp8 else "cublas"
+        dtype = "fp8_e4m3" if fp8 else "bf16"
+        rows = []
+        print(f"\n== dense GEMM {dtype}: distgemm vs {peer} (TFLOP/s, ratio = {peer} time / ours)")
+        for m, n, k in tqdm(shapes(quick), desc=f"gemm {dtype}", leave=False):
+            a, b, sa, sb = _inputs(m, n, k, fp8)
+            if fp8:
+                ours = lambda: distgemm.gemm(a, b, scale_a=sa, scale_b=sb)
+                theirs = lambda: torch._scaled_mm(a, b.T, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+            else:
+                ours = lambda: distgemm.gemm(a, b)
+                theirs = lambda: torch.matmul(a, b.T)
+            err = _rel(ours(), theirs())
+            flops = 2.0 * m * n * k
+            t_ours, t_peer = timer(ours), timer(theirs)
+            row = {"shape": {"m": m, "n": n, "k": k, "dtype": dtype}, "distgemm": entry(t_ours, flops),
+                   peer: entry(t_peer, flops), "ratio": round(t_peer / t_ours, 4), "rel_err": err}
+            rows.append(row)
+            print_row(f"{dtype} M={m} N={n} K={k}", {"ours": row["distgemm"]["tflops"],
+                      peer: row[peer]["tflops"], "ratio": f"{row['ratio']:.3f}"})
+            del a, b
+        geo = round(geomean([r["ratio"] for r in rows]), 4)
+        print(f"geomean distgemm / {peer} ({dtype}): {geo:.3f}")
+        slug = gpu_slug(1)
+        suite = f"gemm_{'fp8' if fp8 else 'bf16'}"
+        path = write_results(out_dir, slug, suite, rows, {peer: geo})
+        plot_ratios(path.replace(".json", ".png"), f"distgemm {dtype} GEMM vs {peer} on {slug}",
+                    [f"{r['shape']['m']}x{r['shape']['n']}x{r['shape']['k']}" for r in rows],
+                    {f"{peer} time / distgemm time": [r["ratio"] for r in rows]}, "speed-up")
+        result[suite] = geo
+    return result
+
+
+def tune(out_dir: str, quick: bool = False) -> None:
+    """Times every compiled configuration and swizzle on a spread of shapes; the heuristic's
+    tile efficiencies and swizzle rule are read off this file."""
+    timer = Timer()
+    arch = device_arch(torch.device("cuda"))
+    sweep = [(4096, 4096, 4096), (8192, 8192, 8192), (4096, 14336, 4096), (4096, 4096, 14336),
+             (8192, 28672, 8192), (16384, 8192, 28672), (16384, 4096, 4096), (1024, 8192, 8192),
+             (256, 8192, 8192), (64, 8192, 8192), (16, 4096, 4096), (2048, 2048, 2048)]
+    if quick:
+        sweep = sweep[:3]
+    records = []
+    for fp8 in (False, True):
+        dt = torch.float8_e4m3fn if fp8 else torch.bfloat16
+        names = ops.gemm_configs(dt, dt, torch.bfloat16, True, arch)
+        for m, n, k in tqdm(sweep, desc=f"tune {'fp8' if fp8 else 'bf16'}", leave=False):
+            a, b, sa, sb = _inputs(m, n, k, fp8)
+            heuristic = ops.gemm_select_config(m, n, k, dt, dt, torch.bfloat16, True, arch,
+                                               torch.cuda.get_device_properties(0).multi_processor_count)
+            times = {}
+            for (ci, name), sw in itertools.product(enumerate(names), (1, 2, 4, 8)):
+                fn = lambda: ops.gemm(a, b, None, 1.0, 0.0, torch.bfloat16, sa, sb, ci, sw)
+                times[f"{name}/s{sw}"] = timer(fn, warmup=2, reps=10)
+            best = min(times, key=times.get)
+            auto = timer(lambda: ops.gemm(a, b, None, 1.0, 0.0, torch.bfloat16, sa, sb, -1, 0), 2, 10)
+            flops = 2.0 * m * n * k
+            records.append({"dtype": "fp8" if fp8 else "bf16", "m": m, "n": n, "k": k,
+                            "heuristic": names[heuristic], "heuristic_ms": auto,
+                            "best": best, "best_ms": times[best],
+                            "tflops": {key: round(flops / t / 1e9, 1) for key, t in times.items()}})
+            print(f"tune {records[-1]['dtype']} {m}x{n}x{k}: best {best} {flops / times[best] / 1e9:.0f} "
+                  f"TF/s, heuristic {names[heuristic]} {flops / auto / 1e9:.0f} TF/s", flush=True)
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"{gpu_slug(1)}_gemm_configs.json")
+    from .common import env_info
+    with open(path, "w") as f:
+        json.dump({"env": env_info(1), "rows": records,
+                   "geomean": {"heuristic_vs_best": round(geomean(
+                       [r["best_ms"] / r["heuristic_ms"] for r in records]), 4)}}, f, indent=1)
+    print(f"wrote {path}")

@@ -1,0 +1,275 @@
+"""Grouped GEMMs for Mixture-of-Experts: every expert in one launch, group sizes on the GPU.
+
+``offs`` follows ``torch._grouped_mm``: G int32 cumulative row ends (expert g owns rows
+``offs[g-1]:offs[g]`` of x, with ``offs[-1] = 0``). Backends, picked by
+``DISTGEMM_GROUPED_BACKEND=auto|cutlass|cublas|torch``: ``cutlass`` is distgemm's ptr-array
+kernel (no host sync, CUDA-graph safe); ``cublas`` a multi-stream cuBLAS loop in the core
+(reads ``offs`` on the host); ``torch`` is ``torch._grouped_mm``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from ._library import device_arch, env_flag, has_kernels, ops, warn_once
+
+_BACKENDS = ("auto", "cutlass", "cublas", "torch")
+_CUTLASS, _CUBLAS = 0, 1
+FLOAT16 = (torch.bfloat16, torch.float16)
+
+
+def _shape(t):
+    return tuple(t.shape)
+
+
+def _check_offs(op: str, offs, groups: int, tokens: int, device) -> None:
+    if not isinstance(offs, torch.Tensor) or offs.dtype != torch.int32 or offs.dim() != 1:
+        raise ValueError(f"{op}: offs must be a 1-D int32 tensor of cumulative group ends")
+    if offs.device != device:
+        raise ValueError(f"{op}: offs is on {offs.device} but the inputs are on {device}")
+    if offs.numel() != groups:
+        raise ValueError(f"{op}: offs must hold one end per group ({groups}), got {offs.numel()}")
+    if env_flag("DISTGEMM_DEBUG"):  # reads offs on the host: debug mode only
+        ends = offs.tolist()
+        if any(e < 0 for e in ends) or any(b < a for a, b in zip(ends, ends[1:])):
+            raise ValueError(f"{op}: offs must be non-negative and non-decreasing, got {ends}")
+        if ends and ends[-1] > tokens:
+            raise ValueError(f"{op}: offs[-1] = {ends[-1]} is past the {tokens} rows of the input")
+
+
+def _check_out(op, out, shape, dtype, device, accumulate):
+    if out is None:
+        if accumulate:
+            raise ValueError(f"{op}: accumulate=True needs out")
+        return
+    if not isinstance(out, torch.Tensor) or _shape(out) != shape or out.dtype != dtype:
+        raise ValueError(f"{op}: out must be a {dtype} tensor of shape {shape}, got "
+                         f"{getattr(out, 'dtype', None)} {_shape(out) if isinstance(out, torch.Tensor) else out}")
+    if out.device != device or not out.is_contiguous():
+        raise ValueError(f"{op}: out must be contiguous and on {device}")
+
+
+def _out_dtype(op, dtype, out_dtype, out):
+    if out_dtype is None:
+        out_dtype = out.dtype if out is not None else dtype
+    if out_dtype not in (dtype, torch.float32):
+        raise ValueError(f"{op}: out_dtype must be {dtype} or torch.float32, got {out_dtype}")
+    return out_dtype
+
+
+def _check_inputs(op, pairs):
+    for name, t, dims in pairs:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != dims:
+            raise ValueError(f"{op}: {name} must be {dims}-D, got shape {_shape(t)}")
+    first = pairs[0][1]
+    if first.dtype not in FLOAT16:
+        raise ValueError(f"{op}: {pairs[0][0]} must be bfloat16 or float16, got {first.dtype}")
+    for name, t, _ in pairs[1:]:
+        if t.dtype != first.dtype:
+            raise ValueError(f"{op}: {name} must have {pairs[0][0]}'s dtype {first.dtype}, got {t.dtype}")
+        if t.device != first.device:
+            raise ValueError(f"{op}: {name} is on {t.device} but {pairs[0][0]} is on {first.device}")
+
+
+def _backend(op: str, device, n: int, k: int, out_dtype, wgrad: bool) -> str:
+    """The backend for this call: the requested one when it applies, else the best that
+    does (warning once, with the reason)."""
+    requested = os.environ.get("DISTGEMM_GROUPED_BACKEND", "auto").lower()
+    if requested not in _BACKENDS:
+        raise ValueError(f"DISTGEMM_GROUPED_BACKEND must be one of {_BACKENDS}, got {requested!r}")
+    reasons = {}
+    if device.type != "cuda":
+        reasons = {b: "the inputs are not on a CUDA device" for b in ("cutlass", "cublas", "torch")}
+    else:
+        if not has_kernels(device) or device_arch(device) != 90:
+            reasons["cutlass"] = "distgemm's grouped kernels are built for sm_90 only"
+        elif n % 8 or k % 8:
+            reasons["cutlass"] = f"N={n} and K={k} must be multiples of 8"
+        if device_arch(device) < 90 or out_dtype == torch.float16:
+            reasons["torch"] = "torch._grouped_mm needs sm_90+ and bfloat16/float32 output"
+        elif wgrad and out_dtype != torch.float32:
+            reasons["torch"] = "torch._grouped_mm wgrad is used with float32 output here"
+    order = ("cutlass", "torch", "cublas") if requested == "auto" else (requested, "cutlass", "torch", "cublas")
+    for name in order:
+        if name not in reasons:
+            if requested not in ("auto", name):
+                warn_once(f"{op}: backend {requested!r} unavailable ({reasons[requested]}); using {name!r}")
+            return name
+    if requested != "auto":
+        warn_once(f"{op}: backend {requested!r} unavailable ({reasons[requested]}); using the "
+                  "per-group PyTorch loop")
+    return "loop"
+
+
+def _group_bounds(offs: torch.Tensor, tokens: int):
+    """(start, end) row pairs, clamped exactly as the core does."""
+    ends = [min(max(e, 0), tokens) for e in offs.tolist()]
+    starts = [0] + ends[:-1]
+    return [(s, max(s, e)) for s, e in zip(starts, ends)]
+
+
+def reference_grouped_mm(x, w, offs, out, accumulate, trans_w):
+    """Per-group PyTorch loop with FP32 accumulation, into `out`."""
+    for g, (s, e) in enumerate(_group_bounds(offs, x.shape[0])):
+        if e > s:
+            y = x[s:e].float() @ (w[g].float().T if trans_w else w[g].float())
+            out[s:e] = (out[s:e].float() + y) if accumulate else y
+    return out
+
+
+def reference_grouped_mm_wgrad(dy, x, offs, out, accumulate):
+    for g, (s, e) in enumerate(_group_bounds(offs, x.shape[0])):
+        y = dy[s:e].float().T @ x[s:e].float()
+        out[g] = (out[g].float() + y) if accumulate else y
+    return out
+
+
+# ---------------------------------------------------------------- public API
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *,
+               out: Optional[torch.Tensor] = None, accumulate: bool = False,
+               out_dtype: Optional[torch.dtype] = None, trans_w: bool = True) -> torch.Tensor:
+    """Per expert g: ``out[rows_g] = x[rows_g] @ w[g].T`` (``trans_w=True``, w (G, N, K), the
+    per-expert ``nn.Linear`` weights) or ``x[rows_g] @ w[g]`` (``trans_w=False``, w (G, K, N)).
+
+    x (T, K) bfloat16/float16, rows grouped by expert; offs (G,) int32 on x's device.
+    Returns (T, N) in ``out_dtype`` (x's dtype or float32), FP32 accumulation. Rows past
+    ``offs[-1]`` are not written (a new output leaves them uninitialized). With ``out`` the
+    result is written there, or added to it with ``accumulate=True``. Differentiable in x
+    and w when ``out`` is not given.
+    """
+    op = "distgemm.grouped_mm"
+    _check_inputs(op, [("x", x, 2), ("w", w, 3)])
+    groups, k = w.shape[0], x.shape[1]
+    n = w.shape[1] if trans_w else w.shape[2]
+    k_w = w.shape[2] if trans_w else w.shape[1]
+    if k_w != k:
+        layout = "(G, N, K)" if trans_w else "(G, K, N)"
+        raise ValueError(f"{op}: w must have shape {layout} with K = x.shape[1] = {k} "
+                         f"(trans_w={trans_w}), got {_shape(w)}")
+    _check_offs(op, offs, groups, x.shape[0], x.device)
+    out_dtype = _out_dtype(op, x.dtype, out_dtype, out)
+    _check_out(op, out, (x.shape[0], n), out_dtype, x.device, accumulate)
+
+    backend = _backend(op, x.device, n, k, out_dtype, wgrad=False)
+    if backend in ("cutlass", "cublas"):
+        code = _CUTLASS if backend == "cutlass" else _CUBLAS
+        x, w = x.contiguous(), w.contiguous()
+        if out is None:
+            return ops.grouped_mm(x, w, offs, out_dtype, trans_w, code)
+        ops.grouped_mm_out(x, w, offs, out, accumulate, trans_w, code)
+        return out
+    if backend == "torch":
+        y = torch._grouped_mm(x, w.transpose(-2, -1) if trans_w else w, offs=offs, out_dtype=out_dtype)
+        if out is None:
+            return y
+        return out.add_(y) if accumulate else out.copy_(y)
+    if out is None and x.device.type == "cpu":
+        return ops.grouped_mm(x, w, offs, out_dtype, trans_w)  # the op's CPU kernel, with autograd
+    if out is None:
+        out = torch.empty((x.shape[0], n), dtype=out_dtype, device=x.device)
+    return reference_grouped_mm(x, w, offs, out, accumulate, trans_w)
+
+
+def grouped_mm_wgrad(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, *,
+                     out: Optional[torch.Tensor] = None, accumulate: bool = False,
+                     out_dtype: Optional[torch.dtype] = torch.float32) -> torch.Tensor:
+    """Weight gradients of every expert in one launch: ``out[g] = dy[rows_g].T @ x[rows_g]``,
+    a variable-K grouped GEMM. dy (T, N), x (T, K); returns (G, N, K), FP32 by default.
+    Experts without tokens get zeros, or are left untouched with ``accumulate=True`` (which
+    adds into ``out``, e.g. an FP32 ``main_grad``)."""
+    op = "distgemm.grouped_mm_wgrad"
+    _check_inputs(op, [("dy", dy, 2), ("x", x, 2)])
+    if dy.shape[0] != x.shape[0]:
+        raise ValueError(f"{op}: dy and x must have the same number of rows, got {_shape(dy)} and {_shape(x)}")
+    if not isinstance(offs, torch.Tensor) or offs.dim() != 1:
+        raise ValueError(f"{op}: offs must be a 1-D int32 tensor of cumulative group ends")
+    groups, n, k = offs.numel(), dy.shape[1], x.shape[1]
+    _check_offs(op, offs, groups, x.shape[0], x.device)
+    if groups == 0:
+        raise ValueError(f"{op}: offs must hold at least one group")
+    out_dtype = _out_dtype(op, x.dtype, out_dtype, out)
+    _check_out(op, out, (groups, n, k), out_dtype, x.device, accumulate)
+
+    backend = _backend(op, x.device, n, k, out_dtype, wgrad=True)
+    if backend in ("cutlass", "cublas"):
+        code = _CUTLASS if backend == "cutlass" else _CUBLAS
+        dy, x = dy.contiguous(), x.contiguous()
+        if out is None:
+            return ops.grouped_mm_wgrad(dy, x, offs, out_dtype, code)
+        ops.grouped_mm_wgrad_out(dy, x, offs, out, accumulate, code)
+        return out
+    if backend == "torch":
+        y = torch._grouped_mm(dy.T, x, offs=offs, out_dtype=out_dtype)
+        if out is None:
+            return y
+        return out.add_(y) if accumulate else out.copy_(y)
+    if out is None and x.device.type == "cpu":
+        return ops.grouped_mm_wgrad(dy, x, offs, out_dtype)
+    if out is None:
+        out = torch.empty((groups, n, k), dtype=out_dtype, device=x.device)
+    return reference_grouped_mm_wgrad(dy, x, offs, out, accumulate)
+
+
+# ---------------------------------------------------------------- op registration
+
+
+@torch.library.register_fake("distgemm::grouped_mm")
+def _grouped_mm_fake(x, w, offs, out_dtype, trans_w, backend=0, config=-1):
+    return x.new_empty((x.shape[0], w.shape[1] if trans_w else w.shape[2]), dtype=out_dtype)
+
+
+@torch.library.register_fake("distgemm::grouped_mm_wgrad")
+def _grouped_mm_wgrad_fake(dy, x, offs, out_dtype, backend=0, config=-1):
+    return dy.new_empty((offs.shape[0], dy.shape[1], x.shape[1]), dtype=out_dtype)
+
+
+@torch.library.register_fake("distgemm::grouped_mm_out")
+def _grouped_mm_out_fake(x, w, offs, out, accumulate, trans_w, backend=0, config=-1):
+    return None
+
+
+@torch.library.register_fake("distgemm::grouped_mm_wgrad_out")
+def _grouped_mm_wgrad_out_fake(dy, x, offs, out, accumulate, backend=0, config=-1):
+    return None
+
+
+@torch.library.register_kernel("distgemm::grouped_mm", "cpu")
+def _grouped_mm_cpu(x, w, offs, out_dtype, trans_w, backend=0, config=-1):
+    out = torch.zeros((x.shape[0], w.shape[1] if trans_w else w.shape[2]), dtype=out_dtype)
+    return reference_grouped_mm(x, w, offs, out, False, trans_w)
+
+
+@torch.library.register_kernel("distgemm::grouped_mm_wgrad", "cpu")
+def _grouped_mm_wgrad_cpu(dy, x, offs, out_dtype, backend=0, config=-1):
+    out = torch.empty((offs.shape[0], dy.shape[1], x.shape[1]), dtype=out_dtype)
+    return reference_grouped_mm_wgrad(dy, x, offs, out, False)
+
+
+def _grouped_setup_context(ctx, inputs, output):
+    x, w, offs, out_dtype, trans_w = inputs[:5]
+    ctx.save_for_backward(x, w, offs)
+    ctx.trans_w = trans_w
+
+
+def _grouped_backward(ctx, grad):
+    x, w, offs = ctx.saved_tensors
+    grad = grad.to(x.dtype)
+    dx = dw = None
+    if ctx.needs_input_grad[0]:
+        # y = x @ w_g^T  =>  dx = dy @ w_g: the other transpose of the same weights.
+        dx = grouped_mm(grad, w, offs, trans_w=not ctx.trans_w)
+    if ctx.needs_input_grad[1]:
+        dw = (grouped_mm_wgrad(grad, x, offs) if ctx.trans_w else grouped_mm_wgrad(x, grad, offs))
+        dw = dw.to(w.dtype)
+    return dx, dw, None, None, None, None, None
+
+
+torch.library.register_autograd("distgemm::grouped_mm", _grouped_backward,
+                                setup_context=_grouped_setup_context)

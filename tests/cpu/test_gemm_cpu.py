@@ -1,0 +1,130 @@
+"""distgemm.gemm on CPU tensors: the reference path, argument checks, autograd wiring,
+torch.compile tracing, and the core's tile heuristic (host code, no GPU)."""
+
+import pytest
+import torch
+
+import distgemm
+from distgemm._library import ops
+from tests.reference import FLOAT8, assert_close, randn
+
+F16 = (torch.bfloat16, torch.float16)
+
+
+def manual(a, b, c=None, alpha=1.0, beta=0.0, sa=None, sb=None):
+    acc = a.double() @ b.double().T
+    if sa is not None:
+        acc = acc * sa.double().reshape(-1, 1)
+    if sb is not None:
+        acc = acc * sb.double().reshape(1, -1)
+    out = alpha * acc
+    if c is not None:
+        out = out + beta * c.double()
+    return out
+
+
+@pytest.mark.parametrize("dtype", F16)
+@pytest.mark.parametrize("out_dtype", [None, torch.float32])
+@pytest.mark.parametrize("c_kind", [None, "full", "bias"])
+def test_reference_math(dtype, out_dtype, c_kind):
+    m, n, k = 37, 24, 48
+    a, b = randn(m, k, dtype=dtype, device="cpu"), randn(n, k, dtype=dtype, device="cpu")
+    c = {None: None, "full": randn(m, n, dtype=dtype, device="cpu"),
+         "bias": randn(n, dtype=dtype, device="cpu")}[c_kind]
+    out = distgemm.gemm(a, b, c, alpha=0.5, beta=2.0, out_dtype=out_dtype)
+    assert out.shape == (m, n) and out.dtype == (out_dtype or dtype)
+    assert_close(out, manual(a, b, c, 0.5, 2.0))
+
+
+@pytest.mark.parametrize("pair", [(torch.float8_e4m3fn, torch.float8_e4m3fn),
+                                  (torch.float8_e4m3fn, torch.float8_e5m2),
+                                  (torch.float8_e5m2, torch.float8_e4m3fn)])
+@pytest.mark.parametrize("rowwise", [False, True])
+def test_reference_fp8_scales(pair, rowwise):
+    m, n, k = 16, 32, 64
+    a, b = randn(m, k, dtype=pair[0], device="cpu"), randn(n, k, dtype=pair[1], device="cpu")
+    sa = torch.rand(m if rowwise else 1) + 0.5
+    sb = torch.rand(n if rowwise else 1) + 0.5
+    out = distgemm.gemm(a, b, scale_a=sa, scale_b=sb)
+    assert out.dtype == torch.bfloat16
+    assert_close(out, manual(a, b, sa=sa, sb=sb), in_dtype=pair[0])
+
+
+def test_k_zero_gives_beta_c():
+    a, b = torch.empty(5, 0, dtype=torch.bfloat16), torch.empty(3, 0, dtype=torch.bfloat16)
+    c = torch.ones(5, 3, dtype=torch.bfloat16)
+    out = distgemm.gemm(a, b, c, beta=3.0)
+    assert torch.equal(out, torch.full((5, 3), 3.0, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(a=torch.zeros(4, 8, dtype=torch.float32)), ValueError, "a must be bfloat16"),
+        (dict(a=torch.zeros(4, 8, 2, dtype=torch.bfloat16)), ValueError, "a must be 2-D"),
+        (dict(b=torch.zeros(4, 16, dtype=torch.bfloat16)), ValueError, r"b must have shape \(N, K\) with K = a.shape\[1\] = 8"),
+        (dict(b=torch.zeros(4, 8, dtype=torch.float16)), ValueError, "b must have a's dtype"),
+        (dict(c=torch.zeros(3, 3, dtype=torch.bfloat16)), ValueError, r"c must have shape \(M, N\) = \(4, 6\)"),
+        (dict(c=torch.zeros(4, 6, dtype=torch.int32)), ValueError, "c must be a floating-point"),
+        (dict(out_dtype=torch.float16), ValueError, "out_dtype must be torch.bfloat16 or torch.float32"),
+        (dict(scale_a=torch.ones(1)), ValueError, "scale_a applies to float8 inputs only"),
+        (dict(a=[[1.0]]), TypeError, "a must be a torch.Tensor"),
+        (dict(a=torch.zeros(4, 8, dtype=torch.float8_e5m2), b=torch.zeros(6, 8, dtype=torch.float8_e5m2)),
+         ValueError, "float8_e5m2 x float8_e5m2 is not supported"),
+        (dict(a=torch.zeros(4, 8, dtype=torch.float8_e4m3fn), b=torch.zeros(6, 8, dtype=torch.bfloat16)),
+         ValueError, "b must be float8 too"),
+        (dict(a=torch.zeros(4, 8, dtype=torch.float8_e4m3fn), b=torch.zeros(6, 8, dtype=torch.float8_e4m3fn),
+              scale_a=torch.ones(3)), ValueError, r"scale_a must hold 1 value \(per tensor\) or M = 4"),
+        (dict(a=torch.zeros(4, 8, dtype=torch.float8_e4m3fn), b=torch.zeros(6, 8, dtype=torch.float8_e4m3fn),
+              scale_b=torch.ones(6, dtype=torch.float16)), ValueError, "scale_b must be a float32 tensor"),
+        (dict(a=torch.zeros(4, 8, dtype=torch.float8_e4m3fn), b=torch.zeros(6, 8, dtype=torch.float8_e4m3fn),
+              out_dtype=torch.float8_e4m3fn), ValueError, "out_dtype must be bfloat16, float16 or float32"),
+        (dict(b=torch.zeros(6, 8, dtype=torch.bfloat16, device="meta")), ValueError, "b is on meta but a is on cpu"),
+    ],
+)
+def test_bad_arguments(kwargs, error, match):
+    args = dict(a=torch.zeros(4, 8, dtype=torch.bfloat16), b=torch.zeros(6, 8, dtype=torch.bfloat16),
+                c=None)
+    args.update(kwargs)
+    a, b, c = args.pop("a"), args.pop("b"), args.pop("c")
+    with pytest.raises(error, match=match):
+        distgemm.gemm(a, b, c, **args)
+
+
+@pytest.mark.parametrize("c_kind", ["full", "bias"])
+def test_autograd_matches_reference(c_kind):
+    m, n, k = 12, 16, 24
+    a = randn(m, k, dtype=torch.bfloat16, device="cpu").requires_grad_()
+    b = randn(n, k, dtype=torch.bfloat16, device="cpu").requires_grad_()
+    c = randn(*((m, n) if c_kind == "full" else (n,)), dtype=torch.bfloat16, device="cpu").requires_grad_()
+    out = distgemm.gemm(a, b, c, alpha=0.75, beta=1.5, out_dtype=torch.float32)
+    grad = torch.randn(m, n)
+    out.backward(grad)
+
+    a64, b64, c64 = (t.detach().double().requires_grad_() for t in (a, b, c))
+    (0.75 * a64 @ b64.T + 1.5 * c64).backward(grad.double())
+    for ours, ref in ((a.grad, a64.grad), (b.grad, b64.grad), (c.grad, c64.grad)):
+        assert ours.dtype == torch.bfloat16
+        assert_close(ours, ref)
+
+
+def test_torch_compile_fullgraph_traces_the_op():
+    def f(a, b, c):
+        return torch.relu(distgemm.gemm(a, b, c, beta=1.0))
+
+    a, b = randn(8, 16, dtype=torch.bfloat16, device="cpu"), randn(32, 16, dtype=torch.bfloat16, device="cpu")
+    c = randn(32, dtype=torch.bfloat16, device="cpu")
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(a, b, c), f(a, b, c))
+
+
+def test_heuristic_prefers_small_tiles_for_small_m():
+    names = ops.gemm_configs(torch.bfloat16, torch.bfloat16, torch.bfloat16, True, 90)
+    assert "coop_128x256_c2x1" in names and "pingpong_64x128_c1x1" in names
+    pick = lambda m, n, k: names[ops.gemm_select_config(m, n, k, torch.bfloat16, torch.bfloat16,
+                                                        torch.bfloat16, True, 90, 132)]
+    assert pick(1, 4096, 4096) == "pingpong_64x128_c1x1"
+    assert pick(8192, 8192, 8192).startswith("coop_")
+    # Unsupported combinations have no kernels rather than a wrong one.
+    assert ops.gemm_configs(torch.float8_e5m2, torch.float8_e5m2, torch.bfloat16, True, 90) == []
+    assert ops.gemm_select_config(64, 64, 64, torch.bfloat16, torch.bfloat16, torch.bfloat16, True, 80, 108) == -1

@@ -1,0 +1,191 @@
+"""Grouped GEMM API on CPU tensors: reference math, argument checks, backend selection,
+autograd wiring, GroupedLinear and torch.compile tracing."""
+
+import pytest
+import torch
+
+import distgemm
+from distgemm.nn import GroupedLinear
+from tests.reference import assert_close
+
+
+def split(tokens, groups, zero_groups=()):
+    """Random cumulative ends summing to `tokens`, with the given groups empty."""
+    weights = torch.rand(groups)
+    for g in zero_groups:
+        weights[g] = 0
+    counts = (weights / weights.sum() * tokens).floor().long()
+    counts[max(set(range(groups)) - set(zero_groups))] += tokens - counts.sum()
+    return counts.cumsum(0).to(torch.int32)
+
+
+def loop_forward(x, w, offs, trans_w=True):
+    out, start = torch.zeros(x.shape[0], w.shape[1] if trans_w else w.shape[2], dtype=torch.float64), 0
+    for g, end in enumerate(offs.tolist()):
+        wg = w[g].double()
+        out[start:end] = x[start:end].double() @ (wg.T if trans_w else wg)
+        start = end
+    return out
+
+
+def loop_wgrad(dy, x, offs):
+    out, start = torch.zeros(offs.numel(), dy.shape[1], x.shape[1], dtype=torch.float64), 0
+    for g, end in enumerate(offs.tolist()):
+        out[g] = dy[start:end].double().T @ x[start:end].double()
+        start = end
+    return out
+
+
+@pytest.mark.parametrize("trans_w", [True, False])
+@pytest.mark.parametrize("out_dtype", [None, torch.float32])
+def test_forward_and_dgrad_reference(trans_w, out_dtype):
+    g, t, n, k = 5, 70, 24, 16
+    offs = split(t, g, zero_groups=(1,))
+    x = torch.randn(t, k).bfloat16()
+    w = torch.randn(g, n, k).bfloat16() if trans_w else torch.randn(g, k, n).bfloat16()
+    out = distgemm.grouped_mm(x, w, offs, trans_w=trans_w, out_dtype=out_dtype)
+    assert out.shape == (t, n) and out.dtype == (out_dtype or torch.bfloat16)
+    assert_close(out, loop_forward(x, w, offs, trans_w))
+
+
+def test_wgrad_reference_zero_groups_and_accumulate():
+    g, t, n, k = 6, 50, 16, 24
+    offs = split(t, g, zero_groups=(0, 3))
+    dy, x = torch.randn(t, n).bfloat16(), torch.randn(t, k).bfloat16()
+    out = distgemm.grouped_mm_wgrad(dy, x, offs)
+    assert out.dtype == torch.float32 and out.shape == (g, n, k)
+    assert torch.all(out[0] == 0) and torch.all(out[3] == 0)
+    assert_close(out, loop_wgrad(dy, x, offs))
+    main_grad = torch.randn(g, n, k)
+    expected = main_grad.double() + loop_wgrad(dy, x, offs)
+    distgemm.grouped_mm_wgrad(dy, x, offs, out=main_grad, accumulate=True)
+    assert_close(main_grad, expected)
+
+
+def test_out_and_accumulate_leave_tail_rows_untouched():
+    g, t, n, k = 3, 40, 16, 16
+    offs = torch.tensor([10, 10, 30], dtype=torch.int32)  # rows 30.. belong to nobody
+    x, w = torch.randn(t, k).bfloat16(), torch.randn(g, n, k).bfloat16()
+    out = torch.full((t, n), 7.0)
+    distgemm.grouped_mm(x, w, offs, out=out, accumulate=True)
+    assert torch.all(out[30:] == 7.0)
+    assert_close(out[:30], 7.0 + loop_forward(x, w, offs)[:30])
+
+
+@pytest.mark.parametrize(
+    "mutate, error, match",
+    [
+        (lambda a: a.update(offs=a["offs"].long()), ValueError, "offs must be a 1-D int32 tensor"),
+        (lambda a: a.update(offs=a["offs"][:2]), ValueError, r"offs must hold one end per group \(3\)"),
+        (lambda a: a.update(w=torch.zeros(3, 8, 12).bfloat16()), ValueError, r"w must have shape \(G, N, K\) with K = x.shape\[1\] = 16"),
+        (lambda a: a.update(w=torch.zeros(3, 8, 16).half()), ValueError, "w must have x's dtype"),
+        (lambda a: a.update(x=torch.zeros(20, 16)), ValueError, "x must be bfloat16 or float16"),
+        (lambda a: a.update(x=torch.zeros(20, 16, 1).bfloat16()), ValueError, "x must be 2-D"),
+        (lambda a: a.update(accumulate=True), ValueError, "accumulate=True needs out"),
+        (lambda a: a.update(out=torch.zeros(20, 9)), ValueError, r"out must be a torch.float32 tensor of shape \(20, 8\)"),
+        (lambda a: a.update(out_dtype=torch.float16), ValueError, "out_dtype must be torch.bfloat16 or torch.float32"),
+        (lambda a: a.update(offs=a["offs"].to("meta")), ValueError, "offs is on meta"),
+    ],
+)
+def test_bad_arguments(mutate, error, match):
+    args = dict(x=torch.zeros(20, 16).bfloat16(), w=torch.zeros(3, 8, 16).bfloat16(),
+                offs=torch.tensor([5, 10, 20], dtype=torch.int32), out=None, accumulate=False,
+                out_dtype=None)
+    mutate(args)
+    if args["out"] is not None and args["out_dtype"] is None:
+        args["out_dtype"] = torch.float32
+    with pytest.raises(error, match=match):
+        distgemm.grouped_mm(args["x"], args["w"], args["offs"], out=args["out"],
+                            accumulate=args["accumulate"], out_dtype=args["out_dtype"])
+
+
+@pytest.mark.parametrize("offs, match", [([5, 3, 20], "non-decreasing"), ([5, 10, 21], "past the 20 rows"),
+                                         ([-1, 10, 20], "non-negative")])
+def test_debug_mode_checks_offsets(monkeypatch, offs, match):
+    monkeypatch.setenv("DISTGEMM_DEBUG", "1")
+    x, w = torch.zeros(20, 16).bfloat16(), torch.zeros(3, 8, 16).bfloat16()
+    with pytest.raises(ValueError, match=match):
+        distgemm.grouped_mm(x, w, torch.tensor(offs, dtype=torch.int32))
+
+
+def test_bad_offsets_without_debug_stay_in_bounds():
+    x, w = torch.randn(20, 16).bfloat16(), torch.randn(3, 8, 16).bfloat16()
+    out = distgemm.grouped_mm(x, w, torch.tensor([5, 3, 99], dtype=torch.int32))
+    assert out.shape == (20, 8)  # clamped: group 1 empty, group 2 = rows 3..20
+
+
+def test_backend_env(monkeypatch):
+    x, w, offs = torch.randn(8, 16).bfloat16(), torch.randn(2, 8, 16).bfloat16(), torch.tensor([4, 8], dtype=torch.int32)
+    monkeypatch.setenv("DISTGEMM_GROUPED_BACKEND", "fastest")
+    with pytest.raises(ValueError, match="DISTGEMM_GROUPED_BACKEND must be one of"):
+        distgemm.grouped_mm(x, w, offs)
+    monkeypatch.setenv("DISTGEMM_GROUPED_BACKEND", "cutlass")
+    distgemm._library.warn_once.cache_clear()
+    with pytest.warns(RuntimeWarning, match="backend 'cutlass' unavailable"):
+        out = distgemm.grouped_mm(x, w, offs)
+    assert_close(out, loop_forward(x, w, offs))
+
+
+def test_autograd_through_the_op():
+    g, t, n, k = 4, 33, 16, 24
+    offs = split(t, g, zero_groups=(2,))
+    x = torch.randn(t, k).bfloat16().requires_grad_()
+    w = torch.randn(g, n, k).bfloat16().requires_grad_()
+    y = distgemm.grouped_mm(x, w, offs)
+    dy = torch.randn(t, n).bfloat16()
+    y.backward(dy)
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    loop_forward(x64, w64, offs).backward(dy.double())
+    assert_close(x.grad, x64.grad)
+    assert_close(w.grad, w64.grad)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_grouped_linear_matches_linear_loop(bias):
+    g, t, din, dout = 4, 37, 16, 24
+    offs = split(t, g, zero_groups=(1,))
+    layer = GroupedLinear(g, din, dout, bias=bias, dtype=torch.bfloat16)
+    refs = [torch.nn.Linear(din, dout, bias=bias, dtype=torch.float64) for _ in range(g)]
+    with torch.no_grad():
+        for e, lin in enumerate(refs):
+            lin.weight.copy_(layer.weight[e])
+            if bias:
+                lin.bias.copy_(layer.bias[e])
+    x = torch.randn(t, din).bfloat16().requires_grad_()
+    y = layer(x, offs)
+    x64 = x.detach().double().requires_grad_()
+    pieces, start = [], 0
+    for e, end in enumerate(offs.tolist()):
+        pieces.append(refs[e](x64[start:end]))
+        start = end
+    ref = torch.cat(pieces)
+    assert_close(y, ref)
+    dy = torch.randn(t, dout).bfloat16()
+    y.backward(dy)
+    ref.backward(dy.double())
+    assert_close(x.grad, x64.grad)
+    assert_close(layer.weight.grad, torch.stack([lin.weight.grad for lin in refs]))
+    if bias:
+        assert_close(layer.bias.grad, torch.stack([lin.bias.grad for lin in refs]))
+
+
+def test_grouped_linear_fused_wgrad_accumulation():
+    g, t, din, dout = 3, 30, 16, 8
+    offs = split(t, g)
+    layer = GroupedLinear(g, din, dout, fuse_wgrad_accumulation=True)
+    with pytest.raises(RuntimeError, match="needs weight.main_grad"):
+        layer(torch.randn(t, din).bfloat16(), offs)
+    layer.weight.main_grad = torch.ones(g, dout, din)
+    layer.weight.grad_added_to_main_grad = False
+    x, dy = torch.randn(t, din).bfloat16(), torch.randn(t, dout).bfloat16()
+    layer(x, offs).backward(dy)
+    assert layer.weight.grad_added_to_main_grad is True
+    assert_close(layer.weight.main_grad, 1.0 + loop_wgrad(dy, x, offs))
+
+
+def test_torch_compile_traces_grouped_mm():
+    x, w = torch.randn(16, 16).bfloat16(), torch.randn(2, 8, 16).bfloat16()
+    offs = torch.tensor([6, 16], dtype=torch.int32)
+    f = lambda x, w, offs: distgemm.grouped_mm(x, w, offs).relu()
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(x, w, offs), f(x, w, offs))

@@ -1,0 +1,36 @@
+"""Plain-PyTorch references and dtype-aware tolerances shared by the tests."""
+
+import torch
+
+
+def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64; NaN anywhere fails."""
+    out, ref = out.double(), ref.double()
+    assert torch.isfinite(out).all(), "output has NaN or Inf"
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+_ROUNDING = {torch.float32: 2e-5, torch.bfloat16: 8e-3, torch.float16: 1e-3}
+FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def tolerance(out_dtype: torch.dtype, in_dtype: torch.dtype = torch.bfloat16) -> float:
+    """Relative error allowed: the output's rounding, or for float8 inputs the tensor
+    cores' reduced-precision partial sums between FP32 promotions (the reference rounds
+    its inputs the same way, so input quantization cancels)."""
+    accumulation = 2e-3 if in_dtype in FLOAT8 else 2e-5
+    return max(_ROUNDING[out_dtype], accumulation)
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, in_dtype: torch.dtype = torch.bfloat16):
+    tol = tolerance(out.dtype, in_dtype)
+    err = rel_error(out, ref)
+    assert err <= tol, f"relative error {err:.3e} > {tol:.1e}"
+
+
+def randn(*shape, dtype, device, scale=1.0):
+    """Random values in `dtype` (float8 from a scaled normal, kept in range)."""
+    x = torch.randn(*shape, device=device) * scale
+    if dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        x = x.clamp(-240, 240)
+    return x.to(dtype)
