@@ -3,7 +3,7 @@
 
 #include <cutlass/numeric_types.h>
 
-#include "distgemm/distgemm.h"
+#include "distgemm/types.h"
 
 namespace distgemm {
 

@@ -1,7 +1,7 @@
 // Host-side facts about dg_dtype values.
 #pragma once
 
-#include "distgemm/distgemm.h"
+#include "distgemm/types.h"
 
 namespace distgemm {
 

@@ -6,6 +6,7 @@
 #include <mutex>
 
 #include "common/status.h"
+#include "distgemm/distgemm.h"
 
 namespace distgemm {
 
@@ -18,7 +19,7 @@ ErrorState* error_state(int device) {
   std::call_once(once[device], [device] {
     ErrorState& s = states[device];
     void* host = nullptr;
-    ok[device] = cudaMalloc(&s.device_word, sizeof(int)) == cudaSuccess &&
+    ok[device] = cudaMalloc(reinterpret_cast<void**>(&s.device_word), sizeof(int)) == cudaSuccess &&
                  cudaMemset(s.device_word, 0, sizeof(int)) == cudaSuccess &&
                  cudaHostAlloc(&host, sizeof(int), cudaHostAllocMapped) == cudaSuccess &&
                  cudaHostGetDevicePointer(reinterpret_cast<void**>(&s.host_word_device), host, 0) ==

@@ -1,4 +1,5 @@
 #include "common/status.h"
+#include "distgemm/distgemm.h"
 
 namespace {
 thread_local std::string last_error;

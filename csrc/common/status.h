@@ -5,7 +5,9 @@
 #include <string>
 #include <utility>
 
-#include "distgemm/distgemm.h"
+#include <cuda_runtime_api.h>
+
+#include "distgemm/types.h"
 
 namespace distgemm {
 

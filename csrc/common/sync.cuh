@@ -26,17 +26,19 @@ __device__ __forceinline__ void fence_generic_to_async_global() {
 #endif
 }
 
-// Spins until *flag reaches epoch (s.error must be set whenever a wait is requested). On timeout (or when another wait already failed) records
-// the error and returns false; the caller proceeds so the kernel always finishes.
-__device__ __forceinline__ bool wait_flag(const uint32_t* flag, const SyncParams& s, int peer) {
-  if (static_cast<int32_t>(load_acquire_sys(flag) - s.epoch) >= 0) {
+// Spins until *flag reaches target (s.error must be set whenever a wait is requested). On
+// timeout (or when another wait already failed) records the error and returns false; the
+// caller proceeds so the kernel always finishes.
+__device__ __forceinline__ bool wait_flag(const uint32_t* flag, uint32_t target, const SyncParams& s,
+                                          int peer) {
+  if (static_cast<int32_t>(load_acquire_sys(flag) - target) >= 0) {
     fence_generic_to_async_global();
     return true;
   }
   const uint64_t start = global_timer_ns();
   for (uint32_t spin = 1;; ++spin) {
     __nanosleep(128);
-    if (static_cast<int32_t>(load_acquire_sys(flag) - s.epoch) >= 0) break;
+    if (static_cast<int32_t>(load_acquire_sys(flag) - target) >= 0) break;
     if ((spin & 63u) == 0) {
       if (*reinterpret_cast<volatile int*>(s.error) != 0) return false;
       if (global_timer_ns() - start > s.timeout_ns) {

@@ -6,11 +6,13 @@
 namespace distgemm {
 
 // Waits a kernel performs before reading peer-written data. All-zero means none.
-// Flags are monotonic epochs: a flag is satisfied once (int32)(flag - epoch) >= 0.
+// Flags are monotonic epochs: a flag is satisfied once (int32)(flag - target) >= 0, the target
+// being this rank's current epoch, read from device memory (so a replayed CUDA graph waits
+// for the new call's flags, not the captured one's).
 struct SyncParams {
   const uint32_t* chunk_ready = nullptr;  // [num_chunks]: A rows of chunk c are in place
   const uint32_t* c_ready = nullptr;      // the C operand (peer partial sums) is complete
-  uint32_t epoch = 0;
+  const uint32_t* epoch = nullptr;
   int32_t chunk_rows = 0;   // rows of A per chunk (the last chunk may be shorter)
   int32_t num_chunks = 0;
   int32_t first_chunk = 0;  // tiles start at this chunk's rows and wrap around

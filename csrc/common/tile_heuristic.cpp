@@ -10,8 +10,10 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 double tile_efficiency(const TileConfig& c) {
   const int area = c.tile_m * c.tile_n;
   switch (c.schedule) {
-    case gemm::kPingpong: return area >= 128 * 128 ? 0.95 : 0.72;
-    case gemm::kCooperative: return area >= 128 * 256 ? 1.0 : 0.88;
+    case gemm::kPingpong:
+    case gemm::kPingpongFastAccum: return area >= 128 * 128 ? 0.95 : 0.85;
+    case gemm::kCooperative:
+    case gemm::kCooperativeFastAccum: return area >= 128 * 256 ? 1.0 : 0.88;
     default: return area >= 256 * 128 ? 1.0 : 0.9;  // sm100 1-SM / 2-SM tiles
   }
 }

@@ -2,7 +2,7 @@
 // and the run/workspace glue around a CUTLASS GemmUniversalAdapter.
 //
 // Epilogue, for every dtype:
-//   D = beta * C + alpha * (scale_b[n] * (scale_a[m] * acc)) + beta * bias[n]
+//   D = beta_c * C + alpha * (scale_b[n] * (scale_a[m] * acc)) + beta_bias * bias[n]
 // Scales are per-row/per-column vectors or single values (CUTLASS's dynamic broadcast), or
 // absent (null pointer, read as 1); C is not loaded when absent, bias reads as 0.
 #pragma once
@@ -23,8 +23,8 @@ constexpr auto kRound = cutlass::FloatRoundStyle::round_to_nearest;
 
 template <class ElementD, class TileShape>
 using ScaledBiasEpilogue = fusion::Sm90EVT<
-    fusion::Sm90Compute<cutlass::homogeneous_multiply_add, ElementD, float, kRound>,  // beta*C + Z
-    fusion::Sm90ScalarBroadcast<float>,                                              // beta
+    fusion::Sm90Compute<cutlass::homogeneous_multiply_add, ElementD, float, kRound>,  // beta_c*C + Z
+    fusion::Sm90ScalarBroadcast<float>,                                              // beta_c
     fusion::Sm90SrcFetch<ElementD>,                                                  // C
     fusion::Sm90EVT<
         fusion::Sm90Compute<cutlass::homogeneous_multiply_add, float, float, kRound>,  // alpha*X + Y
@@ -37,7 +37,7 @@ using ScaledBiasEpilogue = fusion::Sm90EVT<
                                                      cute::Stride<bool, cute::_0, int64_t>>,
                             fusion::Sm90AccFetch>>,
         fusion::Sm90EVT<fusion::Sm90Compute<cutlass::multiplies, float, float, kRound>,  // Y
-                        fusion::Sm90ScalarBroadcast<float>,                              // beta
+                        fusion::Sm90ScalarBroadcast<float>,                              // beta_bias
                         fusion::Sm90RowBroadcast<0, TileShape, ElementD, float,
                                                  cute::Stride<cute::_0, cute::_1, int64_t>>>>>;
 
@@ -46,12 +46,12 @@ template <class EpilogueArgs, class ElementD>
 EpilogueArgs scaled_bias_epilogue_args(const GemmProblem& p) {
   using cute::_0;
   EpilogueArgs args{};
-  args.op_0.scalars[0] = p.c ? p.beta : 0.f;  // beta for C
+  args.op_0.scalars[0] = p.c ? p.beta_c : 0.f;  // 0 also skips loading C
   auto& z = args.op_2;
   z.op_0.scalars[0] = p.alpha;
   z.op_1.op_0 = {p.scale_b, 1.f, {_0{}, p.scale_b_per_col, 0}};
   z.op_1.op_1.op_0 = {p.scale_a, 1.f, {p.scale_a_per_row, _0{}, 0}};
-  z.op_2.op_0.scalars[0] = p.beta;
+  z.op_2.op_0.scalars[0] = p.beta_bias;
   z.op_2.op_1 = {static_cast<ElementD const*>(p.bias), ElementD(0), {}};
   return args;
 }

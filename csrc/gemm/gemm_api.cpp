@@ -1,4 +1,5 @@
 // dg_gemm: argument checks, the instance table and dispatch. Host-only.
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -7,10 +8,24 @@
 #include "common/status.h"
 #include "distgemm/distgemm.h"
 #include "common/tile_heuristic.h"
+#include "gemm/gemm_internal.h"
 #include "gemm/gemm_problem.h"
 
 namespace distgemm::gemm {
 namespace {
+
+// One compiled kernel: its dtypes, layout, tile and entry points.
+struct GemmInstance {
+  int arch;
+  dg_dtype a, b, d;
+  bool b_k_major;
+  Schedule schedule;
+  int tile_m, tile_n, cluster_m, cluster_n;
+  const char* name;
+  GemmRunFn run;
+  GemmWorkspaceFn workspace;
+};
+
 
 #if defined(DISTGEMM_WITH_SM90)
 #define DG_SM90_GEMM(A, B, D, BK, S, TM, TN, CM, CN)                                         \
@@ -51,9 +66,11 @@ std::vector<const GemmInstance*> candidates(const dg_gemm_desc& d, int device_ar
   std::vector<const GemmInstance*> out;
   const int arch = kernel_arch(device_arch);
   const bool bk = b_is_k_major(d.b);
+  // sm100's UMMA accumulates FP8 in FP32 throughout: fast accumulation means nothing there.
+  const bool fast = is_fp8(d.a.dtype) && d.fast_accum && arch == 90;
   for (const GemmInstance& inst : kInstances) {
     if (inst.arch == arch && inst.a == d.a.dtype && inst.b == d.b.dtype && inst.d == d.d.dtype &&
-        inst.b_k_major == bk)
+        inst.b_k_major == bk && is_fast_accum(inst.schedule) == fast)
       out.push_back(&inst);
   }
   return out;
@@ -145,10 +162,12 @@ dg_status lower(const dg_gemm_desc* desc, GemmProblem* p) {
     if (d.c.rows == 1 && m != 1) {
       DG_RETURN_IF_ERROR(check_row_major(d.c, "c (bias)", 1, n));
       p->bias = d.c.data;
+      p->beta_bias = d.beta;
     } else {
       DG_RETURN_IF_ERROR(check_row_major(d.c, "c", m, n));
       p->c = d.c.data;
       p->ldc = d.c.row_stride;
+      p->beta_c = d.beta;
     }
   }
   if (d.scale_a) {
@@ -170,7 +189,6 @@ dg_status lower(const dg_gemm_desc* desc, GemmProblem* p) {
   p->d = const_cast<void*>(d.d.data);
   p->ldd = d.d.row_stride;
   p->alpha = d.alpha;
-  p->beta = d.beta;
   p->scale_a = d.scale_a;
   p->scale_a_per_row = d.scale_a && d.scale_a_len > 1;
   p->scale_b = d.scale_b;
@@ -190,7 +208,8 @@ dg_status lower_and_list(const dg_gemm_desc* desc, int device_arch, GemmProblem*
     return fail(DG_ERROR_NOT_SUPPORTED,
                 cat("no sm_", kernel_arch(device_arch), " kernel in this build for a=",
                     dtype_name(desc->a.dtype), " b=", dtype_name(desc->b.dtype),
-                    " out=", dtype_name(desc->d.dtype), p->b_k_major ? " (b K-major)" : " (b N-major)",
+                    " out=", dtype_name(desc->d.dtype), p->b_k_major ? " (b K-major" : " (b N-major",
+                    desc->fast_accum && is_fp8(desc->a.dtype) ? ", fast accumulation)" : ")",
                     "; DISTGEMM_CUDA_ARCHS may exclude this arch"));
   return DG_SUCCESS;
 }
@@ -215,6 +234,26 @@ dg_status plan(const dg_gemm_desc* desc, int device_arch, int sm_count, GemmProb
 }
 
 }  // namespace
+
+dg_status run_gemm_desc(const dg_gemm_desc& desc, const GemmExtras& extras, cudaStream_t stream) {
+  const int device = current_device();
+  const DeviceInfo& dev = device_info(device);
+  const int sm_count = extras.sm_count > 0 ? std::min(extras.sm_count, dev.sm_count) : dev.sm_count;
+  GemmProblem p;
+  const GemmInstance* inst = nullptr;
+  DG_RETURN_IF_ERROR(plan(&desc, dev.arch, sm_count, &p, &inst));
+  if (extras.chain_c) {
+    DG_REQUIRE(!p.c, "a chained partial sum cannot be combined with a full C operand");
+    p.c = extras.chain_c;
+    p.ldc = extras.chain_ldc;
+    p.beta_c = 1.f;
+  }
+  p.sync = extras.sync;
+  p.device = device;
+  DG_REQUIRE(inst->workspace(p) == 0, "internal: a tensor-parallel GEMM kernel asked for a workspace");
+  return inst->run(p, stream);
+}
+
 }  // namespace distgemm::gemm
 
 using namespace distgemm;

@@ -5,11 +5,14 @@
 #include <cstdint>
 
 #include "common/sync.h"
-#include "distgemm/distgemm.h"
+#include <cuda_runtime_api.h>
+
+#include "distgemm/types.h"
 
 namespace distgemm::gemm {
 
-// D (M, N) row-major = alpha * (sa[m] * sb[n] * sum_k A[m,k] B[n,k]) + beta * (C[m,n] or bias[n]).
+// D (M, N) row-major = alpha * (sa[m] * sb[n] * sum_k A[m,k] B[n,k]) + beta_c * C[m,n]
+//                      + beta_bias * bias[n].
 struct GemmProblem {
   int m = 0, n = 0, k = 0;
   const void* a = nullptr;  // (M, K), K-major, leading dimension lda
@@ -22,7 +25,7 @@ struct GemmProblem {
   const void* bias = nullptr;  // (N,) in the output dtype, or nullptr
   void* d = nullptr;
   int64_t ldd = 0;
-  float alpha = 1.f, beta = 0.f;
+  float alpha = 1.f, beta_c = 0.f, beta_bias = 0.f;
   const float* scale_a = nullptr;  // nullptr, one value, or M values
   bool scale_a_per_row = false;
   const float* scale_b = nullptr;  // nullptr, one value, or N values
@@ -44,24 +47,20 @@ enum Schedule : int {
   kPingpong = 1,     // sm90: consumer warpgroups alternate tiles (small M, short K)
   kOneSm = 2,        // sm100: 1-SM UMMA
   kTwoSm = 3,        // sm100: 2-SM UMMA pair
+  kCooperativeFastAccum = 4,  // sm90 FP8: no FP32 promotion of partial sums
+  kPingpongFastAccum = 5,
 };
 // Spellings used in the .def instance lists.
 constexpr int coop = kCooperative;
 constexpr int pingpong = kPingpong;
 constexpr int sm1 = kOneSm;
 constexpr int sm2 = kTwoSm;
+constexpr int coop_fa = kCooperativeFastAccum;
+constexpr int pingpong_fa = kPingpongFastAccum;
 
-// One compiled kernel: its dtypes, layout, tile and entry points.
-struct GemmInstance {
-  int arch;
-  dg_dtype a, b, d;
-  bool b_k_major;
-  Schedule schedule;
-  int tile_m, tile_n, cluster_m, cluster_n;
-  const char* name;
-  GemmRunFn run;
-  GemmWorkspaceFn workspace;
-};
+constexpr bool is_fast_accum(int schedule) {
+  return schedule == kCooperativeFastAccum || schedule == kPingpongFastAccum;
+}
 
 // Entry points of one compiled kernel; defined in sm90_gemm.cuh / sm100_gemm.cuh and
 // explicitly instantiated by the files CMake generates from gemm_instances.def.

@@ -23,6 +23,14 @@ template <> struct ScheduleTraits<kPingpong> {
   using Mainloop = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
   using Epilogue = cutlass::epilogue::TmaWarpSpecialized;
 };
+template <> struct ScheduleTraits<kCooperativeFastAccum> {
+  using Mainloop = cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8FastAccum;
+  using Epilogue = cutlass::epilogue::TmaWarpSpecializedCooperative;
+};
+template <> struct ScheduleTraits<kPingpongFastAccum> {
+  using Mainloop = cutlass::gemm::KernelTmaWarpSpecializedPingpongFP8FastAccum;
+  using Epilogue = cutlass::epilogue::TmaWarpSpecialized;
+};
 
 template <dg_dtype A, dg_dtype B, dg_dtype D, bool BKMajor, int Sched, int TileM, int TileN,
           int ClusterM, int ClusterN>

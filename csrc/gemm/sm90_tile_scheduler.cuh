@@ -98,7 +98,7 @@ class Sm90SyncTileScheduler : public cutlass::gemm::kernel::detail::PersistentTi
   CUTLASS_HOST_DEVICE static bool compute_epilogue(WorkTileInfo const&, Params const& params) {
 #if defined(__CUDA_ARCH__)
     if (params.sync.c_ready) {
-      wait_flag(params.sync.c_ready, params.sync, params.sync.c_peer);
+      wait_flag(params.sync.c_ready, *params.sync.epoch, params.sync, params.sync.c_peer);
     }
 #endif
     return true;
@@ -116,7 +116,7 @@ class Sm90SyncTileScheduler : public cutlass::gemm::kernel::detail::PersistentTi
     const int32_t row1 = min(row0 + params_->tile_m, params_->problem_m) - 1;
     for (int32_t c = row0 / s.chunk_rows; c <= row1 / s.chunk_rows && c < s.num_chunks; ++c) {
       bool ok = true;
-      if (threadIdx.x % 32 == 0) ok = wait_flag(s.chunk_ready + c, s, c);
+      if (threadIdx.x % 32 == 0) ok = wait_flag(s.chunk_ready + c, *s.epoch, s, c);
       ok = __shfl_sync(0xffffffffu, ok, 0);
       fence_generic_to_async_global();
       if (!ok) {

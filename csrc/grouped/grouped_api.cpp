@@ -26,6 +26,9 @@ namespace {
 
 const GroupedInstance kInstances[] = {
 #include "grouped/grouped_instances.def"
+#if defined(DISTGEMM_TUNING_INSTANCES)
+#include "grouped/grouped_instances_tuning.def"
+#endif
 };
 #undef DG_SM90_GROUPED
 

@@ -12,6 +12,7 @@
 #include "common/dtype.h"
 #include "common/status.h"
 #include "common/stream_pool.h"
+#include "distgemm/distgemm.h"
 #include "grouped/grouped_lower.h"
 
 namespace distgemm::grouped {

@@ -4,7 +4,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "distgemm/distgemm.h"
+#include "distgemm/types.h"
 #include "gemm/gemm_problem.h"
 
 namespace distgemm::grouped {

@@ -27,6 +27,47 @@ dg_matrix to_matrix(const at::Tensor& t, const char* arg) {
                    t.stride(0), t.stride(1)};
 }
 
+namespace {
+
+void require_same_device(const char* op, const at::Tensor& t, const at::Tensor& ref, const char* arg) {
+  TORCH_CHECK_VALUE(t.device() == ref.device(), op, ": ", arg, " is on ", t.device(), " but a is on ",
+                    ref.device());
+}
+
+void set_scale(const char* op, const c10::optional<at::Tensor>& scale, const at::Tensor& a,
+               const char* arg, const float** ptr, int64_t* len) {
+  if (!scale) return;
+  require_same_device(op, *scale, a, arg);
+  TORCH_CHECK_VALUE(scale->scalar_type() == at::kFloat && scale->is_contiguous(), op, ": ", arg,
+                    " must be a contiguous float32 tensor, got ", scale->scalar_type());
+  *ptr = scale->data_ptr<float>();
+  *len = scale->numel();
+}
+
+}  // namespace
+
+dg_gemm_desc gemm_desc(const char* op, const at::Tensor& a, const at::Tensor& b,
+                       const c10::optional<at::Tensor>& c, const at::Tensor& out, double alpha,
+                       double beta, const c10::optional<at::Tensor>& scale_a,
+                       const c10::optional<at::Tensor>& scale_b, bool fast_accum) {
+  require_same_device(op, b, a, "b");
+  dg_gemm_desc desc{};
+  desc.a = to_matrix(a, "a");
+  desc.b = to_matrix(b, "b");
+  if (c) {
+    require_same_device(op, *c, a, "c");
+    desc.c = to_matrix(*c, "c");
+  }
+  desc.d = to_matrix(out, "out");
+  desc.alpha = static_cast<float>(alpha);
+  desc.beta = static_cast<float>(beta);
+  set_scale(op, scale_a, a, "scale_a", &desc.scale_a, &desc.scale_a_len);
+  set_scale(op, scale_b, a, "scale_b", &desc.scale_b, &desc.scale_b_len);
+  desc.fast_accum = fast_accum;
+  desc.config = -1;
+  return desc;
+}
+
 void check(dg_status status, const char* op) {
   if (status == DG_SUCCESS) return;
   const std::string msg = std::string(op) + ": " + dg_last_error();

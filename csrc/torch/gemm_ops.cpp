@@ -7,23 +7,10 @@
 namespace distgemm::torch_binding {
 namespace {
 
-void require_same_device(const at::Tensor& t, const at::Tensor& ref, const char* arg) {
-  TORCH_CHECK_VALUE(t.device() == ref.device(), "distgemm.gemm: ", arg, " is on ", t.device(),
-                    " but a is on ", ref.device());
-}
-
-void set_scale(const c10::optional<at::Tensor>& scale, const at::Tensor& a, const char* arg,
-               const float** ptr, int64_t* len) {
-  if (!scale) return;
-  require_same_device(*scale, a, arg);
-  TORCH_CHECK_VALUE(scale->scalar_type() == at::kFloat && scale->is_contiguous(), "distgemm.gemm: ",
-                    arg, " must be a contiguous float32 tensor, got ", scale->scalar_type());
-  *ptr = scale->data_ptr<float>();
-  *len = scale->numel();
-}
-
-dg_gemm_desc make_desc(at::ScalarType a, at::ScalarType b, at::ScalarType out, bool b_k_major) {
+dg_gemm_desc make_desc(at::ScalarType a, at::ScalarType b, at::ScalarType out, bool b_k_major,
+                       bool fast_accum) {
   dg_gemm_desc d{};
+  d.fast_accum = fast_accum;
   d.a = {nullptr, to_dg_dtype(a, "a"), 0, 0, 0, 1};
   d.b = {nullptr, to_dg_dtype(b, "b"), 0, 0, b_k_major ? 0 : 1, b_k_major ? 1 : 0};
   d.d = {nullptr, to_dg_dtype(out, "out_dtype"), 0, 0, 0, 1};
@@ -34,25 +21,14 @@ dg_gemm_desc make_desc(at::ScalarType a, at::ScalarType b, at::ScalarType out, b
 at::Tensor gemm_cuda(const at::Tensor& a, const at::Tensor& b, const c10::optional<at::Tensor>& c,
                      double alpha, double beta, at::ScalarType out_dtype,
                      const c10::optional<at::Tensor>& scale_a,
-                     const c10::optional<at::Tensor>& scale_b, int64_t config, int64_t swizzle) {
+                     const c10::optional<at::Tensor>& scale_b, bool fast_accum, int64_t config,
+                     int64_t swizzle) {
   TORCH_CHECK_VALUE(a.dim() == 2 && b.dim() == 2, "distgemm.gemm: a and b must be 2-D");
-  require_same_device(b, a, "b");
   const c10::cuda::CUDAGuard guard(a.device());
   at::Tensor out = at::empty({a.size(0), b.size(0)}, a.options().dtype(out_dtype));
   if (out.numel() == 0) return out;
 
-  dg_gemm_desc desc{};
-  desc.a = to_matrix(a, "a");
-  desc.b = to_matrix(b, "b");
-  if (c) {
-    require_same_device(*c, a, "c");
-    desc.c = to_matrix(*c, "c");
-  }
-  desc.d = to_matrix(out, "out");
-  desc.alpha = static_cast<float>(alpha);
-  desc.beta = static_cast<float>(beta);
-  set_scale(scale_a, a, "scale_a", &desc.scale_a, &desc.scale_a_len);
-  set_scale(scale_b, a, "scale_b", &desc.scale_b, &desc.scale_b_len);
+  dg_gemm_desc desc = gemm_desc("distgemm.gemm", a, b, c, out, alpha, beta, scale_a, scale_b, fast_accum);
   desc.config = static_cast<int>(config);
   desc.swizzle = static_cast<int>(swizzle);
 
@@ -64,8 +40,8 @@ at::Tensor gemm_cuda(const at::Tensor& a, const at::Tensor& b, const c10::option
 }
 
 std::vector<std::string> gemm_configs(at::ScalarType a, at::ScalarType b, at::ScalarType out,
-                                      bool b_k_major, int64_t arch) {
-  const dg_gemm_desc d = make_desc(a, b, out, b_k_major);
+                                      bool b_k_major, int64_t arch, bool fast_accum) {
+  const dg_gemm_desc d = make_desc(a, b, out, b_k_major, fast_accum);
   std::vector<std::string> names;
   const int count = dg_gemm_config_count(&d, static_cast<int>(arch));
   for (int i = 0; i < count; ++i) names.emplace_back(dg_gemm_config_name(&d, static_cast<int>(arch), i));
@@ -73,8 +49,9 @@ std::vector<std::string> gemm_configs(at::ScalarType a, at::ScalarType b, at::Sc
 }
 
 int64_t gemm_select_config(int64_t m, int64_t n, int64_t k, at::ScalarType a, at::ScalarType b,
-                           at::ScalarType out, bool b_k_major, int64_t arch, int64_t sm_count) {
-  dg_gemm_desc d = make_desc(a, b, out, b_k_major);
+                           at::ScalarType out, bool b_k_major, int64_t arch, int64_t sm_count,
+                           bool fast_accum) {
+  dg_gemm_desc d = make_desc(a, b, out, b_k_major, fast_accum);
   // Shapes only: aligned dummy pointers and packed strides.
   alignas(16) static const char dummy[16] = {};
   d.a = {dummy, d.a.dtype, m, k, k, 1};
@@ -89,12 +66,13 @@ int64_t gemm_select_config(int64_t m, int64_t n, int64_t k, at::ScalarType a, at
 TORCH_LIBRARY_FRAGMENT(distgemm, m) {
   // alpha * (scale_a * scale_b * (a @ b.T)) + beta * c; see distgemm/gemm.py.
   m.def("gemm(Tensor a, Tensor b, Tensor? c, float alpha, float beta, ScalarType out_dtype, "
-        "Tensor? scale_a, Tensor? scale_b, int config=-1, int swizzle=0) -> Tensor");
+        "Tensor? scale_a, Tensor? scale_b, bool fast_accum=False, int config=-1, int swizzle=0) -> Tensor");
   // Host-side heuristics, for tests and the tuning sweep (no device needed).
-  m.def("gemm_configs(ScalarType a, ScalarType b, ScalarType out, bool b_k_major, int arch) -> str[]",
+  m.def("gemm_configs(ScalarType a, ScalarType b, ScalarType out, bool b_k_major, int arch, "
+        "bool fast_accum=False) -> str[]",
         &distgemm::torch_binding::gemm_configs);
   m.def("gemm_select_config(int m, int n, int k, ScalarType a, ScalarType b, ScalarType out, "
-        "bool b_k_major, int arch, int sm_count) -> int",
+        "bool b_k_major, int arch, int sm_count, bool fast_accum=False) -> int",
         &distgemm::torch_binding::gemm_select_config);
 }
 

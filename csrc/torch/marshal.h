@@ -15,6 +15,13 @@ dg_dtype to_dg_dtype(at::ScalarType t, const char* arg);
 // A 2-D view of `t`; a 1-D tensor becomes one row. An undefined tensor gives a NULL matrix.
 dg_matrix to_matrix(const at::Tensor& t, const char* arg);
 
+// dg_gemm_desc of alpha * (scale_a * scale_b * (a @ b.T)) + beta * c into `out`; `op` names
+// the caller in errors about mismatched devices or scale dtypes.
+dg_gemm_desc gemm_desc(const char* op, const at::Tensor& a, const at::Tensor& b,
+                       const c10::optional<at::Tensor>& c, const at::Tensor& out, double alpha,
+                       double beta, const c10::optional<at::Tensor>& scale_a,
+                       const c10::optional<at::Tensor>& scale_b, bool fast_accum);
+
 // Raises the Python exception matching `status` (ValueError, NotImplementedError,
 // TimeoutError or RuntimeError) with the core's message, prefixed by `op`.
 void check(dg_status status, const char* op);

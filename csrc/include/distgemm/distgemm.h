@@ -19,25 +19,7 @@
 extern "C" {
 #endif
 
-#define DG_API __attribute__((visibility("default")))
-
-typedef enum dg_status {
-  DG_SUCCESS = 0,
-  DG_ERROR_INVALID_ARGUMENT = 1, /* bad shape, dtype, stride, alignment or pointer */
-  DG_ERROR_NOT_SUPPORTED = 2,    /* valid request this build or device cannot run */
-  DG_ERROR_CUDA = 3,             /* a CUDA runtime call failed */
-  DG_ERROR_INTERNAL = 4,         /* a CUTLASS kernel refused a checked problem */
-  DG_ERROR_TIMEOUT = 5,          /* a wait on another GPU ran past its bound */
-} dg_status;
-
-typedef enum dg_dtype {
-  DG_F32 = 0,
-  DG_F16 = 1,
-  DG_BF16 = 2,
-  DG_E4M3 = 3, /* float8_e4m3fn */
-  DG_E5M2 = 4, /* float8_e5m2 */
-  DG_I32 = 5,
-} dg_dtype;
+#include "distgemm/types.h"
 
 /* A 2-D strided view: element (i, j) lives at data + i * row_stride + j * col_stride
  * (strides in elements). */
@@ -65,6 +47,8 @@ typedef struct dg_gemm_desc {
   int64_t scale_a_len;
   const float* scale_b;
   int64_t scale_b_len;
+  int fast_accum; /* FP8 only: accumulate in the tensor cores' reduced precision for the whole K
+                     (faster), instead of promoting partial sums to FP32 every 4 k-blocks */
   int config;  /* -1: pick by heuristic; otherwise an index below dg_gemm_config_count() */
   int swizzle; /* 0: heuristic; otherwise the tile-raster swizzle (1, 2, 4 or 8) */
 } dg_gemm_desc;
@@ -96,11 +80,6 @@ DG_API int dg_gemm_select_config(const dg_gemm_desc* desc, int device_arch, int 
  * writes out of bounds. FORWARD/DGRAD leave rows past offs[G-1] untouched; WGRAD writes
  * zeros for empty groups, or leaves them untouched with accumulate.
  * accumulate: out += result (out must then hold valid data). */
-typedef enum dg_grouped_kind {
-  DG_GROUPED_FORWARD = 0,
-  DG_GROUPED_DGRAD = 1,
-  DG_GROUPED_WGRAD = 2,
-} dg_grouped_kind;
 
 typedef struct dg_grouped_desc {
   dg_grouped_kind kind;
@@ -128,6 +107,42 @@ DG_API const char* dg_grouped_gemm_config_name(const dg_grouped_desc* desc, int 
  * back to `stream`). It needs the offsets on the host: host_offs (G values). */
 DG_API dg_status dg_grouped_gemm_cublas(const dg_grouped_desc* desc, const int32_t* host_offs,
                                         cudaStream_t stream);
+
+/* ---------------------------------------------------------------- tensor-parallel GEMMs */
+
+/* One rank's share of a GEMM over `world` GPUs of one node, its communication hidden under
+ * the GEMM. Every rank passes the same shapes and dtypes. The ranks' symmetric workspaces
+ * (dg_tp_workspace_size bytes each, zeroed once before first use, mapped into every rank)
+ * hold the exchanged operand, the partial sums and the epoch flags that order the ranks;
+ * every wait on a peer is bounded by timeout_s and reported through dg_tp_error.
+ *   DG_TP_ALL_GATHER_GEMM: gemm.a is this rank's (m, K) row shard, gemm.d the (world*m, N)
+ *     output; C, alpha/beta and scales as in dg_gemm (scale_a: 1 or m values of this shard).
+ *   DG_TP_GEMM_REDUCE_SCATTER: gemm.a (world*m, K) (K is this rank's shard), gemm.d this
+ *     rank's (m, N) rows of the sum over ranks; c may only be a bias row. */
+typedef enum dg_tp_kind {
+  DG_TP_ALL_GATHER_GEMM = 1,
+  DG_TP_GEMM_REDUCE_SCATTER = 2,
+} dg_tp_kind;
+
+typedef struct dg_tp_desc {
+  dg_gemm_desc gemm;
+  int rank;
+  int world;
+  void* const* peer_workspaces; /* [world]: rank r's workspace as mapped in this process */
+  size_t workspace_bytes;       /* the size of each */
+  double timeout_s;
+  void* gathered_out;           /* all-gather only: optional (world*m, K) copy of gathered a */
+} dg_tp_desc;
+
+DG_API dg_status dg_tp_workspace_size(dg_tp_kind kind, const dg_tp_desc* desc, size_t* bytes);
+DG_API dg_status dg_all_gather_gemm(const dg_tp_desc* desc, cudaStream_t stream);
+DG_API dg_status dg_gemm_reduce_scatter(const dg_tp_desc* desc, cudaStream_t stream);
+
+/* The tensor-parallel error word of `device`: 0, or (kind << 16) | (peer rank + 1) once a wait
+ * on that peer timed out. Read from mapped host memory, without synchronizing the device.
+ * dg_tp_clear_error synchronizes the device and resets it. */
+DG_API int dg_tp_error(int device);
+DG_API dg_status dg_tp_clear_error(int device);
 
 #ifdef __cplusplus
 }

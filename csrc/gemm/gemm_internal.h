@@ -1,0 +1,20 @@
+// The dense GEMM as the tensor-parallel ops drive it: the public descriptor plus what only
+// they need (cross-GPU waits, a chained partial-sum operand, fewer SMs).
+#pragma once
+
+#include "common/sync.h"
+#include "distgemm/distgemm.h"
+
+namespace distgemm::gemm {
+
+struct GemmExtras {
+  SyncParams sync{};
+  const void* chain_c = nullptr;  // (M, N) partial sums added with coefficient 1 (desc.c: bias only)
+  int64_t chain_ldc = 0;
+  int sm_count = 0;               // persistent grid size; 0: every SM
+};
+
+// Checks and runs `desc` (its workspace must be empty: true of every sm90 dense instance).
+dg_status run_gemm_desc(const dg_gemm_desc& desc, const GemmExtras& extras, cudaStream_t stream);
+
+}  // namespace distgemm::gemm

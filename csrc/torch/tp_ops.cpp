@@ -1,0 +1,107 @@
+// distgemm tensor-parallel ops: tensors + the ranks' mapped workspace addresses -> dg_tp_desc.
+// The workspaces themselves (symmetric memory, rendezvous, reuse) are managed in Python
+// (distgemm/tp.py) through torch.distributed.
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include "torch/marshal.h"
+
+namespace distgemm::torch_binding {
+namespace {
+
+dg_tp_desc tp_desc(const dg_gemm_desc& gemm, int64_t rank, int64_t world,
+                   const std::vector<int64_t>& workspaces, std::vector<void*>& storage,
+                   int64_t workspace_bytes, double timeout_s) {
+  storage.clear();
+  for (int64_t ptr : workspaces) storage.push_back(reinterpret_cast<void*>(ptr));
+  TORCH_CHECK_VALUE(static_cast<int64_t>(storage.size()) == world,
+                    "distgemm: one workspace address per rank expected, got ", storage.size());
+  dg_tp_desc d{};
+  d.gemm = gemm;
+  d.rank = static_cast<int>(rank);
+  d.world = static_cast<int>(world);
+  d.peer_workspaces = storage.data();
+  d.workspace_bytes = static_cast<size_t>(workspace_bytes);
+  d.timeout_s = timeout_s;
+  return d;
+}
+
+std::tuple<at::Tensor, at::Tensor> tp_all_gather_gemm(
+    const at::Tensor& a, const at::Tensor& b, const c10::optional<at::Tensor>& c, double alpha,
+    double beta, at::ScalarType out_dtype, const c10::optional<at::Tensor>& scale_a,
+    const c10::optional<at::Tensor>& scale_b, bool fast_accum, int64_t rank, int64_t world,
+    const std::vector<int64_t>& workspaces, int64_t workspace_bytes, double timeout_s,
+    bool return_gathered) {
+  const char* op = "distgemm.all_gather_matmul";
+  TORCH_CHECK_VALUE(a.dim() == 2 && b.dim() == 2, op, ": a and b must be 2-D");
+  const c10::cuda::CUDAGuard guard(a.device());
+  at::Tensor out = at::empty({a.size(0) * world, b.size(0)}, a.options().dtype(out_dtype));
+  at::Tensor gathered = return_gathered ? at::empty({a.size(0) * world, a.size(1)}, a.options())
+                                        : at::empty({0}, a.options());
+  std::vector<void*> storage;
+  dg_tp_desc d = tp_desc(gemm_desc(op, a, b, c, out, alpha, beta, scale_a, scale_b, fast_accum),
+                         rank, world, workspaces, storage, workspace_bytes, timeout_s);
+  if (return_gathered) d.gathered_out = gathered.data_ptr();
+  check(dg_all_gather_gemm(&d, current_stream()), op);
+  return {out, gathered};
+}
+
+at::Tensor tp_gemm_reduce_scatter(const at::Tensor& a, const at::Tensor& b,
+                                  const c10::optional<at::Tensor>& bias, double alpha, double beta,
+                                  at::ScalarType out_dtype, const c10::optional<at::Tensor>& scale_a,
+                                  const c10::optional<at::Tensor>& scale_b, bool fast_accum,
+                                  int64_t rank, int64_t world, const std::vector<int64_t>& workspaces,
+                                  int64_t workspace_bytes, double timeout_s) {
+  const char* op = "distgemm.matmul_reduce_scatter";
+  TORCH_CHECK_VALUE(a.dim() == 2 && b.dim() == 2, op, ": a and b must be 2-D");
+  TORCH_CHECK_VALUE(a.size(0) % world == 0, op, ": a's ", a.size(0), " rows must divide by the world size ", world);
+  const c10::cuda::CUDAGuard guard(a.device());
+  at::Tensor out = at::empty({a.size(0) / world, b.size(0)}, a.options().dtype(out_dtype));
+  std::vector<void*> storage;
+  dg_tp_desc d = tp_desc(gemm_desc(op, a, b, bias, out, alpha, beta, scale_a, scale_b, fast_accum),
+                         rank, world, workspaces, storage, workspace_bytes, timeout_s);
+  check(dg_gemm_reduce_scatter(&d, current_stream()), op);
+  return out;
+}
+
+// Bytes of each rank's workspace: kind 1 all-gather (rows = this rank's shard rows),
+// kind 2 reduce-scatter (rows = this rank's output rows).
+int64_t tp_workspace_size(int64_t kind, int64_t rows, int64_t k, int64_t n, at::ScalarType in_dtype,
+                          at::ScalarType out_dtype, int64_t world) {
+  dg_tp_desc d{};
+  d.world = static_cast<int>(world);
+  d.gemm.a = {nullptr, to_dg_dtype(in_dtype, "in_dtype"), rows, k, k, 1};
+  d.gemm.d = {nullptr, to_dg_dtype(out_dtype, "out_dtype"), rows, n, n, 1};
+  size_t bytes = 0;
+  check(dg_tp_workspace_size(static_cast<dg_tp_kind>(kind), &d, &bytes), "distgemm.tp_workspace_size");
+  return static_cast<int64_t>(bytes);
+}
+
+int64_t tp_error(int64_t device) { return dg_tp_error(static_cast<int>(device)); }
+
+void tp_clear_error(int64_t device) {
+  check(dg_tp_clear_error(static_cast<int>(device)), "distgemm.tp_clear_error");
+}
+
+}  // namespace
+}  // namespace distgemm::torch_binding
+
+TORCH_LIBRARY_FRAGMENT(distgemm, m) {
+  m.def("tp_all_gather_gemm(Tensor a, Tensor b, Tensor? c, float alpha, float beta, "
+        "ScalarType out_dtype, Tensor? scale_a, Tensor? scale_b, bool fast_accum, int rank, "
+        "int world, int[] workspaces, int workspace_bytes, float timeout_s, bool return_gathered) "
+        "-> (Tensor, Tensor)");
+  m.def("tp_gemm_reduce_scatter(Tensor a, Tensor b, Tensor? bias, float alpha, float beta, "
+        "ScalarType out_dtype, Tensor? scale_a, Tensor? scale_b, bool fast_accum, int rank, "
+        "int world, int[] workspaces, int workspace_bytes, float timeout_s) -> Tensor");
+  m.def("tp_workspace_size(int kind, int rows, int k, int n, ScalarType in_dtype, "
+        "ScalarType out_dtype, int world) -> int",
+        &distgemm::torch_binding::tp_workspace_size);
+  m.def("tp_error(int device) -> int", &distgemm::torch_binding::tp_error);
+  m.def("tp_clear_error(int device) -> ()", &distgemm::torch_binding::tp_clear_error);
+}
+
+TORCH_LIBRARY_IMPL(distgemm, CUDA, m) {
+  m.impl("tp_all_gather_gemm", &distgemm::torch_binding::tp_all_gather_gemm);
+  m.impl("tp_gemm_reduce_scatter", &distgemm::torch_binding::tp_gemm_reduce_scatter);
+}
