@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from typing import Optional
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
-from ._library import has_kernels, ops, warn_once
+from ._library import device_arch, has_kernels, ops, warn_once
 
 FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 FLOAT16 = (torch.bfloat16, torch.float16)
@@ -89,6 +91,7 @@ def gemm(
     out_dtype: Optional[torch.dtype] = None,
     scale_a: Optional[torch.Tensor] = None,
     scale_b: Optional[torch.Tensor] = None,
+    use_fast_accum: bool = False,
 ) -> torch.Tensor:
     """``alpha * (scale_a * scale_b * (a @ b.T)) + beta * c`` with FP32 accumulation.
 
@@ -96,22 +99,38 @@ def gemm(
     bfloat16/float16 inputs give their own dtype or float32 (``out_dtype``); float8 inputs
     (e4m3, or e5m2 against e4m3) take FP32 scales, one per tensor or one per row of a
     (``scale_a``, M values) / of b (``scale_b``, N values), and give bfloat16 by default.
+    ``use_fast_accum`` (float8, as in ``torch._scaled_mm``) keeps the partial sums in the
+    tensor cores' reduced precision for the whole K: faster, less accurate.
     Differentiable for bfloat16/float16 in a, b and c.
     """
     out_dtype = check_operands("distgemm.gemm", a, b, c, out_dtype, scale_a, scale_b)
-    return gemm_unchecked(a, b, c, alpha, beta, out_dtype, scale_a, scale_b)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (a, b, c)):
+        return _GemmFunction.apply(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, use_fast_accum)
+    return gemm_unchecked(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, use_fast_accum)
 
 
-def gemm_unchecked(a, b, c, alpha, beta, out_dtype, scale_a=None, scale_b=None):
-    """gemm for arguments check_operands accepted."""
+def gemm_unchecked(a, b, c, alpha, beta, out_dtype, scale_a=None, scale_b=None, fast_accum=False):
+    """gemm for arguments check_operands accepted, without autograd."""
     if a.shape[1] == 0 or not has_kernels(a.device):
         if a.device.type == "cuda" and a.shape[1] > 0:
             warn_once(f"distgemm: no CUTLASS kernels for {torch.cuda.get_device_name(a.device)}; "
                       "running the PyTorch reference")
         return reference_gemm(a, b, c, alpha, beta, out_dtype, scale_a, scale_b)
-    a, b, c, scale_b, n = _kernel_operands(a, b, c, out_dtype, scale_b)
-    out = ops.gemm(a, b, c, alpha, beta, out_dtype, _flat(scale_a), scale_b)
-    return out if out.shape[1] == n else out[:, :n].contiguous()
+    kernel_dtype = kernel_out_dtype(a.dtype, b.dtype, out_dtype, device_arch(a.device), fast_accum)
+    a, b, c, scale_b, n = _kernel_operands(a, b, c, kernel_dtype, scale_b)
+    out = ops.gemm(a, b, c, alpha, beta, kernel_dtype, _flat(scale_a), scale_b, fast_accum)
+    out = out if out.shape[1] == n else out[:, :n].contiguous()
+    return out if kernel_dtype == out_dtype else out.to(out_dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_out_dtype(a_dtype, b_dtype, out_dtype, arch: int, fast_accum: bool) -> torch.dtype:
+    """The output dtype to run the kernel in: out_dtype when compiled, else a wider one that
+    is (float8 combinations with fewer instances), the result then being cast."""
+    for candidate in (out_dtype, torch.float32, torch.bfloat16):
+        if ops.gemm_configs(a_dtype, b_dtype, candidate, True, arch, fast_accum):
+            return candidate
+    return out_dtype  # nothing compiled: the op raises a clear NotImplementedError
 
 
 def _flat(scale: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -154,6 +173,14 @@ def _kernel_operands(a, b, c, out_dtype, scale_b):
     return a, b, c, _flat(scale_b), n
 
 
+def kernel_ready(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> bool:
+    """True when the kernels read a and b in place (no copy or padding by _kernel_operands)."""
+    out_bytes = torch.empty((), dtype=out_dtype).element_size()
+    return (a.shape[1] * a.element_size() % 16 == 0 and b.shape[0] * out_bytes % 16 == 0
+            and _k_major(a) and (_k_major(b) or (b.dtype in FLOAT16 and _n_major(b)
+                                                 and b.shape[0] * b.element_size() % 16 == 0)))
+
+
 def _k_major(t: torch.Tensor) -> bool:
     """Row-major with a 16-byte multiple row pitch."""
     return t.stride(1) == 1 and (t.shape[0] == 1 or
@@ -177,48 +204,51 @@ def reference_gemm(a, b, c, alpha, beta, out_dtype, scale_a=None, scale_b=None):
     return out.to(out_dtype)
 
 
+def grad_of_c(grad: torch.Tensor, beta: float, shape, dtype) -> torch.Tensor:
+    """d/dc of beta * c broadcast to grad's shape: grad itself, or summed over rows (bias)."""
+    g = grad.float() * beta
+    if not (len(shape) == 2 and shape[0] == grad.shape[0]):
+        g = g.sum(0)
+    return g.reshape(shape).to(dtype)
+
+
+class _GemmFunction(torch.autograd.Function):
+    """Autograd of gemm: dA = alpha * dD @ B (distgemm, B read N-major in place),
+    dB = alpha * dD^T @ A (cuBLAS), dC = beta * dD (summed over rows for a bias)."""
+
+    @staticmethod
+    def forward(ctx, a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum):
+        if a.dtype in FLOAT8 and (a.requires_grad or b.requires_grad):
+            raise NotImplementedError("distgemm.gemm: autograd through float8 inputs is not supported")
+        ctx.save_for_backward(a, b)
+        ctx.alpha, ctx.beta = alpha, beta
+        ctx.c_meta = None if c is None else (c.shape, c.dtype)
+        return gemm_unchecked(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum)
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b = ctx.saved_tensors
+        grad_a = grad_b = grad_c = None
+        g = grad.to(a.dtype)
+        if ctx.needs_input_grad[0]:
+            grad_a = gemm_unchecked(g, b.T, None, ctx.alpha, 0.0, a.dtype)
+        if ctx.needs_input_grad[1]:
+            grad_b = torch.matmul(g.T, a)
+            if ctx.alpha != 1.0:
+                grad_b = grad_b * ctx.alpha
+        if ctx.needs_input_grad[2] and ctx.c_meta is not None:
+            grad_c = grad_of_c(grad, ctx.beta, *ctx.c_meta)
+        return grad_a, grad_b, grad_c, None, None, None, None, None, None
+
+
 # ---------------------------------------------------------------- op registration
 
 
 @torch.library.register_fake("distgemm::gemm")
-def _gemm_fake(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, config=-1, swizzle=0):
+def _gemm_fake(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum=False, config=-1, swizzle=0):
     return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
 
 
 @torch.library.register_kernel("distgemm::gemm", "cpu")
-def _gemm_cpu(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, config=-1, swizzle=0):
+def _gemm_cpu(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum=False, config=-1, swizzle=0):
     return reference_gemm(a, b, c, alpha, beta, out_dtype, scale_a, scale_b)
-
-
-def _gemm_setup_context(ctx, inputs, output):
-    a, b, c, alpha, beta, out_dtype, scale_a, scale_b = inputs[:8]
-    ctx.save_for_backward(a, b)
-    ctx.alpha, ctx.beta = alpha, beta
-    ctx.c_meta = None if c is None else (c.shape, c.dtype)
-    ctx.fp8 = a.dtype in FLOAT8
-
-
-def _gemm_backward(ctx, grad):
-    if ctx.fp8:
-        raise NotImplementedError("distgemm.gemm: autograd through float8 inputs is not supported")
-    a, b = ctx.saved_tensors
-    grad_a = grad_b = grad_c = None
-    g = grad.to(a.dtype)
-    if ctx.needs_input_grad[0]:
-        # dA = alpha * dD @ B: b.T is an N-major operand the kernels read in place.
-        grad_a = gemm_unchecked(g, b.T, None, ctx.alpha, 0.0, a.dtype)
-    if ctx.needs_input_grad[1]:
-        grad_b = torch.matmul(g.T, a)
-        if ctx.alpha != 1.0:
-            grad_b = grad_b * ctx.alpha
-    if ctx.needs_input_grad[2] and ctx.c_meta is not None:
-        shape, dtype = ctx.c_meta
-        gc = grad.float() * ctx.beta
-        grad_c = (gc if len(shape) == 2 and shape[0] == grad.shape[0] else gc.sum(0)).reshape(shape)
-        grad_c = grad_c.to(dtype)
-    return grad_a, grad_b, grad_c, None, None, None, None, None, None, None
-
-
-torch.library.register_autograd(
-    "distgemm::gemm", _gemm_backward, setup_context=_gemm_setup_context
-)

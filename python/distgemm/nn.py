@@ -86,3 +86,126 @@ class GroupedLinear(nn.Module):
         return (f"num_experts={self.num_experts}, in_features={self.in_features}, "
                 f"out_features={self.out_features}, bias={self.bias is not None}, "
                 f"fuse_wgrad_accumulation={self.fuse_wgrad_accumulation}")
+
+
+# ---------------------------------------------------------------- tensor parallelism
+
+
+def _shard(total: int, group, what: str) -> int:
+    world = group.size()
+    if total % world:
+        raise ValueError(f"{what}={total} must divide evenly by the tensor-parallel group size {world}")
+    return total // world
+
+
+class _CopyToParallel(torch.autograd.Function):
+    """Identity forward, all-reduce of the gradient (the input of a column-parallel layer
+    without sequence parallelism is replicated)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        import torch.distributed as dist
+
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromParallel(torch.autograd.Function):
+    """All-reduce forward (the partial sums of a row-parallel layer), identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        import torch.distributed as dist
+
+        x = x.contiguous()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class ColumnParallelLinear(nn.Module):
+    """``nn.Linear(in_features, out_features)`` with the output features split over the
+    tensor-parallel ``group``: this rank holds ``weight`` (out_features / P, in_features).
+
+    With ``sequence_parallel=True`` the input is this rank's (S / P, in_features) rows and the
+    all-gather runs under the GEMM (:func:`distgemm.all_gather_matmul`); the output is
+    (S, out_features / P). Otherwise the input is the full (S, in_features)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, group=None,
+                 sequence_parallel: bool = True, dtype: torch.dtype = torch.bfloat16, device=None):
+        super().__init__()
+        from .tp import _resolve
+
+        self.group = _resolve(group)
+        self.in_features, self.out_features = in_features, out_features
+        self.sequence_parallel = sequence_parallel
+        local = _shard(out_features, self.group, "out_features")
+        self.weight = nn.Parameter(torch.empty(local, in_features, dtype=dtype, device=device))
+        self.bias = nn.Parameter(torch.empty(local, dtype=dtype, device=device)) if bias else None
+        bound = 1.0 / math.sqrt(in_features)
+        nn.init.uniform_(self.weight, -bound, bound)
+        if self.bias is not None:
+            nn.init.uniform_(self.bias, -bound, bound)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from . import gemm as dense
+        from .tp import all_gather_matmul
+
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if self.sequence_parallel:
+            y = all_gather_matmul(x2, self.weight, group=self.group, c=self.bias,
+                                  beta=1.0 if self.bias is not None else 0.0)
+            return y.reshape(-1, *shape[1:-1], y.shape[-1])
+        x2 = _CopyToParallel.apply(x2, self.group)
+        y = dense.gemm(x2, self.weight, self.bias, beta=1.0 if self.bias is not None else 0.0)
+        return y.reshape(*shape[:-1], y.shape[-1])
+
+
+class RowParallelLinear(nn.Module):
+    """``nn.Linear(in_features, out_features)`` with the input features split over the
+    tensor-parallel ``group``: this rank holds ``weight`` (out_features, in_features / P).
+
+    The input is this rank's (S, in_features / P) slice. With ``sequence_parallel=True`` the
+    output is this rank's (S / P, out_features) rows, reduce-scattered under the GEMM
+    (:func:`distgemm.matmul_reduce_scatter`); otherwise the full all-reduced output."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, group=None,
+                 sequence_parallel: bool = True, dtype: torch.dtype = torch.bfloat16, device=None):
+        super().__init__()
+        from .tp import _resolve
+
+        self.group = _resolve(group)
+        self.in_features, self.out_features = in_features, out_features
+        self.sequence_parallel = sequence_parallel
+        local = _shard(in_features, self.group, "in_features")
+        self.weight = nn.Parameter(torch.empty(out_features, local, dtype=dtype, device=device))
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
+        bound = 1.0 / math.sqrt(in_features)
+        nn.init.uniform_(self.weight, -bound, bound)
+        if self.bias is not None:
+            nn.init.uniform_(self.bias, -bound, bound)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from . import gemm as dense
+        from .tp import matmul_reduce_scatter
+
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        beta = 1.0 if self.bias is not None else 0.0
+        if self.sequence_parallel:
+            y = matmul_reduce_scatter(x2, self.weight, group=self.group, c=self.bias, beta=beta)
+            return y.reshape(-1, *shape[1:-1], y.shape[-1])
+        y = _ReduceFromParallel.apply(dense.gemm(x2, self.weight), self.group)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*shape[:-1], y.shape[-1])

@@ -69,25 +69,29 @@ def test_fp8(pair, out_dtype, scales, m, n, k):
     assert_close(out, reference(a, b, c, 0.5, 1.0, sa, sb), pair[0])
 
 
-def test_fp8_matches_scaled_mm():
+@pytest.mark.parametrize("fast", [False, True])
+def test_fp8_matches_scaled_mm(fast):
     m, n, k = 1024, 2048, 4096
     a = randn(m, k, dtype=torch.float8_e4m3fn, device=DEV)
     b = randn(n, k, dtype=torch.float8_e4m3fn, device=DEV)
     sa, sb = torch.tensor(0.8, device=DEV), torch.tensor(1.3, device=DEV)
-    ours = distgemm.gemm(a, b, scale_a=sa, scale_b=sb)
-    theirs = torch._scaled_mm(a, b.T, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+    ours = distgemm.gemm(a, b, scale_a=sa, scale_b=sb, use_fast_accum=fast)
+    theirs = torch._scaled_mm(a, b.T, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16, use_fast_accum=fast)
     assert_close(ours, theirs.float(), torch.float8_e4m3fn)
+    assert_close(ours, reference(a, b, sa=sa, sb=sb), torch.float8_e4m3fn)
 
 
-@pytest.mark.parametrize("dtype,out_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
-                                             (torch.bfloat16, torch.float32),
-                                             (torch.float8_e4m3fn, torch.bfloat16)])
-@pytest.mark.parametrize("b_k_major", [True, False])
-def test_every_config(dtype, out_dtype, b_k_major):
-    if dtype in FLOAT8 and not b_k_major:
-        pytest.skip("float8 b is K-major only (checked in test_fp8_b_must_be_k_major)")
+EVERY_CONFIG = [(torch.bfloat16, torch.bfloat16, True, False), (torch.float16, torch.float16, True, False),
+                (torch.bfloat16, torch.float32, True, False), (torch.float16, torch.float32, True, False),
+                (torch.bfloat16, torch.bfloat16, False, False), (torch.float16, torch.float16, False, False),
+                (torch.float8_e4m3fn, torch.bfloat16, True, False), (torch.float8_e4m3fn, torch.bfloat16, True, True),
+                (torch.float8_e4m3fn, torch.float32, True, False)]
+
+
+@pytest.mark.parametrize("dtype,out_dtype,b_k_major,fast", EVERY_CONFIG)
+def test_every_config(dtype, out_dtype, b_k_major, fast):
     arch = device_arch(torch.device(DEV))
-    names = ops.gemm_configs(dtype, dtype, out_dtype, b_k_major, arch)
+    names = ops.gemm_configs(dtype, dtype, out_dtype, b_k_major, arch, fast)
     assert names, "no kernel compiled for this combination"
     m, n, k = 333, 392, 704
     a = randn(m, k, dtype=dtype, device=DEV)
@@ -96,7 +100,7 @@ def test_every_config(dtype, out_dtype, b_k_major):
     ref = reference(a, b, c, 1.5, 0.5)
     for config, name in enumerate(names):
         for swizzle in (1, 2):
-            out = ops.gemm(a, b, c, 1.5, 0.5, out_dtype, None, None, config, swizzle)
+            out = ops.gemm(a, b, c, 1.5, 0.5, out_dtype, None, None, fast, config, swizzle)
             try:
                 assert_close(out, ref, dtype)
             except AssertionError as e:
@@ -107,7 +111,7 @@ def test_fp8_b_must_be_k_major():
     a = randn(64, 64, dtype=torch.float8_e4m3fn, device=DEV)
     b = randn(64, 64, dtype=torch.float8_e4m3fn, device=DEV).T
     with pytest.raises(ValueError, match="float8 b must be K-major"):
-        ops.gemm(a, b, None, 1.0, 0.0, torch.bfloat16, None, None)
+        ops.gemm(a, b, None, 1.0, 0.0, torch.bfloat16, None, None, False)
     # The public op copies it into a K-major operand instead.
     assert_close(distgemm.gemm(a, b), reference(a, b), torch.float8_e4m3fn)
 
@@ -139,7 +143,7 @@ def test_raw_op_rejects_misaligned_pointer():
     a = randn(64 * 64 + 1, dtype=torch.bfloat16, device=DEV)[1:].view(64, 64)
     b = randn(64, 64, dtype=torch.bfloat16, device=DEV)
     with pytest.raises(ValueError, match="a data pointer must be 16-byte aligned"):
-        ops.gemm(a, b, None, 1.0, 0.0, torch.bfloat16, None, None)
+        ops.gemm(a, b, None, 1.0, 0.0, torch.bfloat16, None, None, False)
 
 
 @pytest.mark.parametrize("c_kind", ["full", "bias"])

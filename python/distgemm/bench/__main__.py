@@ -33,6 +33,16 @@ def cpu_reference_check() -> None:
         sys.exit(1)
 
 
+def run_tp_suite(gpus: int, out: str, quick: bool) -> str:
+    """Runs the tensor-parallel suite under torchrun, one process per GPU."""
+    import subprocess
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={gpus}",
+           "-m", "distgemm.bench.tp_suite", "--out", out] + (["--quick"] if quick else [])
+    result = subprocess.run(cmd, env=dict(os.environ))
+    return "ok" if result.returncode == 0 else f"failed (exit {result.returncode})"
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m distgemm.bench", description=__doc__)
     parser.add_argument("--suites", default=",".join(SUITES),
@@ -67,6 +77,15 @@ def main(argv=None) -> None:
         summary.update(gemm_suite.run(args.out, args.quick))
         if args.tune:
             gemm_suite.tune(args.out, args.quick)
+    if "grouped" in suites:
+        from . import grouped_suite
+
+        summary.update(grouped_suite.run(args.out, args.quick))
+    if "tp" in suites:
+        if gpus < 2:
+            print("\n== tensor-parallel suite skipped: it needs 2 or more GPUs")
+        else:
+            summary["tp"] = run_tp_suite(gpus, args.out, args.quick)
     print("\n== summary (geomean of peer time / distgemm time)")
     for name, value in summary.items():
         print(f"  {name}: {value}")

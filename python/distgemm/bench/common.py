@@ -50,7 +50,7 @@ class Timer:
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
         for s, e in zip(starts, ends):
             self._flush.zero_()
-            torch.cuda._sleep(100_000)  # queue the run behind ~50 us of GPU work: no host gaps
+            torch.cuda._sleep(400_000)  # queue the run behind ~200 us of GPU work: device time only
             s.record()
             fn()
             e.record()

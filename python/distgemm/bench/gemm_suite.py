@@ -41,16 +41,17 @@ def _rel(x, y):
 def run(out_dir: str, quick: bool = False) -> dict:
     timer = Timer()
     result = {}
-    for fp8 in (False, True):
+    for fp8, fast in ((False, False), (True, False), (True, True)):
         peer = "scaled_mm" if fp8 else "cublas"
-        dtype = "fp8_e4m3" if fp8 else "bf16"
+        dtype = ("fp8_e4m3_fast_accum" if fast else "fp8_e4m3") if fp8 else "bf16"
         rows = []
         print(f"\n== dense GEMM {dtype}: distgemm vs {peer} (TFLOP/s, ratio = {peer} time / ours)")
         for m, n, k in tqdm(shapes(quick), desc=f"gemm {dtype}", leave=False):
             a, b, sa, sb = _inputs(m, n, k, fp8)
             if fp8:
-                ours = lambda: distgemm.gemm(a, b, scale_a=sa, scale_b=sb)
-                theirs = lambda: torch._scaled_mm(a, b.T, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+                ours = lambda: distgemm.gemm(a, b, scale_a=sa, scale_b=sb, use_fast_accum=fast)
+                theirs = lambda: torch._scaled_mm(a, b.T, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16,
+                                                  use_fast_accum=fast)
             else:
                 ours = lambda: distgemm.gemm(a, b)
                 theirs = lambda: torch.matmul(a, b.T)
@@ -66,7 +67,7 @@ def run(out_dir: str, quick: bool = False) -> dict:
         geo = round(geomean([r["ratio"] for r in rows]), 4)
         print(f"geomean distgemm / {peer} ({dtype}): {geo:.3f}")
         slug = gpu_slug(1)
-        suite = f"gemm_{'fp8' if fp8 else 'bf16'}"
+        suite = f"gemm_{('fp8_fast_accum' if fast else 'fp8') if fp8 else 'bf16'}"
         path = write_results(out_dir, slug, suite, rows, {peer: geo})
         plot_ratios(path.replace(".json", ".png"), f"distgemm {dtype} GEMM vs {peer} on {slug}",
                     [f"{r['shape']['m']}x{r['shape']['n']}x{r['shape']['k']}" for r in rows],
@@ -86,21 +87,23 @@ def tune(out_dir: str, quick: bool = False) -> None:
     if quick:
         sweep = sweep[:3]
     records = []
-    for fp8 in (False, True):
+    for fp8, fast in ((False, False), (True, False), (True, True)):
         dt = torch.float8_e4m3fn if fp8 else torch.bfloat16
-        names = ops.gemm_configs(dt, dt, torch.bfloat16, True, arch)
-        for m, n, k in tqdm(sweep, desc=f"tune {'fp8' if fp8 else 'bf16'}", leave=False):
+        label = ("fp8_fast" if fast else "fp8") if fp8 else "bf16"
+        names = ops.gemm_configs(dt, dt, torch.bfloat16, True, arch, fast)
+        for m, n, k in tqdm(sweep, desc=f"tune {label}", leave=False):
             a, b, sa, sb = _inputs(m, n, k, fp8)
             heuristic = ops.gemm_select_config(m, n, k, dt, dt, torch.bfloat16, True, arch,
-                                               torch.cuda.get_device_properties(0).multi_processor_count)
+                                               torch.cuda.get_device_properties(0).multi_processor_count,
+                                               fast)
             times = {}
             for (ci, name), sw in itertools.product(enumerate(names), (1, 2, 4, 8)):
-                fn = lambda: ops.gemm(a, b, None, 1.0, 0.0, torch.bfloat16, sa, sb, ci, sw)
+                fn = lambda: ops.gemm(a, b, None, 1.0, 0.0, torch.bfloat16, sa, sb, fast, ci, sw)
                 times[f"{name}/s{sw}"] = timer(fn, warmup=2, reps=10)
             best = min(times, key=times.get)
-            auto = timer(lambda: ops.gemm(a, b, None, 1.0, 0.0, torch.bfloat16, sa, sb, -1, 0), 2, 10)
+            auto = timer(lambda: ops.gemm(a, b, None, 1.0, 0.0, torch.bfloat16, sa, sb, fast, -1, 0), 2, 10)
             flops = 2.0 * m * n * k
-            records.append({"dtype": "fp8" if fp8 else "bf16", "m": m, "n": n, "k": k,
+            records.append({"dtype": label, "m": m, "n": n, "k": k,
                             "heuristic": names[heuristic], "heuristic_ms": auto,
                             "best": best, "best_ms": times[best],
                             "tflops": {key: round(flops / t / 1e9, 1) for key, t in times.items()}})

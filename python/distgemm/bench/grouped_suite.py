@@ -1,0 +1,140 @@
+"""Grouped GEMM suite (MoE): distgemm's one-launch CUTLASS kernel against a per-expert
+cuBLAS loop, multi-stream cuBLAS, torch._grouped_mm and (equal groups) torch.bmm, for the
+forward, dgrad and wgrad GEMMs of each layer shape, same inputs, same timer."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from tqdm import tqdm
+
+import distgemm
+
+from .common import Timer, entry, geomean, gpu_slug, plot_ratios, print_row, write_results
+
+# (name, experts G, mean tokens per expert, N, K, routing)
+SUITE = [
+    ("seed-8x4096", 8, 4096, 768, 2048, "balanced"),
+    ("seed-16x2048", 16, 2048, 768, 2048, "balanced"),
+    ("8x512", 8, 512, 768, 2048, "balanced"),
+    ("128x256", 128, 256, 768, 2048, "balanced"),
+    ("8x4096-N2048-K768", 8, 4096, 2048, 768, "balanced"),
+    ("32x1024-N4096-K7168", 32, 1024, 4096, 7168, "balanced"),
+    ("dsv3-up", 32, 2048, 2048, 7168, "balanced"),
+    ("dsv3-up-zipf", 32, 2048, 2048, 7168, "zipf"),
+    ("dsv3-down", 32, 2048, 7168, 2048, "balanced"),
+    ("dsv3-down-zipf", 32, 2048, 7168, 2048, "zipf"),
+]
+SMALL_M = ("8x512", "128x256")
+
+
+def counts_for(groups: int, mean: int, routing: str) -> list:
+    total = groups * mean
+    if routing == "balanced":
+        return [mean] * groups
+    weights = [1.0 / (r + 1) ** 1.1 for r in range(groups)]  # Zipf over the experts
+    counts = [int(total * w / sum(weights)) for w in weights]
+    counts[0] += total - sum(counts)
+    return counts
+
+
+def _backend_call(name: str, fn):
+    def call():
+        old = os.environ.get("DISTGEMM_GROUPED_BACKEND")
+        os.environ["DISTGEMM_GROUPED_BACKEND"] = name
+        try:
+            return fn()
+        finally:
+            if old is None:
+                del os.environ["DISTGEMM_GROUPED_BACKEND"]
+            else:
+                os.environ["DISTGEMM_GROUPED_BACKEND"] = old
+    return call
+
+
+def _rel(x, y):
+    return ((x.float() - y.float()).norm() / y.float().norm().clamp_min(1e-30)).item()
+
+
+def run(out_dir: str, quick: bool = False) -> dict:
+    timer = Timer()
+    suite = SUITE[:3] if quick else SUITE
+    rows = []
+    print("\n== grouped GEMM bf16 (TFLOP/s; ratio = peer time / ours)")
+    for name, g, mean, n, k, routing in tqdm(suite, desc="grouped", leave=False):
+        counts = counts_for(g, mean, routing)
+        t = sum(counts)
+        offs = torch.tensor(counts, device="cuda", dtype=torch.int64).cumsum(0).to(torch.int32)
+        host_bounds = [0] + torch.tensor(counts).cumsum(0).tolist()
+        x = torch.randn(t, k, device="cuda").to(torch.bfloat16)
+        w = (torch.randn(g, n, k, device="cuda") * 0.05).to(torch.bfloat16)
+        dy = torch.randn(t, n, device="cuda").to(torch.bfloat16)
+        flops = 2.0 * t * n * k
+        equal = routing == "balanced"
+
+        def loop(fn):
+            return lambda: [fn(e, host_bounds[e], host_bounds[e + 1]) for e in range(g)]
+
+        passes = {
+            "forward": {
+                "distgemm": _backend_call("cutlass", lambda: distgemm.grouped_mm(x, w, offs)),
+                "multistream_cublas": _backend_call("cublas", lambda: distgemm.grouped_mm(x, w, offs)),
+                "torch_grouped_mm": lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs),
+                "loop": loop(lambda e, s, f: torch.matmul(x[s:f], w[e].T)),
+                "bmm": (lambda: torch.bmm(x.view(g, mean, k), w.transpose(1, 2))) if equal else None,
+            },
+            "dgrad": {
+                "distgemm": _backend_call("cutlass", lambda: distgemm.grouped_mm(dy, w, offs, trans_w=False)),
+                "multistream_cublas": _backend_call("cublas", lambda: distgemm.grouped_mm(dy, w, offs, trans_w=False)),
+                "torch_grouped_mm": lambda: torch._grouped_mm(dy, w, offs=offs),
+                "loop": loop(lambda e, s, f: torch.matmul(dy[s:f], w[e])),
+                "bmm": (lambda: torch.bmm(dy.view(g, mean, n), w)) if equal else None,
+            },
+            "wgrad": {
+                "distgemm": _backend_call("cutlass", lambda: distgemm.grouped_mm_wgrad(dy, x, offs)),
+                "multistream_cublas": _backend_call("cublas", lambda: distgemm.grouped_mm_wgrad(dy, x, offs)),
+                "torch_grouped_mm": lambda: torch._grouped_mm(dy.T, x, offs=offs, out_dtype=torch.float32),
+                "loop": loop(lambda e, s, f: torch.mm(dy[s:f].T, x[s:f], out_dtype=torch.float32)),
+                "bmm": (lambda: torch.bmm(dy.view(g, mean, n).transpose(1, 2), x.view(g, mean, k),
+                                          out_dtype=torch.float32)) if equal else None,
+            },
+        }
+        for pass_name, impls in passes.items():
+            ours = impls["distgemm"]()
+            reference = impls["torch_grouped_mm"]()
+            err = _rel(ours, reference)
+            row = {"shape": {"name": name, "groups": g, "tokens_per_group": mean, "n": n, "k": k,
+                             "routing": routing, "pass": pass_name, "counts": counts}, "rel_err_vs_torch": err}
+            for impl, fn in impls.items():
+                if fn is not None:
+                    row[impl] = entry(timer(fn), flops)
+            row["ratios"] = {impl: round(row[impl]["ms"] / row["distgemm"]["ms"], 4)
+                             for impl in impls if impl != "distgemm" and impl in row}
+            rows.append(row)
+            print_row(f"{pass_name:7s} {name}", {"ours": row["distgemm"]["tflops"],
+                      **{p: f"{r:.2f}x" for p, r in row["ratios"].items()}})
+        del x, w, dy
+
+    def geo(pass_name, peer, subset=None):
+        vals = [r["ratios"][peer] for r in rows if r["shape"]["pass"] == pass_name and peer in r["ratios"]
+                and (subset is None or r["shape"]["name"] in subset)]
+        return round(geomean(vals), 4) if vals else None
+
+    summary = {}
+    for pass_name in ("forward", "dgrad", "wgrad"):
+        for peer in ("torch_grouped_mm", "multistream_cublas", "loop", "bmm"):
+            summary[f"{pass_name}_vs_{peer}"] = geo(pass_name, peer)
+    summary["forward_vs_torch_grouped_mm_min"] = min(r["ratios"]["torch_grouped_mm"] for r in rows
+                                                     if r["shape"]["pass"] == "forward")
+    summary["forward_small_m_vs_torch_grouped_mm"] = geo("forward", "torch_grouped_mm", SMALL_M)
+    print("geomeans (peer time / ours):", {k: v for k, v in summary.items() if v is not None})
+    slug = gpu_slug(1)
+    path = write_results(out_dir, slug, "grouped", rows, summary)
+    labels = [f"{r['shape']['pass'][:3]} {r['shape']['name']}" for r in rows]
+    plot_ratios(path.replace(".json", ".png"), f"distgemm grouped GEMM vs peers on {slug} (bf16)", labels,
+                {peer: [r["ratios"].get(peer, 0) for r in rows]
+                 for peer in ("torch_grouped_mm", "multistream_cublas", "loop")}, "peer time / distgemm time")
+    return {"grouped_forward_vs_torch": summary["forward_vs_torch_grouped_mm"],
+            "grouped_wgrad_vs_loop": summary["wgrad_vs_loop"],
+            "grouped_wgrad_vs_torch": summary["wgrad_vs_torch_grouped_mm"]}

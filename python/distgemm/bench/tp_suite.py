@@ -1,0 +1,156 @@
+"""Tensor-parallel suite, one process per GPU (``torchrun --nproc-per-node=P -m
+distgemm.bench.tp_suite``; ``python -m distgemm.bench`` launches it when it sees 2+ GPUs).
+
+Per shape, same inputs and timer on every rank: sequential NCCL + cuBLAS, PyTorch async-TP
+(torch.ops.symm_mem.fused_*), distgemm, and ideal = max(t_gemm, t_comm) from the GEMM and
+the collective timed alone. A time is the slowest rank's median."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+for _var, _val in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                   ("NVSHMEM_DISABLE_NVLS", "1")):
+    os.environ[_var] = _val
+
+import torch
+import torch.distributed as dist
+
+import distgemm
+
+from .common import Timer, entry, geomean, gpu_slug, plot_ratios, print_row, write_results
+
+# Llama-3 TP layers: (model, hidden, ffn, q heads, kv heads, head dim)
+MODELS = [("llama3-8b", 4096, 14336, 32, 8, 128), ("llama3-70b", 8192, 28672, 64, 8, 128)]
+TOKENS = (4096, 8192, 16384)
+EXTRA = [(8192, 8192, 28672), (4096, 4096, 14336), (16384, 8192, 8192)]  # (M, K, N)
+
+
+def shapes(world: int, quick: bool):
+    """(label, kind, M, K, N): kind 'ag' = all-gather + GEMM with N split over ranks,
+    'rs' = GEMM + reduce-scatter with K split."""
+    out = []
+    for model, hidden, ffn, heads, kv, dim in MODELS:
+        qkv = (heads + 2 * kv) * dim
+        for t in TOKENS[:1] if quick else TOKENS:
+            out += [(f"{model} qkv t{t}", "ag", t, hidden, qkv), (f"{model} attn-out t{t}", "rs", t, hidden, hidden),
+                    (f"{model} fc1 t{t}", "ag", t, hidden, 2 * ffn), (f"{model} fc2 t{t}", "rs", t, ffn, hidden)]
+        if quick:
+            break
+    for m, k, n in EXTRA[: 1 if quick else None]:
+        out += [(f"ag {m}x{k}x{n}", "ag", m, k, n), (f"rs {m}x{k}x{n}", "rs", m, k, n)]
+    return [s for s in out if s[2] % world == 0 and (s[1] != "ag" or s[4] % world == 0)
+            and (s[1] != "rs" or s[3] % world == 0)]
+
+
+def _slowest(ms: float) -> float:
+    t = torch.tensor([ms], device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=os.path.join("bench", "results"))
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args(argv)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+    group = dist.group.WORLD
+    name = group.group_name
+    import torch.distributed._symmetric_memory as symm_mem
+
+    symm_mem.enable_symm_mem_for_group(name)
+    timer = Timer()
+    rows = []
+    if rank == 0:
+        print(f"\n== tensor-parallel GEMMs, bf16, {world} ranks (ms; x = ratio to ours)")
+    for label, kind, m, k, n in shapes(world, args.quick):
+        torch.manual_seed(0)
+        if kind == "ag":
+            nl = n // world
+            a = torch.randn(m // world, k, device="cuda").to(torch.bfloat16)
+            b = (torch.randn(nl, k, device="cuda") * 0.05).to(torch.bfloat16)
+            gathered = torch.empty(m, k, device="cuda", dtype=torch.bfloat16)
+            flops = 2.0 * m * nl * k
+            impls = {
+                "distgemm": lambda: distgemm.all_gather_matmul(a, b, group=group),
+                "sequential": lambda: torch.matmul(
+                    (dist.all_gather_into_tensor(gathered, a, group=group), gathered)[1], b.T),
+                "async_tp": lambda: torch.ops.symm_mem.fused_all_gather_matmul(a, [b.T], 0, name)[1][0],
+                "gemm": lambda: torch.matmul(gathered, b.T),
+                "comm": lambda: dist.all_gather_into_tensor(gathered, a, group=group),
+            }
+            check = torch.matmul(torch.cat([t for t in _gather_list(a, world)]), b.T)
+        else:
+            kl = k // world
+            a = torch.randn(m, kl, device="cuda").to(torch.bfloat16)
+            b = (torch.randn(n, kl, device="cuda") * 0.05).to(torch.bfloat16)
+            partial = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+            shard = torch.empty(m // world, n, device="cuda", dtype=torch.bfloat16)
+            flops = 2.0 * m * n * kl
+            impls = {
+                "distgemm": lambda: distgemm.matmul_reduce_scatter(a, b, group=group),
+                "sequential": lambda: dist.reduce_scatter_tensor(shard, torch.matmul(a, b.T), group=group),
+                "async_tp": lambda: torch.ops.symm_mem.fused_matmul_reduce_scatter(a, b.T, "sum", 0, name),
+                "gemm": lambda: torch.matmul(a, b.T, out=partial),
+                "comm": lambda: dist.reduce_scatter_tensor(shard, partial, group=group),
+            }
+            full = torch.matmul(a, b.T).float()
+            dist.all_reduce(full)
+            check = full.chunk(world)[rank]
+        ours = impls["distgemm"]()
+        err = ((ours.float() - check.float()).norm() / check.float().norm()).item()
+        times = {}
+        for impl, fn in impls.items():
+            dist.barrier()
+            times[impl] = _slowest(timer(fn, warmup=3, reps=15))
+        distgemm.check_errors()
+        ideal = max(times["gemm"], times["comm"])
+        row = {"shape": {"label": label, "kind": kind, "m": m, "k": k, "n": n, "world": world,
+                         "gemm_m": m, "gemm_n": n // world if kind == "ag" else n,
+                         "gemm_k": k if kind == "ag" else k // world},
+               "rel_err": err, "ideal": entry(ideal, flops)}
+        for impl in ("distgemm", "sequential", "async_tp", "gemm", "comm"):
+            row[impl] = entry(times[impl], flops)
+        row["ours_over_ideal"] = round(times["distgemm"] / ideal, 4)
+        row["speedup_vs_sequential"] = round(times["sequential"] / times["distgemm"], 4)
+        row["speedup_vs_async_tp"] = round(times["async_tp"] / times["distgemm"], 4)
+        rows.append(row)
+        if rank == 0:
+            print_row(label, {"ours": f"{times['distgemm']:.3f}", "seq": f"{times['sequential']:.3f}",
+                              "asyncTP": f"{times['async_tp']:.3f}", "ideal": f"{ideal:.3f}",
+                              "ours/ideal": f"{row['ours_over_ideal']:.3f}",
+                              "vs_seq": f"{row['speedup_vs_sequential']:.2f}x",
+                              "vs_asyncTP": f"{row['speedup_vs_async_tp']:.2f}x", "err": f"{err:.1e}"})
+    if rank == 0:
+        big = [r for r in rows if r["gemm"]["ms"] >= 0.3]
+        summary = {
+            "async_tp": round(geomean([r["speedup_vs_async_tp"] for r in rows]), 4),
+            "sequential": round(geomean([r["speedup_vs_sequential"] for r in rows]), 4),
+            "min_speedup_vs_sequential": min(r["speedup_vs_sequential"] for r in rows),
+            "max_ours_over_ideal_where_gemm_ge_0.3ms": max((r["ours_over_ideal"] for r in big), default=None),
+            "geomean_ours_over_ideal": round(geomean([r["ours_over_ideal"] for r in rows]), 4),
+        }
+        print("summary:", summary)
+        slug = gpu_slug(world)
+        path = write_results(args.out, slug, "tp", rows, summary, gpus=world)
+        plot_ratios(path.replace(".json", ".png"), f"distgemm TP GEMMs on {slug} (bf16): speed-up",
+                    [r["shape"]["label"] for r in rows],
+                    {"vs sequential": [r["speedup_vs_sequential"] for r in rows],
+                     "vs PyTorch async-TP": [r["speedup_vs_async_tp"] for r in rows],
+                     "ideal / ours": [1.0 / r["ours_over_ideal"] for r in rows]}, "ratio")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _gather_list(a, world):
+    parts = [torch.empty_like(a) for _ in range(world)]
+    dist.all_gather(parts, a)
+    return parts
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,248 @@
+"""Bodies of the tensor-parallel tests, run on every rank by tests.dist_helpers.run_ranks.
+The same checks run on CPU with gloo (the collectives path) and on GPUs with NCCL (the
+fused path). Every rank draws the full operands from one seed and keeps its shard, so the
+reference is the plain single-device product."""
+
+import time
+
+import torch
+import torch.distributed as dist
+
+import distgemm
+from distgemm.nn import ColumnParallelLinear, RowParallelLinear
+from tests.reference import assert_close
+
+
+def device_for(rank: int) -> torch.device:
+    return torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def full(shape, dtype, dev, seed, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, generator=g) * scale
+    if dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        x = x.clamp(-240, 240)
+    return x.to(dtype).to(dev)
+
+
+def ref(a, b, c=None, alpha=1.0, beta=0.0, sa=None, sb=None):
+    acc = a.double() @ b.double().T
+    if sa is not None:
+        acc = acc * sa.double().reshape(-1, 1)
+    if sb is not None:
+        acc = acc * sb.double().reshape(1, -1)
+    out = alpha * acc
+    return out if c is None else out + beta * c.double()
+
+
+AG_SHAPES = [(128, 256, 128), (1000, 520, 256), (1, 264, 64), (333, 1032, 512)]  # (m_local, N, K)
+
+
+def check_all_gather_matmul(rank, world, dtypes=(torch.bfloat16, torch.float16)):
+    dev = device_for(rank)
+    for dtype in dtypes:
+        for i, (m, n, k) in enumerate(AG_SHAPES):
+            a_full = full((m * world, k), dtype, dev, 10 + i)
+            b = full((n, k), dtype, dev, 20 + i, 0.1)
+            a = a_full[rank * m:(rank + 1) * m]
+            out, gathered = distgemm.all_gather_matmul(a, b, return_gathered=True)
+            assert out.shape == (m * world, n) and torch.equal(gathered, a_full)
+            assert_close(out, ref(a_full, b))
+            c = full((m * world, n), dtype, dev, 30 + i)
+            assert_close(distgemm.all_gather_matmul(a, b, c=c, alpha=0.5, beta=-1.5), ref(a_full, b, c, 0.5, -1.5))
+            bias = full((n,), dtype, dev, 40 + i)
+            out32 = distgemm.all_gather_matmul(a, b, c=bias, beta=1.0, out_dtype=torch.float32)
+            assert out32.dtype == torch.float32
+            assert_close(out32, ref(a_full, b, bias.expand(m * world, n), 1.0, 1.0))
+    # dist_matmul: the seed's argument order, default group
+    a_full = full((64 * world, 128), torch.bfloat16, dev, 50)
+    b, c = full((256, 128), torch.bfloat16, dev, 51), full((64 * world, 256), torch.bfloat16, dev, 52)
+    out = distgemm.dist_matmul(a_full[rank * 64:(rank + 1) * 64], b, c, 2.0, 0.5)
+    assert_close(out, ref(a_full, b, c, 2.0, 0.5))
+
+
+def check_all_gather_matmul_fp8(rank, world):
+    dev = device_for(rank)
+    m, n, k = 200, 512, 256
+    a_full = full((m * world, k), torch.float8_e4m3fn, dev, 60)
+    b = full((n, k), torch.float8_e4m3fn, dev, 61)
+    a = a_full[rank * m:(rank + 1) * m]
+    # each rank's shard has its own per-tensor scale; b has per-channel scales
+    sa_full = torch.arange(1, world + 1, dtype=torch.float32, device=dev).repeat_interleave(m) * 0.25
+    sb = torch.rand(n, generator=torch.Generator().manual_seed(62)).to(dev) + 0.5
+    out = distgemm.all_gather_matmul(a, b, scale_a=sa_full[rank * m:rank * m + 1].clone(), scale_b=sb)
+    assert_close(out, ref(a_full, b, sa=sa_full, sb=sb), torch.float8_e4m3fn)
+    rowwise = torch.rand(m * world, generator=torch.Generator().manual_seed(63)).to(dev) + 0.5
+    out = distgemm.all_gather_matmul(a, b, scale_a=rowwise[rank * m:(rank + 1) * m].contiguous(), scale_b=sb)
+    assert_close(out, ref(a_full, b, sa=rowwise, sb=sb), torch.float8_e4m3fn)
+
+
+RS_SHAPES = [(128, 256, 128), (250, 520, 256), (1, 264, 64)]  # (m_local, N, K_local)
+
+
+def check_matmul_reduce_scatter(rank, world, dtypes=(torch.bfloat16, torch.float16)):
+    dev = device_for(rank)
+    for dtype in dtypes:
+        for i, (m, n, k) in enumerate(RS_SHAPES):
+            a_full = full((m * world, k * world), dtype, dev, 70 + i)
+            b_full = full((n, k * world), dtype, dev, 80 + i, 0.1)
+            a, b = a_full[:, rank * k:(rank + 1) * k], b_full[:, rank * k:(rank + 1) * k]
+            rows = slice(rank * m, (rank + 1) * m)
+            out = distgemm.matmul_reduce_scatter(a.contiguous(), b.contiguous())
+            assert out.shape == (m, n)
+            assert_close(out, ref(a_full, b_full)[rows])
+            bias = full((n,), dtype, dev, 90 + i)
+            out = distgemm.matmul_reduce_scatter(a.contiguous(), b.contiguous(), c=bias, alpha=0.5, beta=2.0)
+            assert_close(out, ref(a_full, b_full, bias.expand(m * world, n), 0.5, 2.0)[rows])
+            c = full((m, n), dtype, dev, 95 + i)
+            out = distgemm.matmul_reduce_scatter(a.contiguous(), b.contiguous(), c=c, beta=-1.0,
+                                                 out_dtype=torch.float32)
+            assert_close(out, ref(a_full, b_full)[rows] - c.double())
+
+
+def check_parallel_mlp_autograd(rank, world, sequence_parallel=True):
+    """Column- then row-parallel layers vs one GPU's nn.Linear pair: outputs and gradients."""
+    dev = device_for(rank)
+    dtype = torch.bfloat16
+    s, d, h = 64 * world, 128, 256
+    torch.manual_seed(0)
+    fc1 = torch.nn.Linear(d, h, dtype=torch.float32, device=dev)
+    fc2 = torch.nn.Linear(h, d, dtype=torch.float32, device=dev)
+    col = ColumnParallelLinear(d, h, bias=True, sequence_parallel=sequence_parallel, dtype=dtype, device=dev)
+    row = RowParallelLinear(h, d, bias=True, sequence_parallel=sequence_parallel, dtype=dtype, device=dev)
+    hl, rows = h // world, slice(rank * (s // world), (rank + 1) * (s // world))
+    with torch.no_grad():
+        col.weight.copy_(fc1.weight[rank * hl:(rank + 1) * hl])
+        col.bias.copy_(fc1.bias[rank * hl:(rank + 1) * hl])
+        row.weight.copy_(fc2.weight[:, rank * hl:(rank + 1) * hl])
+        row.bias.copy_(fc2.bias)
+    x_full = full((s, d), dtype, dev, 100)
+    x = (x_full[rows] if sequence_parallel else x_full).clone().requires_grad_()
+    y = row(torch.relu(col(x)))
+    x_ref = x_full.float().requires_grad_()
+    y_ref = fc2(torch.relu(fc1(x_ref)))
+    assert_close(y, y_ref[rows] if sequence_parallel else y_ref)
+    dy_full = full((s, d), dtype, dev, 101)
+    y.backward(dy_full[rows] if sequence_parallel else dy_full)
+    y_ref.backward(dy_full.float())
+    assert_close(x.grad, x_ref.grad[rows] if sequence_parallel else x_ref.grad)
+    assert_close(col.weight.grad, fc1.weight.grad[rank * hl:(rank + 1) * hl])
+    assert_close(col.bias.grad, fc1.bias.grad[rank * hl:(rank + 1) * hl])
+    assert_close(row.weight.grad, fc2.weight.grad[:, rank * hl:(rank + 1) * hl])
+    assert_close(row.bias.grad, fc2.bias.grad)
+
+
+def check_alternating_shapes(rank, world):
+    dev = device_for(rank)
+    shapes = [(256, 512, 256), (96, 264, 128)]
+    for step in range(6):
+        m, n, k = shapes[step % 2]
+        a_full = full((m * world, k), torch.bfloat16, dev, 200 + step)
+        b = full((n, k), torch.bfloat16, dev, 300 + step, 0.1)
+        out = distgemm.all_gather_matmul(a_full[rank * m:(rank + 1) * m], b)
+        assert_close(out, ref(a_full, b))
+        out = distgemm.matmul_reduce_scatter(a_full, b)  # the same K on every rank: world * a @ b.T
+        assert_close(out, world * ref(a_full, b)[rank * m:(rank + 1) * m])
+
+
+def check_everything_gloo(rank, world):
+    check_all_gather_matmul(rank, world, dtypes=(torch.bfloat16,))
+    check_all_gather_matmul_fp8(rank, world)
+    check_matmul_reduce_scatter(rank, world, dtypes=(torch.bfloat16,))
+    check_parallel_mlp_autograd(rank, world, sequence_parallel=True)
+    check_parallel_mlp_autograd(rank, world, sequence_parallel=False)
+    check_alternating_shapes(rank, world)
+
+
+def check_graph_compile_and_alternation(rank, world):
+    check_alternating_shapes(rank, world)
+    check_cuda_graph_replay(rank, world)
+    check_torch_compile(rank, world)
+
+
+def check_mismatched_shapes(rank, world):
+    dev = device_for(rank)
+    m = 64 if rank == 0 else 32
+    a = full((m, 128), torch.bfloat16, dev, 400)
+    b = full((256, 128), torch.bfloat16, dev, 401)
+    try:
+        distgemm.all_gather_matmul(a, b)
+    except ValueError as e:
+        assert "ranks passed different shapes" in str(e), e
+    else:
+        raise AssertionError("mismatched shapes were not reported")
+
+
+def check_cuda_graph_replay(rank, world):
+    dev = device_for(rank)
+    m, n, k = 256, 512, 256
+    a = torch.empty(m, k, dtype=torch.bfloat16, device=dev)
+    a_rs = torch.empty(m * world, k, dtype=torch.bfloat16, device=dev)
+    b = full((n, k), torch.bfloat16, dev, 500, 0.1)
+    a.copy_(full((m, k), torch.bfloat16, dev, 501))
+    a_rs.copy_(full((m * world, k), torch.bfloat16, dev, 502))
+    side = torch.cuda.Stream(device=dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):  # warm-up: workspaces and checks happen outside the capture
+        distgemm.all_gather_matmul(a, b)
+        distgemm.matmul_reduce_scatter(a_rs, b)
+    torch.cuda.current_stream(dev).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_ag = distgemm.all_gather_matmul(a, b)
+        out_rs = distgemm.matmul_reduce_scatter(a_rs, b)
+    for step in range(4):
+        a_full = full((m * world, k), torch.bfloat16, dev, 600 + step)
+        a.copy_(a_full[rank * m:(rank + 1) * m])
+        a_rs.copy_(a_full)
+        dist.barrier()
+        graph.replay()
+        torch.cuda.synchronize(dev)
+        assert_close(out_ag, ref(a_full, b))
+        assert_close(out_rs, world * ref(a_full, b)[rank * m:(rank + 1) * m])
+    distgemm.check_errors(dev)
+
+
+def check_torch_compile(rank, world):
+    dev = device_for(rank)
+    a_full = full((128 * world, 256), torch.bfloat16, dev, 700)
+    b = full((512, 256), torch.bfloat16, dev, 701, 0.1)
+    group = dist.group.WORLD
+
+    def f(a, b):
+        return torch.relu(distgemm.all_gather_matmul(a, b, group=group))
+
+    compiled = torch.compile(f, fullgraph=True)
+    out = compiled(a_full[rank * 128:(rank + 1) * 128], b)
+    assert_close(out, ref(a_full, b).clamp_min(0))
+
+
+def check_peer_timeout(rank, world):
+    """Rank 0 calls once more than rank 1: its GEMM must give up after DISTGEMM_TIMEOUT_S and
+    report rank 1, not hang."""
+    dev = device_for(rank)
+    a = full((128, 256), torch.bfloat16, dev, 800)
+    b = full((256, 256), torch.bfloat16, dev, 801)
+    distgemm.all_gather_matmul(a, b)  # both ranks: workspace set up
+    torch.cuda.synchronize(dev)
+    dist.barrier()
+    if rank == 0:
+        start = time.time()
+        distgemm.all_gather_matmul(a, b)
+        torch.cuda.synchronize(dev)
+        elapsed = time.time() - start
+        try:
+            distgemm.check_errors(dev)
+        except RuntimeError as e:
+            assert "waited more than DISTGEMM_TIMEOUT_S=3 s for group rank 1" in str(e), e
+        else:
+            raise AssertionError("no timeout error after the peer never arrived")
+        assert elapsed < 60, f"the timed-out call took {elapsed:.0f} s"
+        try:
+            distgemm.all_gather_matmul(a, b)  # the next call reports it too
+        except RuntimeError as e:
+            assert "waited more than" in str(e)
+        else:
+            raise AssertionError("the next call did not report the timeout")
+        torch.ops.distgemm.tp_clear_error(dev.index)
+    dist.barrier()
