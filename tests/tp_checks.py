@@ -112,6 +112,8 @@ def check_parallel_mlp_autograd(rank, world, sequence_parallel=True):
     row = RowParallelLinear(h, d, bias=True, sequence_parallel=sequence_parallel, dtype=dtype, device=dev)
     hl, rows = h // world, slice(rank * (s // world), (rank + 1) * (s // world))
     with torch.no_grad():
+        for p in (*fc1.parameters(), *fc2.parameters()):  # the same bf16 values on both sides
+            p.copy_(p.to(dtype))
         col.weight.copy_(fc1.weight[rank * hl:(rank + 1) * hl])
         col.bias.copy_(fc1.bias[rank * hl:(rank + 1) * hl])
         row.weight.copy_(fc2.weight[:, rank * hl:(rank + 1) * hl])

@@ -1,7 +1,7 @@
 """distgemm: CUTLASS GEMMs for tensor-parallel and Mixture-of-Experts training in PyTorch."""
 
 from ._library import KERNEL_ARCHS, has_kernels
-from .gemm import gemm
+from .dense import gemm
 from .grouped import grouped_mm, grouped_mm_wgrad
 from .tp import all_gather_matmul, check_errors, dist_matmul, matmul_reduce_scatter
 from . import nn

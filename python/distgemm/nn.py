@@ -157,7 +157,7 @@ class ColumnParallelLinear(nn.Module):
             nn.init.uniform_(self.bias, -bound, bound)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from . import gemm as dense
+        from .dense import gemm
         from .tp import all_gather_matmul
 
         shape = x.shape
@@ -167,7 +167,7 @@ class ColumnParallelLinear(nn.Module):
                                   beta=1.0 if self.bias is not None else 0.0)
             return y.reshape(-1, *shape[1:-1], y.shape[-1])
         x2 = _CopyToParallel.apply(x2, self.group)
-        y = dense.gemm(x2, self.weight, self.bias, beta=1.0 if self.bias is not None else 0.0)
+        y = gemm(x2, self.weight, self.bias, beta=1.0 if self.bias is not None else 0.0)
         return y.reshape(*shape[:-1], y.shape[-1])
 
 
@@ -196,16 +196,19 @@ class RowParallelLinear(nn.Module):
             nn.init.uniform_(self.bias, -bound, bound)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from . import gemm as dense
+        from .dense import gemm
         from .tp import matmul_reduce_scatter
 
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         beta = 1.0 if self.bias is not None else 0.0
         if self.sequence_parallel:
-            y = matmul_reduce_scatter(x2, self.weight, group=self.group, c=self.bias, beta=beta)
+            # Every rank adds the replicated bias to its own rows: its gradient is the sum over
+            # all ranks' rows (all-reduced in backward, so bias.grad is complete on each rank).
+            bias = None if self.bias is None else _CopyToParallel.apply(self.bias, self.group)
+            y = matmul_reduce_scatter(x2, self.weight, group=self.group, c=bias, beta=beta)
             return y.reshape(-1, *shape[1:-1], y.shape[-1])
-        y = _ReduceFromParallel.apply(dense.gemm(x2, self.weight), self.group)
+        y = _ReduceFromParallel.apply(gemm(x2, self.weight), self.group)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*shape[:-1], y.shape[-1])

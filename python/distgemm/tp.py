@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ._library import device_arch, has_kernels, ops, warn_once
-from .gemm import FLOAT8, check_operands, gemm_unchecked, grad_of_c, kernel_ready
+from .dense import FLOAT8, check_operands, gemm_unchecked, grad_of_c, kernel_ready
 
 # distgemm never uses NVLink multicast: symmetric memory must not create multicast objects.
 os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
@@ -190,9 +190,11 @@ def _(a, b, bias, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, group_na
 
 
 def _all_gather(x: torch.Tensor, group) -> torch.Tensor:
-    parts = [torch.empty_like(x) for _ in range(group.size())]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts)
+    x = x.contiguous()
+    raw = x.view(torch.uint8)  # gloo moves bytes of any dtype, but not bf16/fp8 as such
+    parts = [torch.empty_like(raw) for _ in range(group.size())]
+    dist.all_gather(parts, raw, group=group)
+    return torch.cat(parts).view(x.dtype)
 
 
 def _reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
@@ -237,9 +239,9 @@ def _all_gather_matmul(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_a
         return out, (a if return_gathered else None)
     if a.is_cuda:
         check_errors(a.device)
+    _check_same_on_all_ranks(group, _OP_NAMES[_AG], (tuple(a.shape), tuple(b.shape), str(a.dtype),
+                                                     str(out_dtype), scale_a is not None))
     if _use_fused(group, a.device) and kernel_ready(a.contiguous(), b, out_dtype):
-        _check_same_on_all_ranks(group, _OP_NAMES[_AG], (tuple(a.shape), tuple(b.shape), str(a.dtype),
-                                                         str(out_dtype), scale_a is not None))
         bias_or_c = None if c is None else c.to(out_dtype)
         out, gathered = _all_gather_matmul_op(a.contiguous(), b, bias_or_c, alpha, beta, out_dtype,
                                               scale_a, scale_b, fast_accum, group.group_name,
@@ -259,9 +261,9 @@ def _matmul_reduce_scatter(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fa
         check_errors(a.device)
     full_c = c is not None and c.dim() == 2 and c.shape[0] != 1
     bias = None if c is None or full_c else c.reshape(-1).to(out_dtype)
+    _check_same_on_all_ranks(group, _OP_NAMES[_RS], (tuple(a.shape), tuple(b.shape), str(a.dtype),
+                                                     str(out_dtype), scale_a is not None))
     if _use_fused(group, a.device) and kernel_ready(a.contiguous(), b, out_dtype):
-        _check_same_on_all_ranks(group, _OP_NAMES[_RS], (tuple(a.shape), tuple(b.shape), str(a.dtype),
-                                                         str(out_dtype), scale_a is not None))
         out = _matmul_reduce_scatter_op(a.contiguous(), b, bias, alpha, beta if bias is not None else 0.0,
                                         out_dtype, scale_a, scale_b, fast_accum, group.group_name)
     else:
