@@ -16,6 +16,10 @@ DeviceInfo no_device;
 int current_device() {
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) return -1;
+  // Binds the device's primary context to this thread: CUTLASS encodes TMA descriptors with
+  // the driver API, which fails (CUDA_ERROR_INVALID_CONTEXT) on a thread that has made no
+  // runtime call yet, e.g. the autograd engine's backward thread.
+  if (cudaSetDevice(device) != cudaSuccess) return -1;
   return device;
 }
 

@@ -10,6 +10,7 @@ struct DeviceInfo {
 
 // Properties of `device` (the current device when negative). Cached after the first call.
 const DeviceInfo& device_info(int device = -1);
+// The current device, with its primary context made current on this thread; -1 on failure.
 int current_device();
 
 }  // namespace distgemm

@@ -7,6 +7,12 @@
 namespace distgemm::torch_binding {
 namespace {
 
+// TMA needs 16-byte aligned base addresses: a view at an odd offset is copied (same strides
+// are not needed: the copy is contiguous, which the kernels read in place).
+at::Tensor aligned16(const at::Tensor& t) {
+  return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 ? t : t.contiguous().clone();
+}
+
 dg_gemm_desc make_desc(at::ScalarType a, at::ScalarType b, at::ScalarType out, bool b_k_major,
                        bool fast_accum) {
   dg_gemm_desc d{};
@@ -28,7 +34,9 @@ at::Tensor gemm_cuda(const at::Tensor& a, const at::Tensor& b, const c10::option
   at::Tensor out = at::empty({a.size(0), b.size(0)}, a.options().dtype(out_dtype));
   if (out.numel() == 0) return out;
 
-  dg_gemm_desc desc = gemm_desc("distgemm.gemm", a, b, c, out, alpha, beta, scale_a, scale_b, fast_accum);
+  dg_gemm_desc desc = gemm_desc("distgemm.gemm", aligned16(a), aligned16(b),
+                                c ? c10::optional<at::Tensor>(aligned16(*c)) : c10::nullopt, out, alpha,
+                                beta, scale_a, scale_b, fast_accum);
   desc.config = static_cast<int>(config);
   desc.swizzle = static_cast<int>(swizzle);
 

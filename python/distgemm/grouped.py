@@ -76,7 +76,7 @@ def _check_inputs(op, pairs):
             raise ValueError(f"{op}: {name} is on {t.device} but {pairs[0][0]} is on {first.device}")
 
 
-def _backend(op: str, device, n: int, k: int, out_dtype, wgrad: bool) -> str:
+def _backend(op: str, device, n: int, k: int, out_dtype) -> str:
     """The backend for this call: the requested one when it applies, else the best that
     does (warning once, with the reason)."""
     requested = os.environ.get("DISTGEMM_GROUPED_BACKEND", "auto").lower()
@@ -90,10 +90,8 @@ def _backend(op: str, device, n: int, k: int, out_dtype, wgrad: bool) -> str:
             reasons["cutlass"] = "distgemm's grouped kernels are built for sm_90 only"
         elif n % 8 or k % 8:
             reasons["cutlass"] = f"N={n} and K={k} must be multiples of 8"
-        if device_arch(device) < 90 or out_dtype == torch.float16:
-            reasons["torch"] = "torch._grouped_mm needs sm_90+ and bfloat16/float32 output"
-        elif wgrad and out_dtype != torch.float32:
-            reasons["torch"] = "torch._grouped_mm wgrad is used with float32 output here"
+        if device_arch(device) < 90 or out_dtype != torch.bfloat16:
+            reasons["torch"] = "torch._grouped_mm needs sm_90+ and gives bfloat16 output only"
     order = ("cutlass", "torch", "cublas") if requested == "auto" else (requested, "cutlass", "torch", "cublas")
     for name in order:
         if name not in reasons:
@@ -157,7 +155,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *,
     out_dtype = _out_dtype(op, x.dtype, out_dtype, out)
     _check_out(op, out, (x.shape[0], n), out_dtype, x.device, accumulate)
 
-    backend = _backend(op, x.device, n, k, out_dtype, wgrad=False)
+    backend = _backend(op, x.device, n, k, out_dtype)
     if backend in ("cutlass", "cublas"):
         code = _CUTLASS if backend == "cutlass" else _CUBLAS
         x, w = x.contiguous(), w.contiguous()
@@ -197,7 +195,7 @@ def grouped_mm_wgrad(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, *,
     out_dtype = _out_dtype(op, x.dtype, out_dtype, out)
     _check_out(op, out, (groups, n, k), out_dtype, x.device, accumulate)
 
-    backend = _backend(op, x.device, n, k, out_dtype, wgrad=True)
+    backend = _backend(op, x.device, n, k, out_dtype)
     if backend in ("cutlass", "cublas"):
         code = _CUTLASS if backend == "cutlass" else _CUBLAS
         dy, x = dy.contiguous(), x.contiguous()

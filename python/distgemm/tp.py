@@ -14,6 +14,7 @@ recorded on the device and raised (naming the op and the ranks) by the next call
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Optional, Tuple
 
@@ -67,7 +68,6 @@ class _Workspace:
     def __init__(self, group: dist.ProcessGroup, nbytes: int, device: torch.device):
         import torch.distributed._symmetric_memory as symm_mem
 
-        symm_mem.enable_symm_mem_for_group(group.group_name)
         self.nbytes = nbytes
         self.tensor = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
         self.tensor.zero_()
@@ -146,17 +146,39 @@ def _resolve(group) -> dist.ProcessGroup:
 # ---------------------------------------------------------------- fused ops (custom ops)
 
 
+def _fused_all_gather_matmul(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, group_name,
+                             return_gathered):
+    group = _resolve(group_name)
+    world, rank = group.size(), group.rank()
+    nbytes = _workspace_bytes(_AG, a.shape[0], a.shape[1], b.shape[0], a.dtype, out_dtype, world)
+    ws = _workspace(group, _AG, nbytes, a.device)
+    return ops.tp_all_gather_gemm(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, rank,
+                                  world, ws.ptrs, ws.nbytes, timeout_s(), return_gathered)
+
+
+def _fused_matmul_reduce_scatter(a, b, bias, alpha, beta, out_dtype, scale_a, scale_b, fast_accum,
+                                 group_name):
+    group = _resolve(group_name)
+    world, rank = group.size(), group.rank()
+    nbytes = _workspace_bytes(_RS, a.shape[0] // world, a.shape[1], b.shape[0], a.dtype, out_dtype, world)
+    ws = _workspace(group, _RS, nbytes, a.device)
+    return ops.tp_gemm_reduce_scatter(a, b, bias, alpha, beta, out_dtype, scale_a, scale_b, fast_accum,
+                                      rank, world, ws.ptrs, ws.nbytes, timeout_s())
+
+
+@functools.lru_cache(maxsize=256)
+def _workspace_bytes(kind, rows, k, n, in_dtype, out_dtype, world) -> int:
+    return ops.tp_workspace_size(kind, rows, k, n, in_dtype, out_dtype, world)
+
+
+# The custom ops are what torch.compile sees; eager calls skip their dispatch overhead.
 @torch.library.custom_op("distgemm::all_gather_matmul", mutates_args=())
 def _all_gather_matmul_op(a: torch.Tensor, b: torch.Tensor, c: Optional[torch.Tensor], alpha: float,
                           beta: float, out_dtype: torch.dtype, scale_a: Optional[torch.Tensor],
                           scale_b: Optional[torch.Tensor], fast_accum: bool, group_name: str,
                           return_gathered: bool) -> Tuple[torch.Tensor, torch.Tensor]:
-    group = _resolve(group_name)
-    world, rank = group.size(), group.rank()
-    nbytes = ops.tp_workspace_size(_AG, a.shape[0], a.shape[1], b.shape[0], a.dtype, out_dtype, world)
-    ws = _workspace(group, _AG, nbytes, a.device)
-    return ops.tp_all_gather_gemm(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, rank,
-                                  world, ws.ptrs, ws.nbytes, timeout_s(), return_gathered)
+    return _fused_all_gather_matmul(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum,
+                                    group_name, return_gathered)
 
 
 @_all_gather_matmul_op.register_fake
@@ -171,13 +193,8 @@ def _matmul_reduce_scatter_op(a: torch.Tensor, b: torch.Tensor, bias: Optional[t
                               alpha: float, beta: float, out_dtype: torch.dtype,
                               scale_a: Optional[torch.Tensor], scale_b: Optional[torch.Tensor],
                               fast_accum: bool, group_name: str) -> torch.Tensor:
-    group = _resolve(group_name)
-    world, rank = group.size(), group.rank()
-    rows = a.shape[0] // world
-    nbytes = ops.tp_workspace_size(_RS, rows, a.shape[1], b.shape[0], a.dtype, out_dtype, world)
-    ws = _workspace(group, _RS, nbytes, a.device)
-    return ops.tp_gemm_reduce_scatter(a, b, bias, alpha, beta, out_dtype, scale_a, scale_b, fast_accum,
-                                      rank, world, ws.ptrs, ws.nbytes, timeout_s())
+    return _fused_matmul_reduce_scatter(a, b, bias, alpha, beta, out_dtype, scale_a, scale_b, fast_accum,
+                                        group_name)
 
 
 @_matmul_reduce_scatter_op.register_fake
@@ -243,9 +260,9 @@ def _all_gather_matmul(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_a
                                                      str(out_dtype), scale_a is not None))
     if _use_fused(group, a.device) and kernel_ready(a.contiguous(), b, out_dtype):
         bias_or_c = None if c is None else c.to(out_dtype)
-        out, gathered = _all_gather_matmul_op(a.contiguous(), b, bias_or_c, alpha, beta, out_dtype,
-                                              scale_a, scale_b, fast_accum, group.group_name,
-                                              return_gathered)
+        fused = _all_gather_matmul_op if torch.compiler.is_compiling() else _fused_all_gather_matmul
+        out, gathered = fused(a.contiguous(), b, bias_or_c, alpha, beta, out_dtype, scale_a, scale_b,
+                              fast_accum, group.group_name, return_gathered)
         return out, (gathered if return_gathered else None)
     gathered = _all_gather(a, group)
     out = gemm_unchecked(gathered, b, c, alpha, beta, out_dtype,
@@ -264,8 +281,9 @@ def _matmul_reduce_scatter(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fa
     _check_same_on_all_ranks(group, _OP_NAMES[_RS], (tuple(a.shape), tuple(b.shape), str(a.dtype),
                                                      str(out_dtype), scale_a is not None))
     if _use_fused(group, a.device) and kernel_ready(a.contiguous(), b, out_dtype):
-        out = _matmul_reduce_scatter_op(a.contiguous(), b, bias, alpha, beta if bias is not None else 0.0,
-                                        out_dtype, scale_a, scale_b, fast_accum, group.group_name)
+        fused = _matmul_reduce_scatter_op if torch.compiler.is_compiling() else _fused_matmul_reduce_scatter
+        out = fused(a.contiguous(), b, bias, alpha, beta if bias is not None else 0.0, out_dtype, scale_a,
+                    scale_b, fast_accum, group.group_name)
     else:
         partial = gemm_unchecked(a, b, None, alpha, 0.0, torch.float32, scale_a, scale_b, fast_accum)
         out = _reduce_scatter(partial, group)

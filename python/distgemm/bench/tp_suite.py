@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 import distgemm
 
-from .common import Timer, entry, geomean, gpu_slug, plot_ratios, print_row, write_results
+from .common import entry, geomean, gpu_slug, plot_ratios, print_row, write_results
 
 # Llama-3 TP layers: (model, hidden, ffn, q heads, kv heads, head dim)
 MODELS = [("llama3-8b", 4096, 14336, 32, 8, 128), ("llama3-70b", 8192, 28672, 64, 8, 128)]
@@ -44,6 +44,23 @@ def shapes(world: int, quick: bool):
             and (s[1] != "rs" or s[3] % world == 0)]
 
 
+def loop_ms(fn, iters: int = 20, warmup: int = 3) -> float:
+    """Mean time per call over back-to-back calls, ranks started together: collectives pair
+    up across ranks, so per-call events after per-rank delays would time the other rank's lag."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    dist.barrier()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
 def _slowest(ms: float) -> float:
     t = torch.tensor([ms], device="cuda")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -60,10 +77,8 @@ def main(argv=None):
     dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
     group = dist.group.WORLD
     name = group.group_name
-    import torch.distributed._symmetric_memory as symm_mem
+    import torch.distributed._symmetric_memory  # noqa: F401  (registers torch.ops.symm_mem)
 
-    symm_mem.enable_symm_mem_for_group(name)
-    timer = Timer()
     rows = []
     if rank == 0:
         print(f"\n== tensor-parallel GEMMs, bf16, {world} ranks (ms; x = ratio to ours)")
@@ -103,10 +118,7 @@ def main(argv=None):
             check = full.chunk(world)[rank]
         ours = impls["distgemm"]()
         err = ((ours.float() - check.float()).norm() / check.float().norm()).item()
-        times = {}
-        for impl, fn in impls.items():
-            dist.barrier()
-            times[impl] = _slowest(timer(fn, warmup=3, reps=15))
+        times = {impl: _slowest(loop_ms(fn)) for impl, fn in impls.items()}
         distgemm.check_errors()
         ideal = max(times["gemm"], times["comm"])
         row = {"shape": {"label": label, "kind": kind, "m": m, "k": k, "n": n, "world": world,
