@@ -20,14 +20,15 @@ TileConfig tile_config(const Instance& inst) {
 
 // Relative time of `batches` independent M x N x K problems on `sm_count` SMs with tile
 // config `c`: waves of the persistent grid (tiles rounded up to whole clusters) times the
-// work per tile over the tile's measured efficiency. Lower is faster.
-double estimate_cost(const TileConfig& c, int64_t m, int64_t n, int64_t k, int64_t batches,
+// work per tile (mainloop + epilogue) over the tile's measured efficiency. Lower is faster.
+// k is in 16-bit-element units: FP8 contributes k / 2 (its tensor cores run twice as fast).
+double estimate_cost(const TileConfig& c, int64_t m, int64_t n, double k, int64_t batches,
                      int sm_count);
 
 // The candidate with the lowest estimate_cost (the first on near-ties); nullptr if none.
 template <class Instance>
 const Instance* select_cheapest(const std::vector<const Instance*>& candidates, int64_t m,
-                                int64_t n, int64_t k, int64_t batches, int sm_count) {
+                                int64_t n, double k, int64_t batches, int sm_count) {
   const Instance* best = nullptr;
   double best_cost = 0;
   for (const Instance* inst : candidates) {

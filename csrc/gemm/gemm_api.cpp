@@ -224,7 +224,8 @@ dg_status plan(const dg_gemm_desc* desc, int device_arch, int sm_count, GemmProb
                " out of range: ", list.size(), " configs for these dtypes");
     *chosen = list[desc->config];
   } else {
-    *chosen = select_cheapest(list, p->m, p->n, p->k, 1, sm_count);
+    const double k_16bit = is_fp8(desc->a.dtype) ? p->k / 2.0 : p->k;
+    *chosen = select_cheapest(list, p->m, p->n, k_16bit, 1, sm_count);
   }
   p->sm_count = sm_count;
   p->swizzle = desc->swizzle > 0 ? desc->swizzle : select_swizzle(**chosen, p->m, p->n, sm_count);

@@ -16,6 +16,7 @@ for _var, _val in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST
 
 import torch
 import torch.distributed as dist
+import torch.distributed._symmetric_memory  # noqa: F401  (registers torch.ops.symm_mem)
 
 import distgemm
 
@@ -77,8 +78,6 @@ def main(argv=None):
     dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
     group = dist.group.WORLD
     name = group.group_name
-    import torch.distributed._symmetric_memory  # noqa: F401  (registers torch.ops.symm_mem)
-
     rows = []
     if rank == 0:
         print(f"\n== tensor-parallel GEMMs, bf16, {world} ranks (ms; x = ratio to ours)")
