@@ -215,10 +215,20 @@ dg_status lower_and_list(const dg_gemm_desc* desc, int device_arch, GemmProblem*
 }
 
 // Lowers, checks that a kernel exists and picks it (desc->config, else the heuristic).
+// cooperative_only: the C-operand wait of the tensor-parallel ring lives in the scheduler's
+// compute_epilogue hook, which CUTLASS's cooperative kernel calls and its ping-pong does not.
 dg_status plan(const dg_gemm_desc* desc, int device_arch, int sm_count, GemmProblem* p,
-               const GemmInstance** chosen) {
+               const GemmInstance** chosen, bool cooperative_only = false) {
   std::vector<const GemmInstance*> list;
   DG_RETURN_IF_ERROR(lower_and_list(desc, device_arch, p, &list));
+  if (cooperative_only) {
+    std::vector<const GemmInstance*> coop;
+    for (const GemmInstance* inst : list)
+      if (inst->schedule == kCooperative || inst->schedule == kCooperativeFastAccum) coop.push_back(inst);
+    if (coop.empty())
+      return fail(DG_ERROR_NOT_SUPPORTED, "no cooperative kernel for this GEMM + reduce-scatter step");
+    list.swap(coop);
+  }
   if (desc->config >= 0) {
     DG_REQUIRE(desc->config < static_cast<int>(list.size()), "config ", desc->config,
                " out of range: ", list.size(), " configs for these dtypes");
@@ -242,7 +252,7 @@ dg_status run_gemm_desc(const dg_gemm_desc& desc, const GemmExtras& extras, cuda
   const int sm_count = extras.sm_count > 0 ? std::min(extras.sm_count, dev.sm_count) : dev.sm_count;
   GemmProblem p;
   const GemmInstance* inst = nullptr;
-  DG_RETURN_IF_ERROR(plan(&desc, dev.arch, sm_count, &p, &inst));
+  DG_RETURN_IF_ERROR(plan(&desc, dev.arch, sm_count, &p, &inst, extras.sync.c_ready != nullptr));
   if (extras.chain_c) {
     DG_REQUIRE(!p.c, "a chained partial sum cannot be combined with a full C operand");
     p.c = extras.chain_c;

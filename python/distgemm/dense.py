@@ -123,6 +123,7 @@ def gemm_unchecked(a, b, c, alpha, beta, out_dtype, scale_a=None, scale_b=None, 
     return out if kernel_dtype == out_dtype else out.to(out_dtype)
 
 
+@torch.compiler.assume_constant_result
 @functools.lru_cache(maxsize=None)
 def kernel_out_dtype(a_dtype, b_dtype, out_dtype, arch: int, fast_accum: bool) -> torch.dtype:
     """The output dtype to run the kernel in: out_dtype when compiled, else a wider one that

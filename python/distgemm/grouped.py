@@ -9,6 +9,7 @@ kernel (no host sync, CUDA-graph safe); ``cublas`` a multi-stream cuBLAS loop in
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Optional
 
@@ -76,7 +77,13 @@ def _check_inputs(op, pairs):
             raise ValueError(f"{op}: {name} is on {t.device} but {pairs[0][0]} is on {first.device}")
 
 
-def _backend(op: str, device, n: int, k: int, out_dtype) -> str:
+@torch.compiler.assume_constant_result
+@functools.lru_cache(maxsize=None)
+def _has_grouped_kernel(kind: int, in_dtype, out_dtype, arch: int) -> bool:
+    return bool(ops.grouped_configs(kind, in_dtype, out_dtype, arch))
+
+
+def _backend(op: str, device, n: int, k: int, in_dtype, out_dtype, kind: int) -> str:
     """The backend for this call: the requested one when it applies, else the best that
     does (warning once, with the reason)."""
     requested = os.environ.get("DISTGEMM_GROUPED_BACKEND", "auto").lower()
@@ -90,6 +97,8 @@ def _backend(op: str, device, n: int, k: int, out_dtype) -> str:
             reasons["cutlass"] = "distgemm's grouped kernels are built for sm_90 only"
         elif n % 8 or k % 8:
             reasons["cutlass"] = f"N={n} and K={k} must be multiples of 8"
+        elif not _has_grouped_kernel(kind, in_dtype, out_dtype, 90):
+            reasons["cutlass"] = f"no grouped kernel is built for {in_dtype} -> {out_dtype}"
         if device_arch(device) < 90 or out_dtype != torch.bfloat16:
             reasons["torch"] = "torch._grouped_mm needs sm_90+ and gives bfloat16 output only"
     order = ("cutlass", "torch", "cublas") if requested == "auto" else (requested, "cutlass", "torch", "cublas")
@@ -155,7 +164,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *,
     out_dtype = _out_dtype(op, x.dtype, out_dtype, out)
     _check_out(op, out, (x.shape[0], n), out_dtype, x.device, accumulate)
 
-    backend = _backend(op, x.device, n, k, out_dtype)
+    backend = _backend(op, x.device, n, k, x.dtype, out_dtype, 0 if trans_w else 1)
     if backend in ("cutlass", "cublas"):
         code = _CUTLASS if backend == "cutlass" else _CUBLAS
         x, w = x.contiguous(), w.contiguous()
@@ -195,7 +204,7 @@ def grouped_mm_wgrad(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, *,
     out_dtype = _out_dtype(op, x.dtype, out_dtype, out)
     _check_out(op, out, (groups, n, k), out_dtype, x.device, accumulate)
 
-    backend = _backend(op, x.device, n, k, out_dtype)
+    backend = _backend(op, x.device, n, k, x.dtype, out_dtype, 2)
     if backend in ("cutlass", "cublas"):
         code = _CUTLASS if backend == "cutlass" else _CUBLAS
         dy, x = dy.contiguous(), x.contiguous()

@@ -78,8 +78,8 @@ class GroupedLinear(nn.Module):
             y = _GroupedLinearMainGrad.apply(x, self.weight, offs)
         else:
             y = grouped_mm(x, self.weight, offs)
-        if self.bias is not None:
-            y = y + self.bias[_expert_of_rows(offs, x.shape[0])]
+        if self.bias is not None:  # in FP32: the bias gradient sums every row of its expert
+            y = (y.float() + self.bias.float()[_expert_of_rows(offs, x.shape[0])]).to(y.dtype)
         return y
 
     def extra_repr(self) -> str:
