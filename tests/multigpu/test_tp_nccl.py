@@ -1,12 +1,17 @@
-"""Tensor-parallel ops on 2 GPUs with NCCL (the fused path): each test spawns its ranks."""
+"""Tensor-parallel ops on several GPUs with NCCL (the fused path): each test spawns its ranks,
+DISTGEMM_TEST_WORLD of them (default 2; 4 and 8 on the larger machines)."""
+
+import os
 
 import pytest
+import torch
 
 from tests import tp_checks
 from tests.dist_helpers import run_ranks
 
-pytestmark = pytest.mark.multigpu
-WORLD = 2
+WORLD = int(os.environ.get("DISTGEMM_TEST_WORLD", "2"))
+pytestmark = [pytest.mark.multigpu,
+              pytest.mark.skipif(torch.cuda.device_count() < WORLD, reason=f"needs {WORLD} GPUs")]
 
 
 def test_all_gather_matmul():
