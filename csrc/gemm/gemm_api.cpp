@@ -159,7 +159,7 @@ dg_status lower(const dg_gemm_desc* desc, GemmProblem* p) {
   if (d.c.data) {
     DG_REQUIRE(d.c.dtype == d.d.dtype, "c must have the output dtype ", dtype_name(d.d.dtype),
                ", got ", dtype_name(d.c.dtype));
-    if (d.c.rows == 1 && m != 1) {
+    if (d.c.rows == 1) {  // a bias row (for M == 1 also the full C: the same values)
       DG_RETURN_IF_ERROR(check_row_major(d.c, "c (bias)", 1, n));
       p->bias = d.c.data;
       p->beta_bias = d.beta;

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import Optional
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
@@ -123,13 +121,23 @@ def gemm_unchecked(a, b, c, alpha, beta, out_dtype, scale_a=None, scale_b=None, 
     return out if kernel_dtype == out_dtype else out.to(out_dtype)
 
 
-@torch.compiler.assume_constant_result
-@functools.lru_cache(maxsize=None)
+def _compiled_combinations() -> frozenset:
+    """(arch, a, b, out, fast_accum) of every K-major kernel in this build, read once at import
+    so that torch.compile traces a plain set lookup."""
+    dtypes = FLOAT16 + FLOAT8 + (torch.float32,)
+    return frozenset((arch, a, b, out, fast) for arch in (90, 100) for a in FLOAT16 + FLOAT8
+                     for b in FLOAT16 + FLOAT8 for out in dtypes for fast in (False, True)
+                     if ops.gemm_configs(a, b, out, True, arch, fast))
+
+
+_COMPILED = _compiled_combinations()
+
+
 def kernel_out_dtype(a_dtype, b_dtype, out_dtype, arch: int, fast_accum: bool) -> torch.dtype:
     """The output dtype to run the kernel in: out_dtype when compiled, else a wider one that
     is (float8 combinations with fewer instances), the result then being cast."""
     for candidate in (out_dtype, torch.float32, torch.bfloat16):
-        if ops.gemm_configs(a_dtype, b_dtype, candidate, True, arch, fast_accum):
+        if (arch, a_dtype, b_dtype, candidate, fast_accum) in _COMPILED:
             return candidate
     return out_dtype  # nothing compiled: the op raises a clear NotImplementedError
 

@@ -9,7 +9,6 @@ kernel (no host sync, CUDA-graph safe); ``cublas`` a multi-stream cuBLAS loop in
 
 from __future__ import annotations
 
-import functools
 import os
 from typing import Optional
 
@@ -77,10 +76,9 @@ def _check_inputs(op, pairs):
             raise ValueError(f"{op}: {name} is on {t.device} but {pairs[0][0]} is on {first.device}")
 
 
-@torch.compiler.assume_constant_result
-@functools.lru_cache(maxsize=None)
-def _has_grouped_kernel(kind: int, in_dtype, out_dtype, arch: int) -> bool:
-    return bool(ops.grouped_configs(kind, in_dtype, out_dtype, arch))
+# (kind, in, out) of the sm_90 grouped kernels in this build, read once at import.
+_COMPILED = frozenset((kind, i, o) for kind in (0, 1, 2) for i in FLOAT16 for o in FLOAT16 + (torch.float32,)
+                      if ops.grouped_configs(kind, i, o, 90))
 
 
 def _backend(op: str, device, n: int, k: int, in_dtype, out_dtype, kind: int) -> str:
@@ -97,7 +95,7 @@ def _backend(op: str, device, n: int, k: int, in_dtype, out_dtype, kind: int) ->
             reasons["cutlass"] = "distgemm's grouped kernels are built for sm_90 only"
         elif n % 8 or k % 8:
             reasons["cutlass"] = f"N={n} and K={k} must be multiples of 8"
-        elif not _has_grouped_kernel(kind, in_dtype, out_dtype, 90):
+        elif (kind, in_dtype, out_dtype) not in _COMPILED:
             reasons["cutlass"] = f"no grouped kernel is built for {in_dtype} -> {out_dtype}"
         if device_arch(device) < 90 or out_dtype != torch.bfloat16:
             reasons["torch"] = "torch._grouped_mm needs sm_90+ and gives bfloat16 output only"

@@ -171,14 +171,16 @@ def _workspace_bytes(kind, rows, k, n, in_dtype, out_dtype, world) -> int:
     return ops.tp_workspace_size(kind, rows, k, n, in_dtype, out_dtype, world)
 
 
-# The custom ops are what torch.compile sees; eager calls skip their dispatch overhead.
+# What torch.compile sees: one opaque op around the eager implementation (its first-call
+# checks and workspace set-up synchronize the group, which a traced graph cannot).
 @torch.library.custom_op("distgemm::all_gather_matmul", mutates_args=())
 def _all_gather_matmul_op(a: torch.Tensor, b: torch.Tensor, c: Optional[torch.Tensor], alpha: float,
                           beta: float, out_dtype: torch.dtype, scale_a: Optional[torch.Tensor],
                           scale_b: Optional[torch.Tensor], fast_accum: bool, group_name: str,
                           return_gathered: bool) -> Tuple[torch.Tensor, torch.Tensor]:
-    return _fused_all_gather_matmul(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum,
-                                    group_name, return_gathered)
+    out, gathered = _all_gather_matmul_eager(a, b, c, alpha, beta, out_dtype, scale_a, scale_b,
+                                             fast_accum, _resolve(group_name), return_gathered)
+    return out, (gathered if gathered is not None else a.new_empty((0,)))
 
 
 @_all_gather_matmul_op.register_fake
@@ -189,16 +191,16 @@ def _(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, group_name,
 
 
 @torch.library.custom_op("distgemm::matmul_reduce_scatter", mutates_args=())
-def _matmul_reduce_scatter_op(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor],
+def _matmul_reduce_scatter_op(a: torch.Tensor, b: torch.Tensor, c: Optional[torch.Tensor],
                               alpha: float, beta: float, out_dtype: torch.dtype,
                               scale_a: Optional[torch.Tensor], scale_b: Optional[torch.Tensor],
                               fast_accum: bool, group_name: str) -> torch.Tensor:
-    return _fused_matmul_reduce_scatter(a, b, bias, alpha, beta, out_dtype, scale_a, scale_b, fast_accum,
-                                        group_name)
+    return _matmul_reduce_scatter_eager(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum,
+                                        _resolve(group_name))
 
 
 @_matmul_reduce_scatter_op.register_fake
-def _(a, b, bias, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, group_name):
+def _(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, group_name):
     world = _resolve(group_name).size()
     return a.new_empty((a.shape[0] // world, b.shape[0]), dtype=out_dtype)
 
@@ -250,6 +252,16 @@ def _check_tp(op, a, b, c, out_dtype, scale_a, scale_b, c_rows: int):
 def _all_gather_matmul(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, group,
                        return_gathered):
     """Forward of all_gather_matmul without autograd; returns (out, gathered or None)."""
+    if group.size() > 1 and torch.compiler.is_compiling():
+        out, gathered = _all_gather_matmul_op(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum,
+                                              group.group_name, return_gathered)
+        return out, (gathered if return_gathered else None)
+    return _all_gather_matmul_eager(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, group,
+                                    return_gathered)
+
+
+def _all_gather_matmul_eager(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, group,
+                             return_gathered):
     world = group.size()
     if world == 1:
         out = gemm_unchecked(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum)
@@ -260,9 +272,9 @@ def _all_gather_matmul(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_a
                                                      str(out_dtype), scale_a is not None))
     if _use_fused(group, a.device) and kernel_ready(a.contiguous(), b, out_dtype):
         bias_or_c = None if c is None else c.to(out_dtype)
-        fused = _all_gather_matmul_op if torch.compiler.is_compiling() else _fused_all_gather_matmul
-        out, gathered = fused(a.contiguous(), b, bias_or_c, alpha, beta, out_dtype, scale_a, scale_b,
-                              fast_accum, group.group_name, return_gathered)
+        out, gathered = _fused_all_gather_matmul(a.contiguous(), b, bias_or_c, alpha, beta, out_dtype,
+                                                 scale_a, scale_b, fast_accum, group.group_name,
+                                                 return_gathered)
         return out, (gathered if return_gathered else None)
     gathered = _all_gather(a, group)
     out = gemm_unchecked(gathered, b, c, alpha, beta, out_dtype,
@@ -271,6 +283,13 @@ def _all_gather_matmul(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_a
 
 
 def _matmul_reduce_scatter(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, group):
+    if group.size() > 1 and torch.compiler.is_compiling():
+        return _matmul_reduce_scatter_op(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum,
+                                         group.group_name)
+    return _matmul_reduce_scatter_eager(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, group)
+
+
+def _matmul_reduce_scatter_eager(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, group):
     world = group.size()
     if world == 1:
         return gemm_unchecked(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum)
@@ -281,9 +300,8 @@ def _matmul_reduce_scatter(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fa
     _check_same_on_all_ranks(group, _OP_NAMES[_RS], (tuple(a.shape), tuple(b.shape), str(a.dtype),
                                                      str(out_dtype), scale_a is not None))
     if _use_fused(group, a.device) and kernel_ready(a.contiguous(), b, out_dtype):
-        fused = _matmul_reduce_scatter_op if torch.compiler.is_compiling() else _fused_matmul_reduce_scatter
-        out = fused(a.contiguous(), b, bias, alpha, beta if bias is not None else 0.0, out_dtype, scale_a,
-                    scale_b, fast_accum, group.group_name)
+        out = _fused_matmul_reduce_scatter(a.contiguous(), b, bias, alpha, beta if bias is not None else 0.0,
+                                           out_dtype, scale_a, scale_b, fast_accum, group.group_name)
     else:
         partial = gemm_unchecked(a, b, None, alpha, 0.0, torch.float32, scale_a, scale_b, fast_accum)
         out = _reduce_scatter(partial, group)
