@@ -1,0 +1,242 @@
+// dg_all_gather_gemm / dg_gemm_reduce_scatter: the order of copies, flags and GEMMs that hides
+// a tensor-parallel GEMM's communication under its compute. Host-only.
+//
+// All-gather + GEMM (rank r of P): each rank copies its shard with the copy engine into every
+// rank's gathered buffer and raises that rank's ready flag; one persistent GEMM over the
+// gathered rows starts on r's own shard and waits, tile row by tile row, for each peer's
+// shard (Sm90SyncTileScheduler). The GEMM keeps two SMs free for the copy streams' flag
+// kernels, which must run while it spins. After the GEMM, r tells every peer that its buffer
+// is free again; a peer waits for that before its next copy into it.
+//
+// GEMM + reduce-scatter (ring): at step s rank r computes the rows of chunk (r - s - 1) mod P,
+// adding (in the epilogue) the partial sum rank r - 1 computed for the same rows at step s - 1,
+// read from r - 1's workspace; the last step (chunk r) writes the output. Steps are separate
+// launches; a step's epilogue waits for the previous rank's step flag.
+#include <algorithm>
+#include <cstdint>
+
+#include "common/device.h"
+#include "common/dtype.h"
+#include "common/error_state.h"
+#include "common/status.h"
+#include "common/stream_pool.h"
+#include "dist/tp_kernels.cuh"
+#include "dist/tp_layout.h"
+#include "distgemm/distgemm.h"
+#include "gemm/gemm_internal.h"
+
+namespace distgemm::dist {
+namespace {
+
+constexpr int kTagAllGather = DG_TP_ALL_GATHER_GEMM << kErrorPeerBits;
+constexpr int kTagReduceScatter = DG_TP_GEMM_REDUCE_SCATTER << kErrorPeerBits;
+constexpr int kFreeSms = 2;  // left to the flag kernels while an all-gather GEMM spins
+
+// Every rank's workspace as mapped in this process.
+struct Peers {
+  char* base[kMaxWorld] = {};
+  uint32_t* word(int rank, size_t offset, int index = 0) const {
+    return reinterpret_cast<uint32_t*>(base[rank] + offset) + index;
+  }
+};
+
+dg_status check_tp(const dg_tp_desc* d, Peers* peers) {
+  DG_REQUIRE(d != nullptr, "desc must not be NULL");
+  DG_REQUIRE(d->world >= 2 && d->world <= kMaxWorld, "world size must be in [2, ", kMaxWorld,
+             "], got ", d->world);
+  DG_REQUIRE(d->rank >= 0 && d->rank < d->world, "rank ", d->rank, " is out of range for world size ",
+             d->world);
+  DG_REQUIRE(d->peer_workspaces != nullptr, "peer_workspaces must not be NULL");
+  DG_REQUIRE(d->timeout_s > 0, "timeout_s must be positive, got ", d->timeout_s);
+  for (int r = 0; r < d->world; ++r) {
+    DG_REQUIRE(d->peer_workspaces[r] != nullptr &&
+                   (reinterpret_cast<uintptr_t>(d->peer_workspaces[r]) & 255u) == 0,
+               "the workspace of rank ", r, " must be a 256-byte aligned device pointer");
+    peers->base[r] = static_cast<char*>(d->peer_workspaces[r]);
+  }
+  return DG_SUCCESS;
+}
+
+SyncParams base_sync(const dg_tp_desc& d, const Peers& peers, int tag, const ErrorState& err) {
+  SyncParams s;
+  s.epoch = peers.word(d.rank, TpHeader::kEpoch);
+  s.timeout_ns = static_cast<uint64_t>(d.timeout_s * 1e9);
+  s.error = err.device_word;
+  s.error_host = err.host_word_device;
+  s.error_tag = tag;
+  return s;
+}
+
+size_t all_gather_bytes(const dg_tp_desc& d) {
+  return AllGatherLayout(d.gemm.a.rows * d.world, d.gemm.a.cols, dtype_bytes(d.gemm.a.dtype)).bytes;
+}
+
+size_t reduce_scatter_bytes(const dg_tp_desc& d) {
+  return ReduceScatterLayout(d.world, d.gemm.d.rows, d.gemm.d.cols, dtype_bytes(d.gemm.d.dtype)).bytes;
+}
+
+}  // namespace
+}  // namespace distgemm::dist
+
+using namespace distgemm;
+using namespace distgemm::dist;
+
+extern "C" dg_status dg_tp_workspace_size(dg_tp_kind kind, const dg_tp_desc* desc, size_t* bytes) {
+  DG_REQUIRE(desc != nullptr && bytes != nullptr, "desc and bytes must not be NULL");
+  DG_REQUIRE(kind == DG_TP_ALL_GATHER_GEMM || kind == DG_TP_GEMM_REDUCE_SCATTER,
+             "kind must be DG_TP_ALL_GATHER_GEMM or DG_TP_GEMM_REDUCE_SCATTER");
+  DG_REQUIRE(desc->world >= 2 && desc->world <= kMaxWorld, "world size must be in [2, ", kMaxWorld, "]");
+  *bytes = kind == DG_TP_ALL_GATHER_GEMM ? all_gather_bytes(*desc) : reduce_scatter_bytes(*desc);
+  return DG_SUCCESS;
+}
+
+extern "C" dg_status dg_all_gather_gemm(const dg_tp_desc* desc, cudaStream_t stream) {
+  Peers peers;
+  DG_RETURN_IF_ERROR(check_tp(desc, &peers));
+  const dg_tp_desc& d = *desc;
+  const dg_gemm_desc& g = d.gemm;
+  const int r = d.rank, world = d.world;
+  const int64_t m = g.a.rows, k = g.a.cols, rows = m * world;
+  const size_t elem = dtype_bytes(g.a.dtype);
+  const AllGatherLayout layout(rows, k, elem);
+  DG_REQUIRE(m >= 1, "a (this rank's shard) must have at least one row");
+  DG_REQUIRE(g.a.col_stride == 1 && g.a.row_stride >= k, "a must be row-major, got strides (",
+             g.a.row_stride, ", ", g.a.col_stride, ")");
+  DG_REQUIRE(g.d.rows == rows, "out must have world * m = ", rows, " rows, got ", g.d.rows);
+  DG_REQUIRE(d.workspace_bytes >= layout.bytes, "the workspace of ", d.workspace_bytes,
+             " bytes is smaller than the ", layout.bytes, " needed");
+  DG_REQUIRE(!g.scale_a || g.scale_a_len == 1 || g.scale_a_len == m,
+             "scale_a must hold 1 or m = ", m, " values (this rank's shard)");
+
+  // The GEMM over the gathered rows, checked before anything is enqueued.
+  dg_gemm_desc gathered = g;
+  gathered.a = {peers.base[r] + layout.gathered, g.a.dtype, rows, k, k, 1};
+  if (g.scale_a) {
+    gathered.scale_a = reinterpret_cast<const float*>(peers.base[r] + layout.scales);
+    gathered.scale_a_len = rows;
+  }
+  const int device = current_device();
+  const DeviceInfo& dev = device_info(device);
+  DG_RETURN_IF_ERROR(dg_gemm_check(&gathered, dev.arch));
+  ErrorState* err = error_state(device);
+  StreamPool* pool = stream_pool(device);
+  if (!err || !pool) return DG_ERROR_CUDA;
+  const SyncParams sync = base_sync(d, peers, kTagAllGather, *err);
+
+  DG_CUDA_RETURN(launch_bump_epoch(peers.word(r, TpHeader::kEpoch), stream));
+  if (g.scale_a) {
+    ScaleTargets targets{};
+    for (int q = 0; q < world; ++q)
+      targets.dst[targets.count++] = reinterpret_cast<float*>(peers.base[q] + layout.scales) + r * m;
+    DG_CUDA_RETURN(launch_scatter_scales(g.scale_a, g.scale_a_len, m, targets, stream));
+  }
+  const int streams = std::min(world, kPoolStreams);
+  DG_RETURN_IF_ERROR(fork_streams(*pool, stream, streams));
+  for (int i = 0; i < world; ++i) {
+    const int p = (r + i) % world;  // own shard first
+    cudaStream_t copy = pool->streams[i % streams];
+    if (p != r) {  // p must be done reading its buffer from the previous call
+      DG_CUDA_RETURN(launch_wait_flag(peers.word(r, TpHeader::kConsumed, p), -1, sync, p, copy));
+    }
+    char* dst = peers.base[p] + layout.gathered + static_cast<size_t>(r * m * k) * elem;
+    if (g.a.row_stride == k) {  // one DMA: a 2-D copy of many short rows runs far slower
+      DG_CUDA_RETURN(cudaMemcpyAsync(dst, g.a.data, static_cast<size_t>(m * k) * elem,
+                                     cudaMemcpyDeviceToDevice, copy));
+    } else {
+      DG_CUDA_RETURN(cudaMemcpy2DAsync(dst, k * elem, g.a.data, g.a.row_stride * elem, k * elem, m,
+                                       cudaMemcpyDeviceToDevice, copy));
+    }
+    SignalTargets ready{};
+    ready.flags[ready.count++] = peers.word(p, TpHeader::kReady, r);
+    DG_CUDA_RETURN(launch_signal(ready, sync.epoch, copy));
+  }
+
+  gemm::GemmExtras extras;
+  extras.sync = sync;
+  extras.sync.chunk_ready = peers.word(r, TpHeader::kReady);
+  extras.sync.chunk_rows = static_cast<int32_t>(m);
+  extras.sync.num_chunks = world;
+  extras.sync.first_chunk = r;
+  extras.sm_count = dev.sm_count - kFreeSms;
+  DG_RETURN_IF_ERROR(gemm::run_gemm_desc(gathered, extras, stream));
+  if (d.gathered_out) {
+    DG_CUDA_RETURN(cudaMemcpyAsync(d.gathered_out, gathered.a.data, static_cast<size_t>(rows * k) * elem,
+                                   cudaMemcpyDeviceToDevice, stream));
+  }
+  SignalTargets consumed{};
+  for (int p = 0; p < world; ++p)
+    if (p != r) consumed.flags[consumed.count++] = peers.word(p, TpHeader::kConsumed, r);
+  DG_CUDA_RETURN(launch_signal(consumed, sync.epoch, stream));
+  return join_streams(*pool, stream, streams);
+}
+
+extern "C" dg_status dg_gemm_reduce_scatter(const dg_tp_desc* desc, cudaStream_t stream) {
+  Peers peers;
+  DG_RETURN_IF_ERROR(check_tp(desc, &peers));
+  const dg_tp_desc& d = *desc;
+  const dg_gemm_desc& g = d.gemm;
+  const int r = d.rank, world = d.world;
+  const int prev = (r + world - 1) % world, next = (r + 1) % world;
+  const int64_t m = g.d.rows, n = g.d.cols;
+  const size_t in_elem = dtype_bytes(g.a.dtype), out_elem = dtype_bytes(g.d.dtype);
+  const ReduceScatterLayout layout(world, m, n, out_elem);
+  DG_REQUIRE(m >= 1, "out (this rank's shard) must have at least one row");
+  DG_REQUIRE(g.a.rows == m * world, "a must have world * m = ", m * world, " rows, got ", g.a.rows);
+  DG_REQUIRE(g.a.col_stride == 1, "a must be row-major");
+  DG_REQUIRE(!g.c.data || g.c.rows == 1,
+             "c must be a bias row for GEMM + reduce-scatter (add a full C to the output shard)");
+  DG_REQUIRE(!g.scale_a || g.scale_a_len == 1 || g.scale_a_len == g.a.rows,
+             "scale_a must hold 1 or M = ", g.a.rows, " values");
+  DG_REQUIRE(d.workspace_bytes >= layout.bytes, "the workspace of ", d.workspace_bytes,
+             " bytes is smaller than the ", layout.bytes, " needed");
+
+  // Step s computes chunk (r - s - 1) mod P into slot s (the last step into out).
+  auto step_desc = [&](int s) {
+    const int64_t chunk = (r - s - 1 + 2 * world) % world;
+    dg_gemm_desc step = g;
+    step.a.data = static_cast<const char*>(g.a.data) + static_cast<size_t>(chunk * m * g.a.row_stride) * in_elem;
+    step.a.rows = m;
+    if (g.scale_a && g.scale_a_len > 1) {
+      step.scale_a = g.scale_a + chunk * m;
+      step.scale_a_len = m;
+    }
+    if (s < world - 1) {
+      step.d = {peers.base[r] + layout.slots + s * layout.slot_bytes, g.d.dtype, m, n, n, 1};
+      step.c = {};  // the bias is added once, at the last step
+    }
+    return step;
+  };
+  const int device = current_device();
+  const DeviceInfo& dev = device_info(device);
+  for (int s = 0; s < world; ++s) {
+    const dg_gemm_desc step = step_desc(s);
+    DG_RETURN_IF_ERROR(dg_gemm_check(&step, dev.arch));
+  }
+  ErrorState* err = error_state(device);
+  if (!err) return DG_ERROR_CUDA;
+  const SyncParams sync = base_sync(d, peers, kTagReduceScatter, *err);
+
+  DG_CUDA_RETURN(launch_bump_epoch(peers.word(r, TpHeader::kEpoch), stream));
+  // The next rank must be done reading our slots from the previous call.
+  DG_CUDA_RETURN(launch_wait_flag(peers.word(r, TpHeader::kConsumed, next), -1, sync, next, stream));
+  for (int s = 0; s < world; ++s) {
+    gemm::GemmExtras extras;
+    if (s > 0) {
+      extras.sync = sync;
+      extras.sync.c_ready = peers.word(r, TpHeader::kStepReady, s - 1);
+      extras.sync.c_peer = prev;
+      extras.chain_c = peers.base[prev] + layout.slots + (s - 1) * layout.slot_bytes;
+      extras.chain_ldc = n;
+    }
+    DG_RETURN_IF_ERROR(gemm::run_gemm_desc(step_desc(s), extras, stream));
+    if (s < world - 1) {
+      SignalTargets step_done{};
+      step_done.flags[step_done.count++] = peers.word(next, TpHeader::kStepReady, s);
+      DG_CUDA_RETURN(launch_signal(step_done, sync.epoch, stream));
+    }
+  }
+  SignalTargets consumed{};
+  consumed.flags[consumed.count++] = peers.word(prev, TpHeader::kConsumed, r);
+  DG_CUDA_RETURN(launch_signal(consumed, sync.epoch, stream));
+  return DG_SUCCESS;
+}

@@ -1,0 +1,49 @@
+// Layout of the symmetric workspace of a tensor-parallel GEMM: every rank allocates the same
+// bytes (PyTorch symmetric memory, or any peer-mapped allocation) and passes the mapped base
+// address of each rank's copy. Host-only arithmetic, shared by the size query and the ops.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace distgemm::dist {
+
+constexpr int kMaxWorld = 64;
+
+// Header: monotonic epoch flags, one 32-bit word each, written by the rank named in the
+// comment and read by the owner of the workspace.
+struct TpHeader {
+  static constexpr size_t kEpoch = 0;                     // this rank's call counter
+  static constexpr size_t kReady = 256;                   // [world] peer p: "my shard is in your buffer"
+  static constexpr size_t kConsumed = kReady + 4 * kMaxWorld;    // [world] peer p: "done reading"
+  static constexpr size_t kStepReady = kConsumed + 4 * kMaxWorld;  // [world] ring step s finished
+  static constexpr size_t kBytes = 4096;
+};
+
+inline size_t align_up(size_t bytes, size_t to) { return (bytes + to - 1) / to * to; }
+
+// All-gather + GEMM: the gathered operand (M = world * m_local rows of K) and, for FP8 with
+// per-row scales, the gathered scales (M floats).
+struct AllGatherLayout {
+  size_t gathered = TpHeader::kBytes;
+  size_t scales = 0;
+  size_t bytes = 0;
+  AllGatherLayout(int64_t m, int64_t k, size_t elem_bytes) {
+    scales = align_up(gathered + static_cast<size_t>(m * k) * elem_bytes, 256);
+    bytes = align_up(scales + static_cast<size_t>(m) * sizeof(float), 4096);
+  }
+};
+
+// GEMM + reduce-scatter: world - 1 slots of partial sums (m_local x N in the output dtype),
+// one per ring step before the last.
+struct ReduceScatterLayout {
+  size_t slots = TpHeader::kBytes;
+  size_t slot_bytes = 0;
+  size_t bytes = 0;
+  ReduceScatterLayout(int world, int64_t m_local, int64_t n, size_t out_bytes) {
+    slot_bytes = align_up(static_cast<size_t>(m_local * n) * out_bytes, 256);
+    bytes = align_up(slots + slot_bytes * static_cast<size_t>(world - 1), 4096);
+  }
+};
+
+}  // namespace distgemm::dist
