@@ -28,6 +28,17 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, in_dtype: torch.dtype = t
     assert err <= tol, f"relative error {err:.3e} > {tol:.1e}"
 
 
+def ref_gemm(a, b, c=None, alpha=1.0, beta=0.0, sa=None, sb=None):
+    """alpha * (sa[:, None] * sb[None, :] * (a @ b.T)) + beta * c in float64."""
+    acc = a.double() @ b.double().T
+    if sa is not None:
+        acc = acc * sa.double().reshape(-1, 1)
+    if sb is not None:
+        acc = acc * sb.double().reshape(1, -1)
+    out = alpha * acc
+    return out if c is None else out + beta * c.double()
+
+
 def randn(*shape, dtype, device, scale=1.0):
     """Random values in `dtype` (float8 from a scaled normal, kept in range)."""
     x = torch.randn(*shape, device=device) * scale

@@ -11,6 +11,7 @@ import torch.distributed as dist
 import distgemm
 from distgemm.nn import ColumnParallelLinear, RowParallelLinear
 from tests.reference import assert_close
+from tests.reference import ref_gemm as ref
 
 
 def device_for(rank: int) -> torch.device:
@@ -23,16 +24,6 @@ def full(shape, dtype, dev, seed, scale=1.0):
     if dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         x = x.clamp(-240, 240)
     return x.to(dtype).to(dev)
-
-
-def ref(a, b, c=None, alpha=1.0, beta=0.0, sa=None, sb=None):
-    acc = a.double() @ b.double().T
-    if sa is not None:
-        acc = acc * sa.double().reshape(-1, 1)
-    if sb is not None:
-        acc = acc * sb.double().reshape(1, -1)
-    out = alpha * acc
-    return out if c is None else out + beta * c.double()
 
 
 AG_SHAPES = [(128, 256, 128), (1000, 520, 256), (1, 264, 64), (333, 1032, 512)]  # (m_local, N, K)

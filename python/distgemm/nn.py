@@ -98,6 +98,28 @@ def _shard(total: int, group, what: str) -> int:
     return total // world
 
 
+def _init_parallel_linear(layer, in_features, out_features, bias, group, sequence_parallel, dtype,
+                          device, split_out: bool) -> None:
+    """This rank's shard of an nn.Linear(in_features, out_features): output features split
+    (column-parallel, bias split too) or input features split (row-parallel, full bias)."""
+    from .tp import _resolve
+
+    layer.group = _resolve(group)
+    layer.in_features, layer.out_features = in_features, out_features
+    layer.sequence_parallel = sequence_parallel
+    if split_out:
+        rows = _shard(out_features, layer.group, "out_features")
+        shape, bias_len = (rows, in_features), rows
+    else:
+        shape, bias_len = (out_features, _shard(in_features, layer.group, "in_features")), out_features
+    layer.weight = nn.Parameter(torch.empty(*shape, dtype=dtype, device=device))
+    layer.bias = nn.Parameter(torch.empty(bias_len, dtype=dtype, device=device)) if bias else None
+    bound = 1.0 / math.sqrt(in_features)
+    nn.init.uniform_(layer.weight, -bound, bound)
+    if layer.bias is not None:
+        nn.init.uniform_(layer.bias, -bound, bound)
+
+
 class _CopyToParallel(torch.autograd.Function):
     """Identity forward, all-reduce of the gradient (the input of a column-parallel layer
     without sequence parallelism is replicated)."""
@@ -143,18 +165,8 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, group=None,
                  sequence_parallel: bool = True, dtype: torch.dtype = torch.bfloat16, device=None):
         super().__init__()
-        from .tp import _resolve
-
-        self.group = _resolve(group)
-        self.in_features, self.out_features = in_features, out_features
-        self.sequence_parallel = sequence_parallel
-        local = _shard(out_features, self.group, "out_features")
-        self.weight = nn.Parameter(torch.empty(local, in_features, dtype=dtype, device=device))
-        self.bias = nn.Parameter(torch.empty(local, dtype=dtype, device=device)) if bias else None
-        bound = 1.0 / math.sqrt(in_features)
-        nn.init.uniform_(self.weight, -bound, bound)
-        if self.bias is not None:
-            nn.init.uniform_(self.bias, -bound, bound)
+        _init_parallel_linear(self, in_features, out_features, bias, group, sequence_parallel, dtype,
+                              device, split_out=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from .dense import gemm
@@ -182,18 +194,8 @@ class RowParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, group=None,
                  sequence_parallel: bool = True, dtype: torch.dtype = torch.bfloat16, device=None):
         super().__init__()
-        from .tp import _resolve
-
-        self.group = _resolve(group)
-        self.in_features, self.out_features = in_features, out_features
-        self.sequence_parallel = sequence_parallel
-        local = _shard(in_features, self.group, "in_features")
-        self.weight = nn.Parameter(torch.empty(out_features, local, dtype=dtype, device=device))
-        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
-        bound = 1.0 / math.sqrt(in_features)
-        nn.init.uniform_(self.weight, -bound, bound)
-        if self.bias is not None:
-            nn.init.uniform_(self.bias, -bound, bound)
+        _init_parallel_linear(self, in_features, out_features, bias, group, sequence_parallel, dtype,
+                              device, split_out=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from .dense import gemm

@@ -7,20 +7,9 @@ import torch
 import distgemm
 from distgemm._library import ops
 from tests.reference import FLOAT8, assert_close, randn
+from tests.reference import ref_gemm as manual
 
 F16 = (torch.bfloat16, torch.float16)
-
-
-def manual(a, b, c=None, alpha=1.0, beta=0.0, sa=None, sb=None):
-    acc = a.double() @ b.double().T
-    if sa is not None:
-        acc = acc * sa.double().reshape(-1, 1)
-    if sb is not None:
-        acc = acc * sb.double().reshape(1, -1)
-    out = alpha * acc
-    if c is not None:
-        out = out + beta * c.double()
-    return out
 
 
 @pytest.mark.parametrize("dtype", F16)

@@ -7,6 +7,7 @@ import torch
 import distgemm
 from distgemm._library import device_arch, ops
 from tests.reference import FLOAT8, assert_close, randn
+from tests.reference import ref_gemm as reference
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -15,16 +16,6 @@ SHAPES = [  # (M, N, K): tile multiples, ragged M/N, M = 1, K = 16, tall, wide
     (256, 512, 128), (1, 4096, 4096), (17, 136, 16), (1000, 1032, 520), (4096, 256, 64),
     (64, 8192, 1024), (2048, 2048, 4096), (129, 257, 8192),
 ]
-
-
-def reference(a, b, c=None, alpha=1.0, beta=0.0, sa=None, sb=None):
-    acc = a.double() @ b.double().T
-    if sa is not None:
-        acc = acc * sa.double().reshape(-1, 1)
-    if sb is not None:
-        acc = acc * sb.double().reshape(1, -1)
-    out = alpha * acc
-    return out if c is None else out + beta * c.double()
 
 
 @pytest.mark.parametrize("m,n,k", SHAPES)
