@@ -6,7 +6,7 @@ import torch
 
 import distgemm
 from distgemm._library import ops
-from tests.reference import FLOAT8, assert_close, randn
+from tests.reference import assert_close, randn
 from tests.reference import ref_gemm as manual
 
 F16 = (torch.bfloat16, torch.float16)

@@ -6,7 +6,7 @@ import torch
 
 import distgemm
 from distgemm._library import device_arch, ops
-from tests.reference import FLOAT8, assert_close, randn
+from tests.reference import assert_close, randn
 from tests.reference import ref_gemm as reference
 
 pytestmark = pytest.mark.gpu

@@ -63,7 +63,6 @@ def run(out_dir: str, quick: bool = False) -> dict:
             rows.append(row)
             print_row(f"{dtype} M={m} N={n} K={k}", {"ours": row["distgemm"]["tflops"],
                       peer: row[peer]["tflops"], "ratio": f"{row['ratio']:.3f}"})
-            del a, b
         geo = round(geomean([r["ratio"] for r in rows]), 4)
         print(f"geomean distgemm / {peer} ({dtype}): {geo:.3f}")
         slug = gpu_slug(1)

@@ -123,7 +123,6 @@ def run(out_dir: str, quick: bool = False) -> dict:
             rows.append(row)
             print_row(f"{pass_name:7s} {name}", {"ours": row["distgemm"]["tflops"],
                       **{p: f"{r:.2f}x" for p, r in row["ratios"].items()}})
-        del x, w, dy
 
     def geo(pass_name, peer, subset=None):
         vals = [r["ratios"][peer] for r in rows if r["shape"]["pass"] == pass_name and peer in r["ratios"]
