@@ -244,9 +244,10 @@ dg_status plan(const dg_gemm_desc* desc, int device_arch, int sm_count, GemmProb
   return DG_SUCCESS;
 }
 
-}  // namespace
-
-dg_status run_gemm_desc(const dg_gemm_desc& desc, const GemmExtras& extras, cudaStream_t stream) {
+// Plans and launches `desc` on the current device: the one run path of dg_gemm and the
+// tensor-parallel steps.
+dg_status plan_and_run(const dg_gemm_desc& desc, const GemmExtras& extras, void* workspace,
+                       size_t workspace_bytes, cudaStream_t stream) {
   const int device = current_device();
   const DeviceInfo& dev = device_info(device);
   const int sm_count = extras.sm_count > 0 ? std::min(extras.sm_count, dev.sm_count) : dev.sm_count;
@@ -260,9 +261,19 @@ dg_status run_gemm_desc(const dg_gemm_desc& desc, const GemmExtras& extras, cuda
     p.beta_c = 1.f;
   }
   p.sync = extras.sync;
+  const size_t needed = inst->workspace(p);
+  DG_REQUIRE(workspace_bytes >= needed && (needed == 0 || workspace != nullptr),
+             "workspace of ", workspace_bytes, " bytes is smaller than the ", needed, " needed");
   p.device = device;
-  DG_REQUIRE(inst->workspace(p) == 0, "internal: a tensor-parallel GEMM kernel asked for a workspace");
+  p.workspace = workspace;
+  p.workspace_bytes = workspace_bytes;
   return inst->run(p, stream);
+}
+
+}  // namespace
+
+dg_status run_gemm_desc(const dg_gemm_desc& desc, const GemmExtras& extras, cudaStream_t stream) {
+  return plan_and_run(desc, extras, nullptr, 0, stream);
 }
 
 }  // namespace distgemm::gemm
@@ -288,18 +299,8 @@ extern "C" dg_status dg_gemm_workspace_size(const dg_gemm_desc* desc, size_t* by
 
 extern "C" dg_status dg_gemm(const dg_gemm_desc* desc, void* workspace, size_t workspace_bytes,
                              cudaStream_t stream) {
-  const int device = current_device();
-  const DeviceInfo& dev = device_info(device);
-  GemmProblem p;
-  const GemmInstance* inst = nullptr;
-  DG_RETURN_IF_ERROR(plan(desc, dev.arch, dev.sm_count, &p, &inst));
-  const size_t needed = inst->workspace(p);
-  DG_REQUIRE(workspace_bytes >= needed && (needed == 0 || workspace != nullptr),
-             "workspace of ", workspace_bytes, " bytes is smaller than the ", needed, " needed");
-  p.device = device;
-  p.workspace = workspace;
-  p.workspace_bytes = workspace_bytes;
-  return inst->run(p, stream);
+  DG_REQUIRE(desc != nullptr, "desc must not be NULL");
+  return plan_and_run(*desc, GemmExtras{}, workspace, workspace_bytes, stream);
 }
 
 extern "C" int dg_gemm_config_count(const dg_gemm_desc* desc, int device_arch) {

@@ -14,7 +14,8 @@ struct GemmExtras {
   int sm_count = 0;               // persistent grid size; 0: every SM
 };
 
-// Checks and runs `desc` (its workspace must be empty: true of every sm90 dense instance).
+// Checks and runs `desc` without a workspace (true of every sm90 dense instance: an instance
+// that needed one is refused with an error).
 dg_status run_gemm_desc(const dg_gemm_desc& desc, const GemmExtras& extras, cudaStream_t stream);
 
 }  // namespace distgemm::gemm

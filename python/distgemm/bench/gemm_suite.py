@@ -4,8 +4,6 @@ torch._scaled_mm in fp8, same inputs, same timer; plus the tile-configuration sw
 from __future__ import annotations
 
 import itertools
-import json
-import os
 
 import torch
 from tqdm import tqdm
@@ -108,11 +106,5 @@ def tune(out_dir: str, quick: bool = False) -> None:
                             "tflops": {key: round(flops / t / 1e9, 1) for key, t in times.items()}})
             print(f"tune {records[-1]['dtype']} {m}x{n}x{k}: best {best} {flops / times[best] / 1e9:.0f} "
                   f"TF/s, heuristic {names[heuristic]} {flops / auto / 1e9:.0f} TF/s", flush=True)
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, f"{gpu_slug(1)}_gemm_configs.json")
-    from .common import env_info
-    with open(path, "w") as f:
-        json.dump({"env": env_info(1), "rows": records,
-                   "geomean": {"heuristic_vs_best": round(geomean(
-                       [r["best_ms"] / r["heuristic_ms"] for r in records]), 4)}}, f, indent=1)
-    print(f"wrote {path}")
+    geo = {"heuristic_vs_best": round(geomean([r["best_ms"] / r["heuristic_ms"] for r in records]), 4)}
+    print(f"wrote {write_results(out_dir, gpu_slug(1), 'gemm_configs', records, geo)}")
