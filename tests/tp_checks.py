@@ -68,7 +68,7 @@ def check_all_gather_matmul_fp8(rank, world):
     assert_close(out, ref(a_full, b, sa=rowwise, sb=sb), torch.float8_e4m3fn)
 
 
-RS_SHAPES = [(128, 256, 128), (250, 520, 256), (1, 264, 64)]  # (m_local, N, K_local)
+RS_SHAPES = [(128, 256, 128), (250, 520, 256), (1, 264, 64), (300, 264, 128)]  # (m_local, N, K_local)
 
 
 def check_matmul_reduce_scatter(rank, world, dtypes=(torch.bfloat16, torch.float16)):

@@ -1,19 +1,23 @@
 // dg_all_gather_gemm / dg_gemm_reduce_scatter: the order of copies, flags and GEMMs that hides
 // a tensor-parallel GEMM's communication under its compute. Host-only.
 //
-// All-gather + GEMM (rank r of P): each rank copies its shard with the copy engine into every
-// rank's gathered buffer and raises that rank's ready flag; one persistent GEMM over the
-// gathered rows starts on r's own shard and waits, tile row by tile row, for each peer's
-// shard (Sm90SyncTileScheduler). The GEMM keeps two SMs free for the copy streams' flag
-// kernels, which must run while it spins. After the GEMM, r tells every peer that its buffer
-// is free again; a peer waits for that before its next copy into it.
+// All-gather + GEMM (rank r of P): r copies its shard into its own gathered buffer before the
+// GEMM (a local copy needs SMs: started under the GEMM it would crawl) and pushes it to every
+// peer's buffer on the copy engine, raising that peer's ready flag. One persistent GEMM over the
+// gathered rows starts on r's own shard and waits, tile row by tile row, for each peer's shard
+// (Sm90SyncTileScheduler). After the GEMM, r tells every peer that its buffer is free again; a
+// peer waits for that before its next copy into it.
 //
 // GEMM + reduce-scatter (ring): at step s rank r computes the rows of chunk (r - s - 1) mod P,
-// adding (in the epilogue) the partial sum rank r - 1 computed for the same rows at step s - 1,
-// read from r - 1's workspace; the last step (chunk r) writes the output. Steps are separate
-// launches; a step's epilogue waits for the previous rank's step flag.
+// adding (in the epilogue) the partial sums rank r - 1 computed for the same rows at step s - 1;
+// r - 1 pushes those into r's workspace on the copy engine while r computes step s, so the
+// epilogue reads local memory. The last step (chunk r) writes the output. Steps are separate
+// launches; a step's epilogue waits for the pushed slot's flag.
+//
+// The GEMMs keep two SMs free for the copy streams' flag kernels, which must run while they spin.
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 
 #include "common/device.h"
 #include "common/dtype.h"
@@ -30,7 +34,8 @@ namespace {
 
 constexpr int kTagAllGather = DG_TP_ALL_GATHER_GEMM << kErrorPeerBits;
 constexpr int kTagReduceScatter = DG_TP_GEMM_REDUCE_SCATTER << kErrorPeerBits;
-constexpr int kFreeSms = 2;  // left to the flag kernels while an all-gather GEMM spins
+constexpr int kFreeSms = 2;  // left to the copy streams' flag kernels while a GEMM spins
+constexpr int64_t kPartRowAlign = 128;  // reduce-scatter steps split at a tile-row boundary
 
 // Every rank's workspace as mapped in this process.
 struct Peers {
@@ -65,6 +70,16 @@ SyncParams base_sync(const dg_tp_desc& d, const Peers& peers, int tag, const Err
   s.error_host = err.host_word_device;
   s.error_tag = tag;
   return s;
+}
+
+// The smallest half of a reduce-scatter step worth its own launch, in FLOPs (see
+// dg_gemm_reduce_scatter); DISTGEMM_RS_SPLIT_GFLOPS overrides it (the tests force halves).
+double split_min_flops() {
+  static const double flops = [] {
+    const char* v = std::getenv("DISTGEMM_RS_SPLIT_GFLOPS");
+    return (v && *v ? std::atof(v) : 25.0) * 1e9;
+  }();
+  return flops;
 }
 
 size_t all_gather_bytes(const dg_tp_desc& d) {
@@ -130,26 +145,32 @@ extern "C" dg_status dg_all_gather_gemm(const dg_tp_desc* desc, cudaStream_t str
       targets.dst[targets.count++] = reinterpret_cast<float*>(peers.base[q] + layout.scales) + r * m;
     DG_CUDA_RETURN(launch_scatter_scales(g.scale_a, g.scale_a_len, m, targets, stream));
   }
-  const int streams = std::min(world, kPoolStreams);
+  // The own shard, on the caller's stream; then every peer, in the order they need it: the
+  // GEMM of rank p walks chunks p, p + 1, ..., so rank r is needed first by r - 1, then r - 2.
+  const size_t shard_bytes = static_cast<size_t>(m * k) * elem;
+  const size_t shard_offset = layout.gathered + static_cast<size_t>(r * m * k) * elem;
+  auto copy_shard = [&](char* dst, cudaStream_t on) {
+    if (g.a.row_stride == k)  // one DMA: a 2-D copy of many short rows runs far slower
+      return cudaMemcpyAsync(dst, g.a.data, shard_bytes, cudaMemcpyDeviceToDevice, on);
+    return cudaMemcpy2DAsync(dst, k * elem, g.a.data, g.a.row_stride * elem, k * elem, m,
+                             cudaMemcpyDeviceToDevice, on);
+  };
+  const int streams = 1;
   DG_RETURN_IF_ERROR(fork_streams(*pool, stream, streams));
-  for (int i = 0; i < world; ++i) {
-    const int p = (r + i) % world;  // own shard first
-    cudaStream_t copy = pool->streams[i % streams];
-    if (p != r) {  // p must be done reading its buffer from the previous call
-      DG_CUDA_RETURN(launch_wait_flag(peers.word(r, TpHeader::kConsumed, p), -1, sync, p, copy));
-    }
-    char* dst = peers.base[p] + layout.gathered + static_cast<size_t>(r * m * k) * elem;
-    if (g.a.row_stride == k) {  // one DMA: a 2-D copy of many short rows runs far slower
-      DG_CUDA_RETURN(cudaMemcpyAsync(dst, g.a.data, static_cast<size_t>(m * k) * elem,
-                                     cudaMemcpyDeviceToDevice, copy));
-    } else {
-      DG_CUDA_RETURN(cudaMemcpy2DAsync(dst, k * elem, g.a.data, g.a.row_stride * elem, k * elem, m,
-                                       cudaMemcpyDeviceToDevice, copy));
-    }
+  cudaStream_t push = pool->streams[0];
+  for (int i = 1; i < world; ++i) {
+    const int p = (r - i + world) % world;
+    // p must be done reading its buffer from the previous call.
+    DG_CUDA_RETURN(launch_wait_flag(peers.word(r, TpHeader::kConsumed, p), -1, sync, p, push));
+    DG_CUDA_RETURN(copy_shard(peers.base[p] + shard_offset, push));
     SignalTargets ready{};
     ready.flags[ready.count++] = peers.word(p, TpHeader::kReady, r);
-    DG_CUDA_RETURN(launch_signal(ready, sync.epoch, copy));
+    DG_CUDA_RETURN(launch_signal(ready, sync.epoch, push));
   }
+  DG_CUDA_RETURN(copy_shard(peers.base[r] + shard_offset, stream));
+  SignalTargets own_ready{};
+  own_ready.flags[own_ready.count++] = peers.word(r, TpHeader::kReady, r);
+  DG_CUDA_RETURN(launch_signal(own_ready, sync.epoch, stream));
 
   gemm::GemmExtras extras;
   extras.sync = sync;
@@ -190,51 +211,82 @@ extern "C" dg_status dg_gemm_reduce_scatter(const dg_tp_desc* desc, cudaStream_t
   DG_REQUIRE(d.workspace_bytes >= layout.bytes, "the workspace of ", d.workspace_bytes,
              " bytes is smaller than the ", layout.bytes, " needed");
 
-  // Step s computes chunk (r - s - 1) mod P into slot s (the last step into out).
-  auto step_desc = [&](int s) {
+  // Step s computes chunk (r - s - 1) mod P into slot s (the last step into out). A large step
+  // runs as two launches over the halves of its rows, so the first half travels while the
+  // second is computed and the next rank's first epilogues wait for half the bytes, not all of
+  // them; a small one stays whole, where the extra launches would cost more host time than the
+  // wait they save (measured on H200: halves of under ~25 GFLOP lose).
+  const double half_flops = static_cast<double>(m) * static_cast<double>(n) * g.a.cols;
+  const bool halves = m >= 2 * kPartRowAlign && half_flops >= split_min_flops() &&
+                      (world - 1) * 2 <= kMaxWorld;
+  const int parts = halves ? 2 : 1;
+  const int64_t split = halves ? (m / 2 + kPartRowAlign - 1) / kPartRowAlign * kPartRowAlign : m;
+  auto part_row0 = [&](int part) { return part == 0 ? int64_t{0} : split; };
+  auto part_rows = [&](int part) { return part == 0 ? split : m - split; };
+  auto slot_at = [&](size_t region, int s, int64_t row) {
+    return region + s * layout.slot_bytes + static_cast<size_t>(row * n) * out_elem;
+  };
+  auto step_desc = [&](int s, int part) {
     const int64_t chunk = (r - s - 1 + 2 * world) % world;
+    const int64_t row0 = part_row0(part), rows = part_rows(part);
     dg_gemm_desc step = g;
-    step.a.data = static_cast<const char*>(g.a.data) + static_cast<size_t>(chunk * m * g.a.row_stride) * in_elem;
-    step.a.rows = m;
+    step.a.data = static_cast<const char*>(g.a.data) +
+                  static_cast<size_t>((chunk * m + row0) * g.a.row_stride) * in_elem;
+    step.a.rows = rows;
     if (g.scale_a && g.scale_a_len > 1) {
-      step.scale_a = g.scale_a + chunk * m;
-      step.scale_a_len = m;
+      step.scale_a = g.scale_a + chunk * m + row0;
+      step.scale_a_len = rows;
     }
     if (s < world - 1) {
-      step.d = {peers.base[r] + layout.slots + s * layout.slot_bytes, g.d.dtype, m, n, n, 1};
+      step.d = {peers.base[r] + slot_at(layout.slots, s, row0), g.d.dtype, rows, n, n, 1};
       step.c = {};  // the bias is added once, at the last step
+    } else {
+      step.d.data = static_cast<const char*>(g.d.data) + static_cast<size_t>(row0 * g.d.row_stride) * out_elem;
+      step.d.rows = rows;
     }
     return step;
   };
   const int device = current_device();
   const DeviceInfo& dev = device_info(device);
   for (int s = 0; s < world; ++s) {
-    const dg_gemm_desc step = step_desc(s);
-    DG_RETURN_IF_ERROR(dg_gemm_check(&step, dev.arch));
+    for (int part = 0; part < parts; ++part) {
+      const dg_gemm_desc step = step_desc(s, part);
+      DG_RETURN_IF_ERROR(dg_gemm_check(&step, dev.arch));
+    }
   }
   ErrorState* err = error_state(device);
-  if (!err) return DG_ERROR_CUDA;
+  StreamPool* pool = stream_pool(device);
+  if (!err || !pool) return DG_ERROR_CUDA;
   const SyncParams sync = base_sync(d, peers, kTagReduceScatter, *err);
 
   DG_CUDA_RETURN(launch_bump_epoch(peers.word(r, TpHeader::kEpoch), stream));
-  // The next rank must be done reading our slots from the previous call.
+  // The next rank must be done reading the partial sums of our previous call.
   DG_CUDA_RETURN(launch_wait_flag(peers.word(r, TpHeader::kConsumed, next), -1, sync, next, stream));
   for (int s = 0; s < world; ++s) {
-    gemm::GemmExtras extras;
-    if (s > 0) {
-      extras.sync = sync;
-      extras.sync.c_ready = peers.word(r, TpHeader::kStepReady, s - 1);
-      extras.sync.c_peer = prev;
-      extras.chain_c = peers.base[prev] + layout.slots + (s - 1) * layout.slot_bytes;
-      extras.chain_ldc = n;
-    }
-    DG_RETURN_IF_ERROR(gemm::run_gemm_desc(step_desc(s), extras, stream));
-    if (s < world - 1) {
-      SignalTargets step_done{};
-      step_done.flags[step_done.count++] = peers.word(next, TpHeader::kStepReady, s);
-      DG_CUDA_RETURN(launch_signal(step_done, sync.epoch, stream));
+    for (int part = 0; part < parts; ++part) {
+      const int64_t row0 = part_row0(part);
+      gemm::GemmExtras extras;
+      if (s > 0) {
+        extras.sync = sync;
+        extras.sync.c_ready = peers.word(r, TpHeader::kStepReady, (s - 1) * parts + part);
+        extras.sync.c_peer = prev;
+        extras.chain_c = peers.base[r] + slot_at(layout.received, s - 1, row0);
+        extras.chain_ldc = n;
+        extras.sm_count = dev.sm_count - kFreeSms;  // earlier pushes signal meanwhile
+      }
+      DG_RETURN_IF_ERROR(gemm::run_gemm_desc(step_desc(s, part), extras, stream));
+      if (s == world - 1) continue;
+      SignalTargets done{};
+      done.flags[done.count++] = peers.word(next, TpHeader::kStepReady, s * parts + part);
+      DG_RETURN_IF_ERROR(fork_streams(*pool, stream, 1));  // the push waits for this launch only
+      DG_CUDA_RETURN(cudaMemcpyAsync(peers.base[next] + slot_at(layout.received, s, row0),
+                                     peers.base[r] + slot_at(layout.slots, s, row0),
+                                     static_cast<size_t>(part_rows(part) * n) * out_elem,
+                                     cudaMemcpyDeviceToDevice, pool->streams[0]));
+      DG_CUDA_RETURN(launch_signal(done, sync.epoch, pool->streams[0]));
     }
   }
+  DG_RETURN_IF_ERROR(join_streams(*pool, stream, 1));
   SignalTargets consumed{};
   consumed.flags[consumed.count++] = peers.word(prev, TpHeader::kConsumed, r);
   DG_CUDA_RETURN(launch_signal(consumed, sync.epoch, stream));

@@ -16,7 +16,8 @@ struct TpHeader {
   static constexpr size_t kEpoch = 0;                     // this rank's call counter
   static constexpr size_t kReady = 256;                   // [world] peer p: "my shard is in your buffer"
   static constexpr size_t kConsumed = kReady + 4 * kMaxWorld;    // [world] peer p: "done reading"
-  static constexpr size_t kStepReady = kConsumed + 4 * kMaxWorld;  // [world] ring step s finished
+  // [kMaxWorld] received partial sums in: slot s, or half h of it when steps are split (2s + h)
+  static constexpr size_t kStepReady = kConsumed + 4 * kMaxWorld;
   static constexpr size_t kBytes = 4096;
 };
 
@@ -34,15 +35,17 @@ struct AllGatherLayout {
   }
 };
 
-// GEMM + reduce-scatter: world - 1 slots of partial sums (m_local x N in the output dtype),
-// one per ring step before the last.
+// GEMM + reduce-scatter: per ring step before the last, a slot of partial sums this rank
+// computed (m_local x N in the output dtype) and a slot the previous rank pushes its own into.
 struct ReduceScatterLayout {
   size_t slots = TpHeader::kBytes;
+  size_t received = 0;
   size_t slot_bytes = 0;
   size_t bytes = 0;
   ReduceScatterLayout(int world, int64_t m_local, int64_t n, size_t out_bytes) {
     slot_bytes = align_up(static_cast<size_t>(m_local * n) * out_bytes, 256);
-    bytes = align_up(slots + slot_bytes * static_cast<size_t>(world - 1), 4096);
+    received = slots + slot_bytes * static_cast<size_t>(world - 1);
+    bytes = align_up(received + slot_bytes * static_cast<size_t>(world - 1), 4096);
   }
 };
 

@@ -22,8 +22,11 @@ def test_all_gather_matmul_fp8_scales():
     run_ranks(tp_checks.check_all_gather_matmul_fp8, WORLD, "nccl")
 
 
-def test_matmul_reduce_scatter():
-    run_ranks(tp_checks.check_matmul_reduce_scatter, WORLD, "nccl")
+@pytest.mark.parametrize("split", ["default", "halves"])
+def test_matmul_reduce_scatter(split):
+    # "halves": every ring step of 256+ rows runs as two launches, as large shapes do
+    env = {"DISTGEMM_RS_SPLIT_GFLOPS": "0"} if split == "halves" else None
+    run_ranks(tp_checks.check_matmul_reduce_scatter, WORLD, "nccl", env=env)
 
 
 @pytest.mark.parametrize("sequence_parallel", [True, False])

@@ -72,6 +72,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.path.join("bench", "results"))
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--kinds", default="ag,rs", help="ag, rs or both (comma-separated)")
     args = parser.parse_args(argv)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
@@ -81,7 +82,8 @@ def main(argv=None):
     rows = []
     if rank == 0:
         print(f"\n== tensor-parallel GEMMs, bf16, {world} ranks (ms; x = ratio to ours)")
-    for label, kind, m, k, n in shapes(world, args.quick):
+    kinds = set(args.kinds.split(","))
+    for label, kind, m, k, n in [s for s in shapes(world, args.quick) if s[1] in kinds]:
         torch.manual_seed(0)
         if kind == "ag":
             nl = n // world
