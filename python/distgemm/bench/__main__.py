@@ -49,7 +49,7 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default=os.path.join("bench", "results"), help="results folder")
     parser.add_argument("--quick", action="store_true", help="a few shapes per suite")
     parser.add_argument("--tune", action="store_true",
-                        help="also sweep every GEMM tile configuration and swizzle")
+                        help="also sweep every tile configuration (and dense swizzle)")
     args = parser.parse_args(argv)
     suites = [s for s in args.suites.split(",") if s]
     unknown = set(suites) - set(SUITES)
@@ -80,6 +80,8 @@ def main(argv=None) -> None:
         from . import grouped_suite
 
         summary.update(grouped_suite.run(args.out, args.quick))
+        if args.tune:
+            grouped_suite.tune(args.out, args.quick)
     if "tp" in suites:
         if gpus < 2:
             print("\n== tensor-parallel suite skipped: it needs 2 or more GPUs")

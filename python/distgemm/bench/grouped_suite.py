@@ -146,3 +146,37 @@ def run(out_dir: str, quick: bool = False) -> dict:
     return {"grouped_forward_vs_torch": summary["forward_vs_torch_grouped_mm"],
             "grouped_wgrad_vs_loop": summary["wgrad_vs_loop"],
             "grouped_wgrad_bf16_vs_torch": summary["wgrad_bf16_vs_torch_grouped_mm"]}
+
+
+def tune(out_dir: str, quick: bool = False) -> None:
+    """Times every compiled grouped configuration on the suite's shapes (forward bf16 and FP32
+    wgrad) next to the heuristic's pick; the tile choice is read off this file."""
+    from .._library import device_arch, ops
+
+    timer = Timer()
+    arch = device_arch(torch.device("cuda"))
+    records = []
+    for name, g, mean, n, k, routing in (SUITE[:3] if quick else SUITE):
+        counts = counts_for(g, mean, routing)
+        t = sum(counts)
+        offs = torch.tensor(counts, device="cuda", dtype=torch.int64).cumsum(0).to(torch.int32)
+        x = torch.randn(t, k, device="cuda").to(torch.bfloat16)
+        w = (torch.randn(g, n, k, device="cuda") * 0.05).to(torch.bfloat16)
+        dy = torch.randn(t, n, device="cuda").to(torch.bfloat16)
+        flops = 2.0 * t * n * k
+        for kind, out_dtype, call in (
+                (0, torch.bfloat16, lambda c: ops.grouped_mm(x, w, offs, torch.bfloat16, True, 0, c)),
+                (2, torch.float32, lambda c: ops.grouped_mm_wgrad(dy, x, offs, torch.float32, 0, c))):
+            names = ops.grouped_configs(kind, torch.bfloat16, out_dtype, arch)
+            times = {cfg: timer(lambda: call(i), warmup=2, reps=10) for i, cfg in enumerate(names)}
+            auto = timer(lambda: call(-1), warmup=2, reps=10)
+            best = min(times, key=times.get)
+            records.append({"shape": name, "pass": "forward" if kind == 0 else "wgrad",
+                            "heuristic_ms": auto, "best": best, "best_ms": times[best],
+                            "tflops": {cfg: round(flops / ms / 1e9, 1) for cfg, ms in times.items()},
+                            "heuristic_tflops": round(flops / auto / 1e9, 1)})
+            print(f"tune grouped {records[-1]['pass']} {name}: best {best} {flops / times[best] / 1e9:.0f} "
+                  f"TF/s, heuristic {flops / auto / 1e9:.0f} TF/s; "
+                  + " ".join(f"{c}={v}" for c, v in records[-1]["tflops"].items()), flush=True)
+    geo = {"heuristic_vs_best": round(geomean([r["best_ms"] / r["heuristic_ms"] for r in records]), 4)}
+    print(f"wrote {write_results(out_dir, gpu_slug(1), 'grouped_configs', records, geo)}")
