@@ -63,6 +63,30 @@ class Timer:
         times = sorted(s.elapsed_time(e) for s, e in zip(starts, ends))
         return times[len(times) // 2]
 
+    def compare(self, fns: Dict[str, Callable[[], object]], warmup: int = 3, reps: int = 20) -> Dict[str, float]:
+        """Median device time of each callable, the runs interleaved (the order rotating every
+        round) so that clock and power drift over a row falls on every implementation alike."""
+        names = list(fns)
+        for name in names:
+            for _ in range(warmup):
+                fns[name]()
+        events = {name: [] for name in names}
+        for rep in range(reps):
+            for name in names[rep % len(names):] + names[:rep % len(names)]:
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                self._flush.zero_()
+                torch.cuda._sleep(400_000)
+                s.record()
+                fns[name]()
+                e.record()
+                events[name].append((s, e))
+        torch.cuda.synchronize()
+        out = {}
+        for name, pairs in events.items():
+            times = sorted(s.elapsed_time(e) for s, e in pairs)
+            out[name] = times[len(times) // 2]
+        return out
+
 
 def entry(ms: float, flops: float) -> dict:
     return {"ms": round(ms, 5), "tflops": round(flops / ms / 1e9, 2)}

@@ -115,9 +115,9 @@ def run(out_dir: str, quick: bool = False) -> dict:
             err = _rel(ours, reference)
             row = {"shape": {"name": name, "groups": g, "tokens_per_group": mean, "n": n, "k": k,
                              "routing": routing, "pass": pass_name, "counts": counts}, "rel_err_vs_loop": err}
-            for impl, fn in impls.items():
-                if fn is not None:
-                    row[impl] = entry(timer(fn), flops)
+            times = timer.compare({impl: fn for impl, fn in impls.items() if fn is not None})
+            for impl, ms in times.items():
+                row[impl] = entry(ms, flops)
             row["ratios"] = {impl: round(row[impl]["ms"] / row["distgemm"]["ms"], 4)
                              for impl in impls if impl != "distgemm" and impl in row}
             rows.append(row)
@@ -168,8 +168,9 @@ def tune(out_dir: str, quick: bool = False) -> None:
                 (0, torch.bfloat16, lambda c: ops.grouped_mm(x, w, offs, torch.bfloat16, True, 0, c)),
                 (2, torch.float32, lambda c: ops.grouped_mm_wgrad(dy, x, offs, torch.float32, 0, c))):
             names = ops.grouped_configs(kind, torch.bfloat16, out_dtype, arch)
-            times = {cfg: timer(lambda: call(i), warmup=2, reps=10) for i, cfg in enumerate(names)}
-            auto = timer(lambda: call(-1), warmup=2, reps=10)
+            fns = {cfg: (lambda i=i: call(i)) for i, cfg in enumerate(names)}
+            times = timer.compare({**fns, "heuristic": lambda: call(-1)}, warmup=2, reps=10)
+            auto = times.pop("heuristic")
             best = min(times, key=times.get)
             records.append({"shape": name, "pass": "forward" if kind == 0 else "wgrad",
                             "heuristic_ms": auto, "best": best, "best_ms": times[best],

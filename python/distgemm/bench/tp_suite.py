@@ -3,7 +3,9 @@ distgemm.bench.tp_suite``; ``python -m distgemm.bench`` launches it when it sees
 
 Per shape, same inputs and timer on every rank: sequential NCCL + cuBLAS, PyTorch async-TP
 (torch.ops.symm_mem.fused_*), distgemm, and ideal = max(t_gemm, t_comm) from the GEMM and
-the collective timed alone. A time is the slowest rank's median."""
+the collective timed alone (and gemm_ours: distgemm.gemm on the same operands, which tells
+the kernel's share of a gap from the overlap's). A time is the median over three rounds, the implementations
+taking turns, of the slowest rank's loop time."""
 
 from __future__ import annotations
 
@@ -62,6 +64,32 @@ def loop_ms(fn, iters: int = 20, warmup: int = 3) -> float:
     return start.elapsed_time(end) / iters
 
 
+def interleaved_ms(impls: dict, rounds: int = 3) -> dict:
+    """Per implementation, the median over `rounds` of its loop time (slowest rank), the
+    implementations taking turns in a rotating order so that drift falls on all alike."""
+    names = list(impls)
+    samples = {name: [] for name in names}
+    for rnd in range(rounds):
+        for name in names[rnd % len(names):] + names[:rnd % len(names)]:
+            samples[name].append(_slowest(loop_ms(impls[name], iters=10)))
+    return {name: sorted(v)[len(v) // 2] for name, v in samples.items()}
+
+
+def _host_ms(fn, calls: int = 10) -> float:
+    """CPU time per call to enqueue `fn` (the GPU is left to catch up afterwards): when it
+    reaches the device time, the op is host-bound at that size."""
+    import time
+
+    torch.cuda.synchronize()
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e3
+
+
 def _slowest(ms: float) -> float:
     t = torch.tensor([ms], device="cuda")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -97,6 +125,7 @@ def main(argv=None):
                     (dist.all_gather_into_tensor(gathered, a, group=group), gathered)[1], b.T),
                 "async_tp": lambda: torch.ops.symm_mem.fused_all_gather_matmul(a, [b.T], 0, name)[1][0],
                 "gemm": lambda: torch.matmul(gathered, b.T),
+                "gemm_ours": lambda: distgemm.gemm(gathered, b),
                 "comm": lambda: dist.all_gather_into_tensor(gathered, a, group=group),
             }
             check = torch.matmul(torch.cat([t for t in _gather_list(a, world)]), b.T)
@@ -112,6 +141,7 @@ def main(argv=None):
                 "sequential": lambda: dist.reduce_scatter_tensor(shard, torch.matmul(a, b.T), group=group),
                 "async_tp": lambda: torch.ops.symm_mem.fused_matmul_reduce_scatter(a, b.T, "sum", 0, name),
                 "gemm": lambda: torch.matmul(a, b.T, out=partial),
+                "gemm_ours": lambda: distgemm.gemm(a, b),
                 "comm": lambda: dist.reduce_scatter_tensor(shard, partial, group=group),
             }
             full = torch.matmul(a, b.T).float()
@@ -119,15 +149,17 @@ def main(argv=None):
             check = full.chunk(world)[rank]
         ours = impls["distgemm"]()
         err = ((ours.float() - check.float()).norm() / check.float().norm()).item()
-        times = {impl: _slowest(loop_ms(fn)) for impl, fn in impls.items()}
+        times = interleaved_ms(impls)
+        host_ms = _host_ms(impls["distgemm"])
         distgemm.check_errors()
         ideal = max(times["gemm"], times["comm"])
         row = {"shape": {"label": label, "kind": kind, "m": m, "k": k, "n": n, "world": world,
                          "gemm_m": m, "gemm_n": n // world if kind == "ag" else n,
                          "gemm_k": k if kind == "ag" else k // world},
                "rel_err": err, "ideal": entry(ideal, flops)}
-        for impl in ("distgemm", "sequential", "async_tp", "gemm", "comm"):
+        for impl in ("distgemm", "sequential", "async_tp", "gemm", "gemm_ours", "comm"):
             row[impl] = entry(times[impl], flops)
+        row["distgemm_host_ms"] = round(host_ms, 4)  # CPU time to enqueue one call
         row["ours_over_ideal"] = round(times["distgemm"] / ideal, 4)
         row["speedup_vs_sequential"] = round(times["sequential"] / times["distgemm"], 4)
         row["speedup_vs_async_tp"] = round(times["async_tp"] / times["distgemm"], 4)
@@ -135,9 +167,11 @@ def main(argv=None):
         if rank == 0:
             print_row(label, {"ours": f"{times['distgemm']:.3f}", "seq": f"{times['sequential']:.3f}",
                               "asyncTP": f"{times['async_tp']:.3f}", "ideal": f"{ideal:.3f}",
+                              "gemm": f"{times['gemm']:.3f}", "gemm_ours": f"{times['gemm_ours']:.3f}",
                               "ours/ideal": f"{row['ours_over_ideal']:.3f}",
                               "vs_seq": f"{row['speedup_vs_sequential']:.2f}x",
-                              "vs_asyncTP": f"{row['speedup_vs_async_tp']:.2f}x", "err": f"{err:.1e}"})
+                              "vs_asyncTP": f"{row['speedup_vs_async_tp']:.2f}x", "host": f"{host_ms:.3f}",
+                              "err": f"{err:.1e}"})
     if rank == 0:
         big = [r for r in rows if r["gemm"]["ms"] >= 0.3]
         summary = {
