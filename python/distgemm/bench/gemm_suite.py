@@ -55,7 +55,8 @@ def run(out_dir: str, quick: bool = False) -> dict:
                 theirs = lambda: torch.matmul(a, b.T)
             err = _rel(ours(), theirs())
             flops = 2.0 * m * n * k
-            t_ours, t_peer = timer(ours), timer(theirs)
+            times = timer.compare({"ours": ours, "peer": theirs})
+            t_ours, t_peer = times["ours"], times["peer"]
             row = {"shape": {"m": m, "n": n, "k": k, "dtype": dtype}, "distgemm": entry(t_ours, flops),
                    peer: entry(t_peer, flops), "ratio": round(t_peer / t_ours, 4), "rel_err": err}
             rows.append(row)
@@ -93,12 +94,13 @@ def tune(out_dir: str, quick: bool = False) -> None:
             heuristic = ops.gemm_select_config(m, n, k, dt, dt, torch.bfloat16, True, arch,
                                                torch.cuda.get_device_properties(0).multi_processor_count,
                                                fast)
-            times = {}
-            for (ci, name), sw in itertools.product(enumerate(names), (1, 2, 4, 8)):
-                fn = lambda: ops.gemm(a, b, None, 1.0, 0.0, torch.bfloat16, sa, sb, fast, ci, sw)
-                times[f"{name}/s{sw}"] = timer(fn, warmup=2, reps=10)
+            fns = {f"{name}/s{sw}": (lambda ci=ci, sw=sw: ops.gemm(a, b, None, 1.0, 0.0, torch.bfloat16,
+                                                                   sa, sb, fast, ci, sw))
+                   for (ci, name), sw in itertools.product(enumerate(names), (1, 2, 4, 8))}
+            fns["heuristic"] = lambda: ops.gemm(a, b, None, 1.0, 0.0, torch.bfloat16, sa, sb, fast, -1, 0)
+            times = timer.compare(fns, warmup=2, reps=10)
+            auto = times.pop("heuristic")
             best = min(times, key=times.get)
-            auto = timer(lambda: ops.gemm(a, b, None, 1.0, 0.0, torch.bfloat16, sa, sb, fast, -1, 0), 2, 10)
             flops = 2.0 * m * n * k
             records.append({"dtype": label, "m": m, "n": n, "k": k,
                             "heuristic": names[heuristic], "heuristic_ms": auto,
