@@ -65,8 +65,11 @@ class Timer:
 
     def compare(self, fns: Dict[str, Callable[[], object]], warmup: int = 3, reps: int = 20) -> Dict[str, float]:
         """Median device time of each callable, the runs interleaved (the order rotating every
-        round) so that clock and power drift over a row falls on every implementation alike."""
+        round) so that clock and power drift over a row falls on every implementation alike.
+        DISTGEMM_BENCH_TIMING=sequential times them one after the other instead."""
         names = list(fns)
+        if os.environ.get("DISTGEMM_BENCH_TIMING") == "sequential":
+            return {name: self(fns[name], warmup, reps) for name in names}
         for name in names:
             for _ in range(warmup):
                 fns[name]()
