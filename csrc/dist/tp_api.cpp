@@ -272,9 +272,8 @@ extern "C" dg_status dg_gemm_reduce_scatter(const dg_tp_desc* desc, cudaStream_t
         extras.sync.c_peer = prev;
         extras.chain_c = peers.base[r] + slot_at(layout.received, s - 1, row0);
         extras.chain_ldc = n;
+        extras.sm_count = dev.sm_count - kFreeSms;  // earlier pushes signal meanwhile
       }
-      // Launches that run while an earlier part is being pushed leave SMs to its signal kernel.
-      if (s > 0 || part > 0) extras.sm_count = dev.sm_count - kFreeSms;
       DG_RETURN_IF_ERROR(gemm::run_gemm_desc(step_desc(s, part), extras, stream));
       if (s == world - 1) continue;
       SignalTargets done{};
