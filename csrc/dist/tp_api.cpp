@@ -62,14 +62,26 @@ dg_status check_tp(const dg_tp_desc* d, Peers* peers) {
   return DG_SUCCESS;
 }
 
-SyncParams base_sync(const dg_tp_desc& d, const Peers& peers, int tag, const ErrorState& err) {
-  SyncParams s;
+// What every call needs once its arguments are checked: the device's side streams and the
+// parameters of its bounded waits; the call's epoch is bumped first on `stream`.
+struct CallStart {
+  StreamPool* pool = nullptr;
+  SyncParams sync;
+};
+
+dg_status start_call(const dg_tp_desc& d, const Peers& peers, int tag, int device, cudaStream_t stream,
+                     CallStart* out) {
+  const ErrorState* err = error_state(device);
+  out->pool = stream_pool(device);
+  if (!err || !out->pool) return DG_ERROR_CUDA;
+  SyncParams& s = out->sync;
   s.epoch = peers.word(d.rank, TpHeader::kEpoch);
   s.timeout_ns = static_cast<uint64_t>(d.timeout_s * 1e9);
-  s.error = err.device_word;
-  s.error_host = err.host_word_device;
+  s.error = err->device_word;
+  s.error_host = err->host_word_device;
   s.error_tag = tag;
-  return s;
+  DG_CUDA_RETURN(launch_bump_epoch(peers.word(d.rank, TpHeader::kEpoch), stream));
+  return DG_SUCCESS;
 }
 
 // The smallest half of a reduce-scatter step worth its own launch, in FLOPs (see
@@ -133,12 +145,10 @@ extern "C" dg_status dg_all_gather_gemm(const dg_tp_desc* desc, cudaStream_t str
   const int device = current_device();
   const DeviceInfo& dev = device_info(device);
   DG_RETURN_IF_ERROR(dg_gemm_check(&gathered, dev.arch));
-  ErrorState* err = error_state(device);
-  StreamPool* pool = stream_pool(device);
-  if (!err || !pool) return DG_ERROR_CUDA;
-  const SyncParams sync = base_sync(d, peers, kTagAllGather, *err);
-
-  DG_CUDA_RETURN(launch_bump_epoch(peers.word(r, TpHeader::kEpoch), stream));
+  CallStart call;
+  DG_RETURN_IF_ERROR(start_call(d, peers, kTagAllGather, device, stream, &call));
+  StreamPool* pool = call.pool;
+  const SyncParams& sync = call.sync;
   if (g.scale_a) {
     ScaleTargets targets{};
     for (int q = 0; q < world; ++q)
@@ -254,12 +264,10 @@ extern "C" dg_status dg_gemm_reduce_scatter(const dg_tp_desc* desc, cudaStream_t
       DG_RETURN_IF_ERROR(dg_gemm_check(&step, dev.arch));
     }
   }
-  ErrorState* err = error_state(device);
-  StreamPool* pool = stream_pool(device);
-  if (!err || !pool) return DG_ERROR_CUDA;
-  const SyncParams sync = base_sync(d, peers, kTagReduceScatter, *err);
-
-  DG_CUDA_RETURN(launch_bump_epoch(peers.word(r, TpHeader::kEpoch), stream));
+  CallStart call;
+  DG_RETURN_IF_ERROR(start_call(d, peers, kTagReduceScatter, device, stream, &call));
+  StreamPool* pool = call.pool;
+  const SyncParams& sync = call.sync;
   // The next rank must be done reading the partial sums of our previous call.
   DG_CUDA_RETURN(launch_wait_flag(peers.word(r, TpHeader::kConsumed, next), -1, sync, next, stream));
   for (int s = 0; s < world; ++s) {
