@@ -10,10 +10,6 @@ import sys
 
 import torch
 
-for _var, _val in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
-                   ("NVSHMEM_DISABLE_NVLS", "1")):
-    os.environ[_var] = _val
-
 SUITES = ("gemm", "grouped", "tp")
 
 

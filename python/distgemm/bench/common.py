@@ -49,46 +49,48 @@ class Timer:
         torch.cuda.synchronize(device)
 
     def __call__(self, fn: Callable[[], object], warmup: int = 3, reps: int = 20) -> float:
-        for _ in range(warmup):
-            fn()
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-        for s, e in zip(starts, ends):
-            self._flush.zero_()
-            torch.cuda._sleep(400_000)  # queue the run behind ~200 us of GPU work: device time only
-            s.record()
-            fn()
-            e.record()
-        torch.cuda.synchronize()
-        times = sorted(s.elapsed_time(e) for s, e in zip(starts, ends))
-        return times[len(times) // 2]
+        return self._interleaved({"fn": fn}, warmup, reps)["fn"]
+
+    def queue_ahead(self) -> None:
+        """Flushes L2 and queues ~200 us of GPU work, so the next run is timed on the device
+        alone, not on the host that enqueues it."""
+        self._flush.zero_()
+        torch.cuda._sleep(400_000)
 
     def compare(self, fns: Dict[str, Callable[[], object]], warmup: int = 3, reps: int = 20) -> Dict[str, float]:
         """Median device time of each callable, the runs interleaved (the order rotating every
         round) so that clock and power drift over a row falls on every implementation alike.
         DISTGEMM_BENCH_TIMING=sequential times them one after the other instead."""
-        names = list(fns)
         if os.environ.get("DISTGEMM_BENCH_TIMING") == "sequential":
-            return {name: self(fns[name], warmup, reps) for name in names}
-        for name in names:
+            return {name: self(fn, warmup, reps) for name, fn in fns.items()}
+        return self._interleaved(fns, warmup, reps)
+
+    def _interleaved(self, fns: Dict[str, Callable[[], object]], warmup: int, reps: int) -> Dict[str, float]:
+        for fn in fns.values():
             for _ in range(warmup):
-                fns[name]()
-        events = {name: [] for name in names}
+                fn()
+        events = {name: [] for name in fns}
         for rep in range(reps):
-            for name in names[rep % len(names):] + names[:rep % len(names)]:
+            for name in rotated(list(fns), rep):
                 s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                self._flush.zero_()
-                torch.cuda._sleep(400_000)
+                self.queue_ahead()
                 s.record()
                 fns[name]()
                 e.record()
                 events[name].append((s, e))
         torch.cuda.synchronize()
-        out = {}
-        for name, pairs in events.items():
-            times = sorted(s.elapsed_time(e) for s, e in pairs)
-            out[name] = times[len(times) // 2]
-        return out
+        return {name: median(s.elapsed_time(e) for s, e in pairs) for name, pairs in events.items()}
+
+
+def rotated(names: List[str], turn: int) -> List[str]:
+    """`names` starting at position turn mod len(names): who goes first changes every round."""
+    i = turn % len(names)
+    return names[i:] + names[:i]
+
+
+def median(values) -> float:
+    values = sorted(values)
+    return values[len(values) // 2]
 
 
 def entry(ms: float, flops: float) -> dict:

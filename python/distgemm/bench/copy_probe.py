@@ -16,13 +16,11 @@ import ctypes
 import json
 import os
 
-for _var, _val in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
-                   ("NVSHMEM_DISABLE_NVLS", "1")):
-    os.environ[_var] = _val
-
 import torch
 import torch.distributed as dist
 import torch.distributed._symmetric_memory as symm_mem
+
+from .common import median
 
 
 class _MemLocation(ctypes.Structure):
@@ -101,11 +99,11 @@ def main() -> None:
                             times.append(c0.elapsed_time(c1))
                             if with_gemm:
                                 gemm_ms.append(g0.elapsed_time(g1))
-                    ms = sorted(times)[len(times) // 2]
+                    ms = median(times)
                     key = "under_gemm" if with_gemm else "alone"
                     row[key + "_gbps"] = round(nbytes / ms / 1e6, 1)
                     if with_gemm:
-                        row["gemm_ms_with_copy"] = round(sorted(gemm_ms)[len(gemm_ms) // 2], 4)
+                        row["gemm_ms_with_copy"] = round(median(gemm_ms), 4)
                 results.append(row)
         del handle, buf
     # the GEMM alone, for the slow-down
@@ -117,7 +115,7 @@ def main() -> None:
         g1.record()
         torch.cuda.synchronize()
         alone.append(g0.elapsed_time(g1))
-    gemm_alone = sorted(alone)[3]
+    gemm_alone = median(alone)
     # CUDA-graph capture of each mode
     capture = {}
     dst = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")

@@ -12,17 +12,13 @@ from __future__ import annotations
 import argparse
 import os
 
-for _var, _val in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
-                   ("NVSHMEM_DISABLE_NVLS", "1")):
-    os.environ[_var] = _val
-
 import torch
 import torch.distributed as dist
 import torch.distributed._symmetric_memory  # noqa: F401  (registers torch.ops.symm_mem)
 
 import distgemm
 
-from .common import entry, geomean, gpu_slug, plot_ratios, print_row, write_results
+from .common import entry, geomean, gpu_slug, median, plot_ratios, print_row, rotated, write_results
 
 # Llama-3 TP layers: (model, hidden, ffn, q heads, kv heads, head dim)
 MODELS = [("llama3-8b", 4096, 14336, 32, 8, 128), ("llama3-70b", 8192, 28672, 64, 8, 128)]
@@ -67,12 +63,11 @@ def loop_ms(fn, iters: int = 20, warmup: int = 3) -> float:
 def interleaved_ms(impls: dict, rounds: int = 3) -> dict:
     """Per implementation, the median over `rounds` of its loop time (slowest rank), the
     implementations taking turns in a rotating order so that drift falls on all alike."""
-    names = list(impls)
-    samples = {name: [] for name in names}
+    samples = {name: [] for name in impls}
     for rnd in range(rounds):
-        for name in names[rnd % len(names):] + names[:rnd % len(names)]:
+        for name in rotated(list(impls), rnd):
             samples[name].append(_slowest(loop_ms(impls[name], iters=10)))
-    return {name: sorted(v)[len(v) // 2] for name, v in samples.items()}
+    return {name: median(v) for name, v in samples.items()}
 
 
 def _host_ms(fn, calls: int = 10) -> float:
