@@ -86,12 +86,17 @@ dg_status start_call(const dg_tp_desc& d, const Peers& peers, int tag, int devic
 
 // The smallest half of a reduce-scatter step worth its own launch, in FLOPs (see
 // dg_gemm_reduce_scatter); DISTGEMM_RS_SPLIT_GFLOPS overrides it (the tests force halves).
-double split_min_flops() {
-  static const double flops = [] {
-    const char* v = std::getenv("DISTGEMM_RS_SPLIT_GFLOPS");
-    return (v && *v ? std::atof(v) : 25.0) * 1e9;
-  }();
-  return flops;
+dg_status split_min_flops(double* flops) {
+  const char* v = std::getenv("DISTGEMM_RS_SPLIT_GFLOPS");
+  double gflops = 25.0;
+  if (v && *v) {
+    char* end = nullptr;
+    gflops = std::strtod(v, &end);
+    DG_REQUIRE(*end == '\0' && gflops >= 0.0,
+               "DISTGEMM_RS_SPLIT_GFLOPS must be a non-negative number of GFLOP, got '", v, "'");
+  }
+  *flops = gflops * 1e9;
+  return DG_SUCCESS;
 }
 
 size_t all_gather_bytes(const dg_tp_desc& d) {
@@ -227,7 +232,9 @@ extern "C" dg_status dg_gemm_reduce_scatter(const dg_tp_desc* desc, cudaStream_t
   // them; a small one stays whole, where the extra launches would cost more host time than the
   // wait they save (measured on H200: halves of under ~25 GFLOP lose).
   const double half_flops = static_cast<double>(m) * static_cast<double>(n) * g.a.cols;
-  const bool halves = m >= 2 * kPartRowAlign && half_flops >= split_min_flops() &&
+  double min_half_flops = 0.0;
+  DG_RETURN_IF_ERROR(split_min_flops(&min_half_flops));
+  const bool halves = m >= 2 * kPartRowAlign && half_flops >= min_half_flops &&
                       (world - 1) * 2 <= kMaxWorld;
   const int parts = halves ? 2 : 1;
   const int64_t split = halves ? (m / 2 + kPartRowAlign - 1) / kPartRowAlign * kPartRowAlign : m;
