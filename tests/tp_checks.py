@@ -3,6 +3,7 @@ The same checks run on CPU with gloo (the collectives path) and on GPUs with NCC
 fused path). Every rank draws the full operands from one seed and keeps its shard, so the
 reference is the plain single-device product."""
 
+import os
 import time
 
 import torch
@@ -66,6 +67,17 @@ def check_all_gather_matmul_fp8(rank, world):
     rowwise = torch.rand(m * world, generator=torch.Generator().manual_seed(63)).to(dev) + 0.5
     out = distgemm.all_gather_matmul(a, b, scale_a=rowwise[rank * m:(rank + 1) * m].contiguous(), scale_b=sb)
     assert_close(out, ref(a_full, b, sa=rowwise, sb=sb), torch.float8_e4m3fn)
+    if dist.get_backend() != "nccl":  # the algorithms are the fused backend's
+        return
+    os.environ["DISTGEMM_TP_ALGO"] = "decomposed"  # cuBLASLt pieces: bf16/fp16 only, said so
+    try:
+        distgemm.all_gather_matmul(a, b, scale_a=rowwise[rank * m:(rank + 1) * m].contiguous(), scale_b=sb)
+    except NotImplementedError as e:
+        assert "decomposed algorithm does not take inputs other than bf16/fp16" in str(e), e
+    else:
+        raise AssertionError("DISTGEMM_TP_ALGO=decomposed ran float8 inputs")
+    finally:
+        del os.environ["DISTGEMM_TP_ALGO"]
 
 
 RS_SHAPES = [(128, 256, 128), (250, 520, 256), (1, 264, 64), (300, 264, 128)]  # (m_local, N, K_local)

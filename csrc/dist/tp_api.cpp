@@ -14,7 +14,15 @@
 // epilogue reads local memory. The last step (chunk r) writes the output. Steps are separate
 // launches; a step's epilogue waits for the pushed slot's flag.
 //
-// The GEMMs keep two SMs free for the copy streams' flag kernels, which must run while they spin.
+// The fused GEMMs keep two SMs free for the copy streams' flag kernels, which must run while
+// they spin.
+//
+// The decomposed algorithm (dg_tp_algo) keeps the copies, flags and ring order, but runs one
+// cuBLASLt GEMM per chunk (all-gather: the own shard straight from `a` first, then each peer's
+// after a bounded wait for its flag on the caller's stream) or per half ring step
+// (reduce-scatter: the wait for the previous rank's half precedes the GEMM that adds it; the
+// other half's GEMM runs meanwhile). cuBLAS's kernels are faster than ours on large bf16 GEMMs,
+// and the caller's stream only waits where the data is not there yet.
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
@@ -27,6 +35,7 @@
 #include "dist/tp_kernels.cuh"
 #include "dist/tp_layout.h"
 #include "distgemm/distgemm.h"
+#include "gemm/cublaslt_gemm.h"
 #include "gemm/gemm_internal.h"
 
 namespace distgemm::dist {
@@ -99,6 +108,17 @@ dg_status split_min_flops(double* flops) {
   return DG_SUCCESS;
 }
 
+// Whether to run the decomposed algorithm: `why_not` is why cuBLASLt cannot run a piece of
+// this call (nullptr if it can).
+dg_status use_decomposed(const dg_tp_desc& d, const char* why_not, bool* decomposed) {
+  DG_REQUIRE(d.algo == DG_TP_ALGO_AUTO || d.algo == DG_TP_ALGO_FUSED || d.algo == DG_TP_ALGO_DECOMPOSED,
+             "algo must be DG_TP_ALGO_AUTO, _FUSED or _DECOMPOSED, got ", static_cast<int>(d.algo));
+  if (d.algo == DG_TP_ALGO_DECOMPOSED && why_not)
+    return fail(DG_ERROR_NOT_SUPPORTED, cat("the decomposed algorithm does not take ", why_not));
+  *decomposed = d.algo != DG_TP_ALGO_FUSED && !why_not;
+  return DG_SUCCESS;
+}
+
 size_t all_gather_bytes(const dg_tp_desc& d) {
   return AllGatherLayout(d.gemm.a.rows * d.world, d.gemm.a.cols, dtype_bytes(d.gemm.a.dtype)).bytes;
 }
@@ -140,15 +160,31 @@ extern "C" dg_status dg_all_gather_gemm(const dg_tp_desc* desc, cudaStream_t str
   DG_REQUIRE(!g.scale_a || g.scale_a_len == 1 || g.scale_a_len == m,
              "scale_a must hold 1 or m = ", m, " values (this rank's shard)");
 
-  // The GEMM over the gathered rows, checked before anything is enqueued.
+  // The GEMM over the gathered rows (fused), or over one chunk of them (decomposed: chunk q's
+  // rows of `a` and `out`), checked before anything is enqueued.
   dg_gemm_desc gathered = g;
   gathered.a = {peers.base[r] + layout.gathered, g.a.dtype, rows, k, k, 1};
   if (g.scale_a) {
     gathered.scale_a = reinterpret_cast<const float*>(peers.base[r] + layout.scales);
     gathered.scale_a_len = rows;
   }
+  auto chunk_desc = [&](int q) {
+    dg_gemm_desc chunk = g;
+    if (q != r) chunk.a = {peers.base[r] + layout.gathered + static_cast<size_t>(q * m * k) * elem, g.a.dtype, m, k, k, 1};
+    chunk.d.data = static_cast<const char*>(g.d.data) + static_cast<size_t>(q * m * g.d.row_stride) * dtype_bytes(g.d.dtype);
+    chunk.d.rows = m;
+    if (g.c.data && g.c.rows != 1) {
+      chunk.c.data = static_cast<const char*>(g.c.data) + static_cast<size_t>(q * m * g.c.row_stride) * dtype_bytes(g.c.dtype);
+      chunk.c.rows = m;
+    }
+    return chunk;
+  };
   const int device = current_device();
   const DeviceInfo& dev = device_info(device);
+  bool decomposed = false;
+  const char* why_not = gemm::cublaslt_unsupported(chunk_desc(r));
+  if (!why_not) why_not = gemm::cublaslt_unsupported(chunk_desc((r + 1) % world));
+  DG_RETURN_IF_ERROR(use_decomposed(d, why_not, &decomposed));
   DG_RETURN_IF_ERROR(dg_gemm_check(&gathered, dev.arch));
   CallStart call;
   DG_RETURN_IF_ERROR(start_call(d, peers, kTagAllGather, device, stream, &call));
@@ -160,8 +196,8 @@ extern "C" dg_status dg_all_gather_gemm(const dg_tp_desc* desc, cudaStream_t str
       targets.dst[targets.count++] = reinterpret_cast<float*>(peers.base[q] + layout.scales) + r * m;
     DG_CUDA_RETURN(launch_scatter_scales(g.scale_a, g.scale_a_len, m, targets, stream));
   }
-  // The own shard, on the caller's stream; then every peer, in the order they need it: the
-  // GEMM of rank p walks chunks p, p + 1, ..., so rank r is needed first by r - 1, then r - 2.
+  // Every peer gets the shard in the order they need it: the GEMMs of rank p walk chunks p,
+  // p + 1, ..., so rank r is needed first by r - 1, then r - 2.
   const size_t shard_bytes = static_cast<size_t>(m * k) * elem;
   const size_t shard_offset = layout.gathered + static_cast<size_t>(r * m * k) * elem;
   auto copy_shard = [&](char* dst, cudaStream_t on) {
@@ -182,22 +218,42 @@ extern "C" dg_status dg_all_gather_gemm(const dg_tp_desc* desc, cudaStream_t str
     ready.flags[ready.count++] = peers.word(p, TpHeader::kReady, r);
     DG_CUDA_RETURN(launch_signal(ready, sync.epoch, push));
   }
-  DG_CUDA_RETURN(copy_shard(peers.base[r] + shard_offset, stream));
-  SignalTargets own_ready{};
-  own_ready.flags[own_ready.count++] = peers.word(r, TpHeader::kReady, r);
-  DG_CUDA_RETURN(launch_signal(own_ready, sync.epoch, stream));
-
-  gemm::GemmExtras extras;
-  extras.sync = sync;
-  extras.sync.chunk_ready = peers.word(r, TpHeader::kReady);
-  extras.sync.chunk_rows = static_cast<int32_t>(m);
-  extras.sync.num_chunks = world;
-  extras.sync.first_chunk = r;
-  extras.sm_count = dev.sm_count - kFreeSms;
-  DG_RETURN_IF_ERROR(gemm::run_gemm_desc(gathered, extras, stream));
+  if (decomposed) {
+    void* scratch = peers.base[r] + layout.scratch;
+    for (int i = 0; i < world; ++i) {
+      const int q = (r + i) % world;  // q's shard arrives after those of q - 1, ..., r + 1
+      if (i > 0) DG_CUDA_RETURN(launch_wait_flag(peers.word(r, TpHeader::kReady, q), 0, sync, q, stream));
+      DG_RETURN_IF_ERROR(gemm::run_cublaslt_gemm(chunk_desc(q), nullptr, 0, scratch, kGemmScratchBytes, stream));
+    }
+  } else {
+    // The own shard on the caller's stream: started under the GEMM, a local copy would crawl.
+    DG_CUDA_RETURN(copy_shard(peers.base[r] + shard_offset, stream));
+    SignalTargets own_ready{};
+    own_ready.flags[own_ready.count++] = peers.word(r, TpHeader::kReady, r);
+    DG_CUDA_RETURN(launch_signal(own_ready, sync.epoch, stream));
+    gemm::GemmExtras extras;
+    extras.sync = sync;
+    extras.sync.chunk_ready = peers.word(r, TpHeader::kReady);
+    extras.sync.chunk_rows = static_cast<int32_t>(m);
+    extras.sync.num_chunks = world;
+    extras.sync.first_chunk = r;
+    extras.sm_count = dev.sm_count - kFreeSms;
+    DG_RETURN_IF_ERROR(gemm::run_gemm_desc(gathered, extras, stream));
+  }
   if (d.gathered_out) {
-    DG_CUDA_RETURN(cudaMemcpyAsync(d.gathered_out, gathered.a.data, static_cast<size_t>(rows * k) * elem,
-                                   cudaMemcpyDeviceToDevice, stream));
+    char* out = static_cast<char*>(d.gathered_out);
+    if (decomposed) {  // the own shard never entered the gathered buffer
+      DG_CUDA_RETURN(copy_shard(out + static_cast<size_t>(r * m * k) * elem, stream));
+      const size_t before = static_cast<size_t>(r * m * k) * elem, after = static_cast<size_t>((rows - (r + 1) * m) * k) * elem;
+      if (before)
+        DG_CUDA_RETURN(cudaMemcpyAsync(out, gathered.a.data, before, cudaMemcpyDeviceToDevice, stream));
+      if (after)
+        DG_CUDA_RETURN(cudaMemcpyAsync(out + before + shard_bytes, static_cast<const char*>(gathered.a.data) + before + shard_bytes,
+                                       after, cudaMemcpyDeviceToDevice, stream));
+    } else {
+      DG_CUDA_RETURN(cudaMemcpyAsync(out, gathered.a.data, static_cast<size_t>(rows * k) * elem,
+                                     cudaMemcpyDeviceToDevice, stream));
+    }
   }
   SignalTargets consumed{};
   for (int p = 0; p < world; ++p)
@@ -230,14 +286,20 @@ extern "C" dg_status dg_gemm_reduce_scatter(const dg_tp_desc* desc, cudaStream_t
   // runs as two launches over the halves of its rows, so the first half travels while the
   // second is computed and the next rank's first epilogues wait for half the bytes, not all of
   // them; a small one stays whole, where the extra launches would cost more host time than the
-  // wait they save (measured on H200: halves of under ~25 GFLOP lose).
+  // wait they save (measured on H200: halves of under ~25 GFLOP lose). The decomposed
+  // algorithm always splits: its GEMMs wait for their whole C operand before they start.
   const double half_flops = static_cast<double>(m) * static_cast<double>(n) * g.a.cols;
   double min_half_flops = 0.0;
   DG_RETURN_IF_ERROR(split_min_flops(&min_half_flops));
-  const bool halves = m >= 2 * kPartRowAlign && half_flops >= min_half_flops &&
-                      (world - 1) * 2 <= kMaxWorld;
-  const int parts = halves ? 2 : 1;
-  const int64_t split = halves ? (m / 2 + kPartRowAlign - 1) / kPartRowAlign * kPartRowAlign : m;
+  bool decomposed = true;  // settled below, once every piece's fit is known
+  int parts = 1;
+  int64_t split = m;
+  auto plan_parts = [&] {
+    const bool halves = m >= 2 * kPartRowAlign && (decomposed || half_flops >= min_half_flops) &&
+                        (world - 1) * 2 <= kMaxWorld;
+    parts = halves ? 2 : 1;
+    split = halves ? (m / 2 + kPartRowAlign - 1) / kPartRowAlign * kPartRowAlign : m;
+  };
   auto part_row0 = [&](int part) { return part == 0 ? int64_t{0} : split; };
   auto part_rows = [&](int part) { return part == 0 ? split : m - split; };
   auto slot_at = [&](size_t region, int s, int64_t row) {
@@ -265,6 +327,12 @@ extern "C" dg_status dg_gemm_reduce_scatter(const dg_tp_desc* desc, cudaStream_t
   };
   const int device = current_device();
   const DeviceInfo& dev = device_info(device);
+  plan_parts();
+  const char* why_not = nullptr;
+  for (int s = 0; s < world && !why_not; ++s)
+    for (int part = 0; part < parts && !why_not; ++part) why_not = gemm::cublaslt_unsupported(step_desc(s, part));
+  DG_RETURN_IF_ERROR(use_decomposed(d, why_not, &decomposed));
+  plan_parts();
   for (int s = 0; s < world; ++s) {
     for (int part = 0; part < parts; ++part) {
       const dg_gemm_desc step = step_desc(s, part);
@@ -280,16 +348,25 @@ extern "C" dg_status dg_gemm_reduce_scatter(const dg_tp_desc* desc, cudaStream_t
   for (int s = 0; s < world; ++s) {
     for (int part = 0; part < parts; ++part) {
       const int64_t row0 = part_row0(part);
-      gemm::GemmExtras extras;
-      if (s > 0) {
-        extras.sync = sync;
-        extras.sync.c_ready = peers.word(r, TpHeader::kStepReady, (s - 1) * parts + part);
-        extras.sync.c_peer = prev;
-        extras.chain_c = peers.base[r] + slot_at(layout.received, s - 1, row0);
-        extras.chain_ldc = n;
-        extras.sm_count = dev.sm_count - kFreeSms;  // earlier pushes signal meanwhile
+      // Step s > 0 adds what the previous rank computed at step s - 1 for the same rows.
+      const uint32_t* received_ready = s > 0 ? peers.word(r, TpHeader::kStepReady, (s - 1) * parts + part) : nullptr;
+      const void* received = s > 0 ? peers.base[r] + slot_at(layout.received, s - 1, row0) : nullptr;
+      if (decomposed) {
+        if (s > 0) DG_CUDA_RETURN(launch_wait_flag(received_ready, 0, sync, prev, stream));
+        DG_RETURN_IF_ERROR(gemm::run_cublaslt_gemm(step_desc(s, part), received, n,
+                                                   peers.base[r] + layout.scratch, kGemmScratchBytes, stream));
+      } else {
+        gemm::GemmExtras extras;
+        if (s > 0) {
+          extras.sync = sync;
+          extras.sync.c_ready = received_ready;
+          extras.sync.c_peer = prev;
+          extras.chain_c = received;
+          extras.chain_ldc = n;
+          extras.sm_count = dev.sm_count - kFreeSms;  // earlier pushes signal meanwhile
+        }
+        DG_RETURN_IF_ERROR(gemm::run_gemm_desc(step_desc(s, part), extras, stream));
       }
-      DG_RETURN_IF_ERROR(gemm::run_gemm_desc(step_desc(s, part), extras, stream));
       if (s == world - 1) continue;
       SignalTargets done{};
       done.flags[done.count++] = peers.word(next, TpHeader::kStepReady, s * parts + part);

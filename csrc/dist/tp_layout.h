@@ -23,29 +23,37 @@ struct TpHeader {
 
 inline size_t align_up(size_t bytes, size_t to) { return (bytes + to - 1) / to * to; }
 
-// All-gather + GEMM: the gathered operand (M = world * m_local rows of K) and, for FP8 with
-// per-row scales, the gathered scales (M floats).
+// Device scratch of the cuBLASLt GEMMs of the decomposed algorithm (local use only).
+constexpr size_t kGemmScratchBytes = size_t{32} << 20;
+
+// All-gather + GEMM: the gathered operand (M = world * m_local rows of K), for FP8 with
+// per-row scales the gathered scales (M floats), and the GEMMs' scratch.
 struct AllGatherLayout {
   size_t gathered = TpHeader::kBytes;
   size_t scales = 0;
+  size_t scratch = 0;
   size_t bytes = 0;
   AllGatherLayout(int64_t m, int64_t k, size_t elem_bytes) {
     scales = align_up(gathered + static_cast<size_t>(m * k) * elem_bytes, 256);
-    bytes = align_up(scales + static_cast<size_t>(m) * sizeof(float), 4096);
+    scratch = align_up(scales + static_cast<size_t>(m) * sizeof(float), 4096);
+    bytes = scratch + kGemmScratchBytes;
   }
 };
 
 // GEMM + reduce-scatter: per ring step before the last, a slot of partial sums this rank
-// computed (m_local x N in the output dtype) and a slot the previous rank pushes its own into.
+// computed (m_local x N in the output dtype), a slot the previous rank pushes its own into,
+// and the GEMMs' scratch.
 struct ReduceScatterLayout {
   size_t slots = TpHeader::kBytes;
   size_t received = 0;
   size_t slot_bytes = 0;
+  size_t scratch = 0;
   size_t bytes = 0;
   ReduceScatterLayout(int world, int64_t m_local, int64_t n, size_t out_bytes) {
     slot_bytes = align_up(static_cast<size_t>(m_local * n) * out_bytes, 256);
     received = slots + slot_bytes * static_cast<size_t>(world - 1);
-    bytes = align_up(received + slot_bytes * static_cast<size_t>(world - 1), 4096);
+    scratch = align_up(received + slot_bytes * static_cast<size_t>(world - 1), 4096);
+    bytes = scratch + kGemmScratchBytes;
   }
 };
 

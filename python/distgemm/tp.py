@@ -30,6 +30,7 @@ os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
 _AG, _RS = 1, 2
 _OP_NAMES = {_AG: "distgemm.all_gather_matmul", _RS: "distgemm.matmul_reduce_scatter"}
 _BACKENDS = ("auto", "fused", "collectives")
+_ALGOS = {"auto": 0, "fused": 1, "decomposed": 2}  # dg_tp_algo
 
 
 def timeout_s() -> float:
@@ -86,6 +87,16 @@ def _backend() -> str:
     if value not in _BACKENDS:
         raise ValueError(f"DISTGEMM_TP_BACKEND must be one of {_BACKENDS}, got {value!r}")
     return value
+
+
+def _algo() -> int:
+    """DISTGEMM_TP_ALGO: how the fused backend hides the communication. `fused`: one CUTLASS
+    GEMM per ring step waiting on per-tile-row flags; `decomposed`: one cuBLASLt GEMM per chunk
+    after a bounded wait for it (bf16/fp16); `auto` (default): decomposed where it applies."""
+    value = os.environ.get("DISTGEMM_TP_ALGO", "auto").lower()
+    if value not in _ALGOS:
+        raise ValueError(f"DISTGEMM_TP_ALGO must be one of {tuple(_ALGOS)}, got {value!r}")
+    return _ALGOS[value]
 
 
 def _use_fused(group: dist.ProcessGroup, device: torch.device) -> bool:
@@ -153,7 +164,7 @@ def _fused_all_gather_matmul(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, 
     nbytes = _workspace_bytes(_AG, a.shape[0], a.shape[1], b.shape[0], a.dtype, out_dtype, world)
     ws = _workspace(group, _AG, nbytes, a.device)
     return ops.tp_all_gather_gemm(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, rank,
-                                  world, ws.ptrs, ws.nbytes, timeout_s(), return_gathered)
+                                  world, ws.ptrs, ws.nbytes, timeout_s(), return_gathered, _algo())
 
 
 def _fused_matmul_reduce_scatter(a, b, bias, alpha, beta, out_dtype, scale_a, scale_b, fast_accum,
@@ -163,7 +174,7 @@ def _fused_matmul_reduce_scatter(a, b, bias, alpha, beta, out_dtype, scale_a, sc
     nbytes = _workspace_bytes(_RS, a.shape[0] // world, a.shape[1], b.shape[0], a.dtype, out_dtype, world)
     ws = _workspace(group, _RS, nbytes, a.device)
     return ops.tp_gemm_reduce_scatter(a, b, bias, alpha, beta, out_dtype, scale_a, scale_b, fast_accum,
-                                      rank, world, ws.ptrs, ws.nbytes, timeout_s())
+                                      rank, world, ws.ptrs, ws.nbytes, timeout_s(), _algo())
 
 
 @functools.lru_cache(maxsize=256)
@@ -237,6 +248,16 @@ def _gathered_scale_a(scale_a, rows: int, group) -> Optional[torch.Tensor]:
 # ---------------------------------------------------------------- public ops
 
 
+def _scaled_bias(c, beta, out_dtype, full_rows):
+    """(c, beta) for the fused ops: a bias row comes pre-multiplied by beta, with beta 1 (the
+    decomposed algorithm adds a bias unscaled); a full C (full_rows rows) keeps its beta."""
+    if c is None or beta == 0.0:
+        return None, 0.0
+    if c.dim() == 2 and c.shape[0] == full_rows and full_rows != 1:
+        return c.to(out_dtype), beta
+    return (c.reshape(-1).float() * beta).to(out_dtype), 1.0
+
+
 def _check_tp(op, a, b, c, out_dtype, scale_a, scale_b, c_rows: int):
     out_dtype = check_operands(op, a, b, None, out_dtype, scale_a, scale_b)
     n = b.shape[0]
@@ -271,7 +292,7 @@ def _all_gather_matmul_eager(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, 
     _check_same_on_all_ranks(group, _OP_NAMES[_AG], (tuple(a.shape), tuple(b.shape), str(a.dtype),
                                                      str(out_dtype), scale_a is not None))
     if _use_fused(group, a.device) and kernel_ready(a.contiguous(), b, out_dtype):
-        bias_or_c = None if c is None else c.to(out_dtype)
+        bias_or_c, beta = _scaled_bias(c, beta, out_dtype, full_rows=a.shape[0] * world)
         out, gathered = _fused_all_gather_matmul(a.contiguous(), b, bias_or_c, alpha, beta, out_dtype,
                                                  scale_a, scale_b, fast_accum, group.group_name,
                                                  return_gathered)
@@ -300,8 +321,9 @@ def _matmul_reduce_scatter_eager(a, b, c, alpha, beta, out_dtype, scale_a, scale
     _check_same_on_all_ranks(group, _OP_NAMES[_RS], (tuple(a.shape), tuple(b.shape), str(a.dtype),
                                                      str(out_dtype), scale_a is not None))
     if _use_fused(group, a.device) and kernel_ready(a.contiguous(), b, out_dtype):
-        out = _fused_matmul_reduce_scatter(a.contiguous(), b, bias, alpha, beta if bias is not None else 0.0,
-                                           out_dtype, scale_a, scale_b, fast_accum, group.group_name)
+        scaled, bias_beta = _scaled_bias(bias, beta, out_dtype, full_rows=-1)
+        out = _fused_matmul_reduce_scatter(a.contiguous(), b, scaled, alpha, bias_beta, out_dtype, scale_a,
+                                           scale_b, fast_accum, group.group_name)
     else:
         partial = gemm_unchecked(a, b, None, alpha, 0.0, torch.float32, scale_a, scale_b, fast_accum)
         out = _reduce_scatter(partial, group)

@@ -124,6 +124,19 @@ typedef enum dg_tp_kind {
   DG_TP_GEMM_REDUCE_SCATTER = 2,
 } dg_tp_kind;
 
+/* How the communication is hidden:
+ *   DG_TP_ALGO_FUSED: one persistent CUTLASS GEMM per ring step that waits, tile row by tile
+ *     row, on per-chunk ready flags (all-gather) or on the previous rank's partial sums in its
+ *     epilogue (reduce-scatter). Every dtype, FP8 scales included.
+ *   DG_TP_ALGO_DECOMPOSED: one cuBLASLt GEMM per chunk (half ring step for reduce-scatter),
+ *     each after a bounded wait for its chunk's flag on the caller's stream. bf16/fp16 only.
+ *   DG_TP_ALGO_AUTO: decomposed where it applies, else fused. */
+typedef enum dg_tp_algo {
+  DG_TP_ALGO_AUTO = 0,
+  DG_TP_ALGO_FUSED = 1,
+  DG_TP_ALGO_DECOMPOSED = 2,
+} dg_tp_algo;
+
 typedef struct dg_tp_desc {
   dg_gemm_desc gemm;
   int rank;
@@ -132,6 +145,7 @@ typedef struct dg_tp_desc {
   size_t workspace_bytes;       /* the size of each */
   double timeout_s;
   void* gathered_out;           /* all-gather only: optional (world*m, K) copy of gathered a */
+  dg_tp_algo algo;
 } dg_tp_desc;
 
 DG_API dg_status dg_tp_workspace_size(dg_tp_kind kind, const dg_tp_desc* desc, size_t* bytes);

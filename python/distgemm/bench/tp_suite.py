@@ -85,6 +85,22 @@ def _host_ms(fn, calls: int = 10) -> float:
     return elapsed / calls * 1e3
 
 
+# The fused backend's two algorithms (DISTGEMM_TP_ALGO), timed beside the default choice.
+ALGOS = {"distgemm_fused": "fused", "distgemm_decomposed": "decomposed"}
+
+
+def _algo_variants(call):
+    def with_algo(algo):
+        def run():
+            os.environ["DISTGEMM_TP_ALGO"] = algo
+            try:
+                return call()
+            finally:
+                del os.environ["DISTGEMM_TP_ALGO"]
+        return run
+    return {name: with_algo(algo) for name, algo in ALGOS.items()}
+
+
 def _slowest(ms: float) -> float:
     t = torch.tensor([ms], device="cuda")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -116,6 +132,7 @@ def main(argv=None):
             flops = 2.0 * m * nl * k
             impls = {
                 "distgemm": lambda: distgemm.all_gather_matmul(a, b, group=group),
+                **_algo_variants(lambda: distgemm.all_gather_matmul(a, b, group=group)),
                 "sequential": lambda: torch.matmul(
                     (dist.all_gather_into_tensor(gathered, a, group=group), gathered)[1], b.T),
                 "async_tp": lambda: torch.ops.symm_mem.fused_all_gather_matmul(a, [b.T], 0, name)[1][0],
@@ -133,6 +150,7 @@ def main(argv=None):
             flops = 2.0 * m * n * kl
             impls = {
                 "distgemm": lambda: distgemm.matmul_reduce_scatter(a, b, group=group),
+                **_algo_variants(lambda: distgemm.matmul_reduce_scatter(a, b, group=group)),
                 "sequential": lambda: dist.reduce_scatter_tensor(shard, torch.matmul(a, b.T), group=group),
                 "async_tp": lambda: torch.ops.symm_mem.fused_matmul_reduce_scatter(a, b.T, "sum", 0, name),
                 "gemm": lambda: torch.matmul(a, b.T, out=partial),
@@ -142,8 +160,11 @@ def main(argv=None):
             full = torch.matmul(a, b.T).float()
             dist.all_reduce(full)
             check = full.chunk(world)[rank]
-        ours = impls["distgemm"]()
-        err = ((ours.float() - check.float()).norm() / check.float().norm()).item()
+        errs = {}
+        for impl in ("distgemm",) + tuple(ALGOS):
+            out = impls[impl]()
+            errs[impl] = ((out.float() - check.float()).norm() / check.float().norm()).item()
+        err = max(errs.values())
         times = interleaved_ms(impls)
         host_ms = _host_ms(impls["distgemm"])
         distgemm.check_errors()
@@ -152,7 +173,7 @@ def main(argv=None):
                          "gemm_m": m, "gemm_n": n // world if kind == "ag" else n,
                          "gemm_k": k if kind == "ag" else k // world},
                "rel_err": err, "ideal": entry(ideal, flops)}
-        for impl in ("distgemm", "sequential", "async_tp", "gemm", "gemm_ours", "comm"):
+        for impl in ("distgemm",) + tuple(ALGOS) + ("sequential", "async_tp", "gemm", "gemm_ours", "comm"):
             row[impl] = entry(times[impl], flops)
         row["distgemm_host_ms"] = round(host_ms, 4)  # CPU time to enqueue one call
         row["ours_over_ideal"] = round(times["distgemm"] / ideal, 4)
@@ -163,6 +184,7 @@ def main(argv=None):
             print_row(label, {"ours": f"{times['distgemm']:.3f}", "seq": f"{times['sequential']:.3f}",
                               "asyncTP": f"{times['async_tp']:.3f}", "ideal": f"{ideal:.3f}",
                               "gemm": f"{times['gemm']:.3f}", "gemm_ours": f"{times['gemm_ours']:.3f}",
+                              **{a.split("_")[1]: f"{times[a]:.3f}" for a in ALGOS},
                               "ours/ideal": f"{row['ours_over_ideal']:.3f}",
                               "vs_seq": f"{row['speedup_vs_sequential']:.2f}x",
                               "vs_asyncTP": f"{row['speedup_vs_async_tp']:.2f}x", "host": f"{host_ms:.3f}",

@@ -1,0 +1,166 @@
+// dg_gemm_desc -> cublasLtMatmul. Row-major D (M, N) is the column-major (N, M) matrix
+// B @ A^T, so cuBLASLt's "A" is our B and its "B" our A (the usual TN GEMM).
+#include "gemm/cublaslt_gemm.h"
+
+#include <cublasLt.h>
+
+#include <array>
+#include <map>
+#include <mutex>
+#include <tuple>
+
+#include "common/device.h"
+#include "common/dtype.h"
+#include "common/status.h"
+
+namespace distgemm::gemm {
+namespace {
+
+constexpr int kMaxDevices = 64;
+
+cublasLtHandle_t lt_handle(int device) {
+  static std::array<cublasLtHandle_t, kMaxDevices> handles{};
+  static std::array<std::once_flag, kMaxDevices> once;
+  if (device < 0 || device >= kMaxDevices) return nullptr;
+  std::call_once(once[device], [device] {
+    if (cublasLtCreate(&handles[device]) != CUBLAS_STATUS_SUCCESS) handles[device] = nullptr;
+  });
+  return handles[device];
+}
+
+cudaDataType_t lt_type(dg_dtype t) {
+  switch (t) {
+    case DG_BF16: return CUDA_R_16BF;
+    case DG_F16: return CUDA_R_16F;
+    default: return CUDA_R_32F;
+  }
+}
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+#define DG_LT_RETURN(expr)                                                                   \
+  do {                                                                                       \
+    cublasStatus_t dg_lt_ = (expr);                                                          \
+    if (dg_lt_ != CUBLAS_STATUS_SUCCESS)                                                     \
+      return fail(DG_ERROR_CUDA, cat(#expr, ": ", cublasLtGetStatusString(dg_lt_)));         \
+  } while (0)
+
+// Everything cuBLASLt's plan depends on; pointers only through their (checked) alignment.
+using PlanKey = std::tuple<int, bool, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int,
+                           bool, bool, size_t>;
+
+struct Plan {
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr, d = nullptr;
+  cublasLtMatmulAlgo_t algo{};
+  bool bias = false;
+};
+
+dg_status make_plan(cublasLtHandle_t handle, const PlanKey& key, size_t workspace_bytes, Plan* plan) {
+  const auto [device, b_k_major, m, n, k, lda, ldb, ldc, ldd, in_type, out_type, with_c, bias, ws] = key;
+  (void)device;
+  (void)with_c;
+  (void)ws;
+  const cudaDataType_t in = static_cast<cudaDataType_t>(in_type), out = static_cast<cudaDataType_t>(out_type);
+  DG_LT_RETURN(cublasLtMatmulDescCreate(&plan->op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  const cublasOperation_t trans_a = b_k_major ? CUBLAS_OP_T : CUBLAS_OP_N, trans_b = CUBLAS_OP_N;
+  DG_LT_RETURN(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_TRANSA, &trans_a, sizeof(trans_a)));
+  DG_LT_RETURN(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_TRANSB, &trans_b, sizeof(trans_b)));
+  if (bias) {
+    const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
+    DG_LT_RETURN(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue,
+                                                sizeof(epilogue)));
+    DG_LT_RETURN(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &out, sizeof(out)));
+  }
+  plan->bias = bias;
+  // Our B (N, K) is cuBLASLt's A: stored (K, N) column-major if K-major, else (N, K).
+  if (b_k_major)
+    DG_LT_RETURN(cublasLtMatrixLayoutCreate(&plan->a, in, k, n, ldb));
+  else
+    DG_LT_RETURN(cublasLtMatrixLayoutCreate(&plan->a, in, n, k, ldb));
+  DG_LT_RETURN(cublasLtMatrixLayoutCreate(&plan->b, in, k, m, lda));
+  DG_LT_RETURN(cublasLtMatrixLayoutCreate(&plan->c, out, n, m, ldc));
+  DG_LT_RETURN(cublasLtMatrixLayoutCreate(&plan->d, out, n, m, ldd));
+
+  cublasLtMatmulPreference_t pref = nullptr;
+  DG_LT_RETURN(cublasLtMatmulPreferenceCreate(&pref));
+  const uint32_t align = 16;
+  cublasStatus_t st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                                           &workspace_bytes, sizeof(workspace_bytes));
+  for (auto attr : {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                    CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES})
+    if (st == CUBLAS_STATUS_SUCCESS) st = cublasLtMatmulPreferenceSetAttribute(pref, attr, &align, sizeof(align));
+  cublasLtMatmulHeuristicResult_t result{};
+  int found = 0;
+  if (st == CUBLAS_STATUS_SUCCESS)
+    st = cublasLtMatmulAlgoGetHeuristic(handle, plan->op, plan->a, plan->b, plan->c, plan->d, pref, 1, &result,
+                                        &found);
+  cublasLtMatmulPreferenceDestroy(pref);
+  DG_LT_RETURN(st);
+  if (found < 1)
+    return fail(DG_ERROR_NOT_SUPPORTED, cat("cuBLASLt has no algorithm for M=", m, " N=", n, " K=", k));
+  plan->algo = result.algo;
+  return DG_SUCCESS;
+}
+
+}  // namespace
+
+const char* cublaslt_unsupported(const dg_gemm_desc& d) {
+  if (!is_16bit_float(d.a.dtype) || d.b.dtype != d.a.dtype) return "inputs other than bf16/fp16";
+  if (d.scale_a || d.scale_b) return "scales";
+  if (!(d.d.dtype == d.a.dtype || d.d.dtype == DG_F32)) return "an output dtype other than the input's or fp32";
+  if (d.c.data && d.c.rows == 1 && d.beta != 1.f && d.beta != 0.f) return "a bias scaled by beta other than 0 or 1";
+  if (d.a.col_stride != 1 || d.d.col_stride != 1 || (d.c.data && d.c.rows != 1 && d.c.col_stride != 1))
+    return "a, c and out other than row-major";
+  if (d.b.col_stride != 1 && d.b.row_stride != 1) return "b neither K- nor N-major";
+  const int64_t ldb = d.b.col_stride == 1 ? d.b.row_stride : d.b.col_stride;
+  const int in = dtype_bytes(d.a.dtype), out = dtype_bytes(d.d.dtype);
+  if (!aligned16(d.a.data) || !aligned16(d.b.data) || !aligned16(d.d.data) || (d.c.data && !aligned16(d.c.data)) ||
+      (d.a.row_stride * in) % 16 || (ldb * in) % 16 || (d.d.row_stride * out) % 16 ||
+      (d.c.data && d.c.rows != 1 && (d.c.row_stride * out) % 16))
+    return "pointers or leading dimensions not 16-byte aligned";
+  return nullptr;
+}
+
+dg_status run_cublaslt_gemm(const dg_gemm_desc& d, const void* chain_c, int64_t chain_ldc, void* workspace,
+                            size_t workspace_bytes, cudaStream_t stream) {
+  if (const char* why = cublaslt_unsupported(d))
+    return fail(DG_ERROR_NOT_SUPPORTED, cat("the cuBLASLt GEMM does not take ", why));
+  const bool full_c = d.c.data && d.c.rows != 1 && d.beta != 0.f;
+  const bool bias = d.c.data && d.c.rows == 1 && d.beta != 0.f;
+  DG_REQUIRE(!(chain_c && full_c), "a chained partial sum cannot be combined with a full C operand");
+  DG_REQUIRE(!chain_c || (aligned16(chain_c) && (chain_ldc * dtype_bytes(d.d.dtype)) % 16 == 0),
+             "the chained partial sums must be 16-byte aligned");
+  DG_REQUIRE(workspace_bytes == 0 || aligned16(workspace), "the cuBLASLt workspace must be 16-byte aligned");
+  const int device = current_device();
+  cublasLtHandle_t handle = lt_handle(device);
+  if (!handle) return fail(DG_ERROR_CUDA, cat("cublasLtCreate failed on device ", device));
+
+  const bool b_k_major = d.b.col_stride == 1;
+  const int64_t m = d.a.rows, n = d.b.rows, k = d.a.cols;
+  const void* c = chain_c ? chain_c : full_c ? d.c.data : d.d.data;
+  const int64_t ldc = chain_c ? chain_ldc : full_c ? d.c.row_stride : d.d.row_stride;
+  const float beta = chain_c ? 1.f : full_c ? d.beta : 0.f;
+  const PlanKey key{device, b_k_major, m, n, k, d.a.row_stride,
+                    b_k_major ? d.b.row_stride : d.b.col_stride, ldc, d.d.row_stride,
+                    static_cast<int>(lt_type(d.a.dtype)), static_cast<int>(lt_type(d.d.dtype)), beta != 0.f, bias,
+                    workspace_bytes};
+  thread_local std::map<PlanKey, Plan> plans;
+  auto it = plans.find(key);
+  if (it == plans.end()) {
+    Plan plan;
+    DG_RETURN_IF_ERROR(make_plan(handle, key, workspace_bytes, &plan));
+    it = plans.emplace(key, plan).first;
+  }
+  Plan& plan = it->second;
+  if (plan.bias)
+    DG_LT_RETURN(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &d.c.data,
+                                                sizeof(d.c.data)));
+  const float alpha = d.alpha;
+  DG_LT_RETURN(cublasLtMatmul(handle, plan.op, &alpha, d.b.data, plan.a, d.a.data, plan.b, &beta, c, plan.c,
+                              const_cast<void*>(d.d.data), plan.d, &plan.algo, workspace, workspace_bytes,
+                              stream));
+  return DG_SUCCESS;
+}
+
+}  // namespace distgemm::gemm
