@@ -105,29 +105,37 @@ dg_status make_plan(cublasLtHandle_t handle, const PlanKey& key, size_t workspac
 
 }  // namespace
 
-const char* cublaslt_unsupported(const dg_gemm_desc& d) {
+// A bias row goes through cuBLASLt's bias epilogue (which does not scale it). Over a one-row D
+// it is the C operand instead (same values, and beta applies), unless that is taken by a
+// chained partial sum.
+bool is_bias(const dg_gemm_desc& d, bool chained) {
+  return d.c.data && d.c.rows == 1 && (d.d.rows > 1 || chained);
+}
+
+const char* cublaslt_unsupported(const dg_gemm_desc& d, bool chained) {
   if (!is_16bit_float(d.a.dtype) || d.b.dtype != d.a.dtype) return "inputs other than bf16/fp16";
   if (d.scale_a || d.scale_b) return "scales";
   if (!(d.d.dtype == d.a.dtype || d.d.dtype == DG_F32)) return "an output dtype other than the input's or fp32";
-  if (d.c.data && d.c.rows == 1 && d.beta != 1.f && d.beta != 0.f) return "a bias scaled by beta other than 0 or 1";
-  if (d.a.col_stride != 1 || d.d.col_stride != 1 || (d.c.data && d.c.rows != 1 && d.c.col_stride != 1))
+  if (is_bias(d, chained) && d.beta != 1.f && d.beta != 0.f) return "a bias scaled by beta other than 0 or 1";
+  if (d.a.col_stride != 1 || d.d.col_stride != 1 || (d.c.data && !is_bias(d, chained) && d.c.col_stride != 1))
     return "a, c and out other than row-major";
   if (d.b.col_stride != 1 && d.b.row_stride != 1) return "b neither K- nor N-major";
   const int64_t ldb = d.b.col_stride == 1 ? d.b.row_stride : d.b.col_stride;
   const int in = dtype_bytes(d.a.dtype), out = dtype_bytes(d.d.dtype);
   if (!aligned16(d.a.data) || !aligned16(d.b.data) || !aligned16(d.d.data) || (d.c.data && !aligned16(d.c.data)) ||
       (d.a.row_stride * in) % 16 || (ldb * in) % 16 || (d.d.row_stride * out) % 16 ||
-      (d.c.data && d.c.rows != 1 && (d.c.row_stride * out) % 16))
+      (d.c.data && !is_bias(d, chained) && (d.c.row_stride * out) % 16))
     return "pointers or leading dimensions not 16-byte aligned";
   return nullptr;
 }
 
 dg_status run_cublaslt_gemm(const dg_gemm_desc& d, const void* chain_c, int64_t chain_ldc, void* workspace,
                             size_t workspace_bytes, cudaStream_t stream) {
-  if (const char* why = cublaslt_unsupported(d))
+  const bool chained = chain_c != nullptr;
+  if (const char* why = cublaslt_unsupported(d, chained))
     return fail(DG_ERROR_NOT_SUPPORTED, cat("the cuBLASLt GEMM does not take ", why));
-  const bool full_c = d.c.data && d.c.rows != 1 && d.beta != 0.f;
-  const bool bias = d.c.data && d.c.rows == 1 && d.beta != 0.f;
+  const bool full_c = d.c.data && !is_bias(d, chained) && d.beta != 0.f;
+  const bool bias = is_bias(d, chained) && d.beta != 0.f;
   DG_REQUIRE(!(chain_c && full_c), "a chained partial sum cannot be combined with a full C operand");
   DG_REQUIRE(!chain_c || (aligned16(chain_c) && (chain_ldc * dtype_bytes(d.d.dtype)) % 16 == 0),
              "the chained partial sums must be 16-byte aligned");

@@ -9,9 +9,10 @@
 
 namespace distgemm::gemm {
 
-// Why cuBLASLt cannot run `desc` (nullptr if it can): FP8, scales, a bias with beta other
-// than 1, an N-major... layout it has no plan for, or misaligned pointers.
-const char* cublaslt_unsupported(const dg_gemm_desc& desc);
+// Why cuBLASLt cannot run `desc` (nullptr if it can), with a chained partial sum or not: FP8,
+// scales, a bias scaled by beta other than 0 or 1, layouts other than row-major a/c/out and
+// K- or N-major b, or pointers and leading dimensions not 16-byte aligned.
+const char* cublaslt_unsupported(const dg_gemm_desc& desc, bool chained);
 
 // D = alpha * A @ B^T + beta * C (desc.c full or a bias row with beta 1) + chain_c (coefficient
 // 1, (M, N) with chain_ldc; then desc.c may only be a bias). The plan (layouts and algorithm)

@@ -130,7 +130,8 @@ typedef enum dg_tp_kind {
  *     epilogue (reduce-scatter). Every dtype, FP8 scales included.
  *   DG_TP_ALGO_DECOMPOSED: one cuBLASLt GEMM per chunk (half ring step for reduce-scatter),
  *     each after a bounded wait for its chunk's flag on the caller's stream. bf16/fp16 only.
- *   DG_TP_ALGO_AUTO: decomposed where it applies, else fused. */
+ *   DG_TP_ALGO_AUTO: decomposed where it applies, except reduce-scatters of under ~100 GFLOP
+ *     per rank (there the fused ring's tile-level overlap wins); else fused. */
 typedef enum dg_tp_algo {
   DG_TP_ALGO_AUTO = 0,
   DG_TP_ALGO_FUSED = 1,

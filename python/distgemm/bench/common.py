@@ -52,10 +52,25 @@ class Timer:
         return self._interleaved({"fn": fn}, warmup, reps)["fn"]
 
     def queue_ahead(self) -> None:
-        """Flushes L2 and queues ~200 us of GPU work, so the next run is timed on the device
-        alone, not on the host that enqueues it."""
+        """Flushes L2 and queues ~1 ms of GPU work, so the next run is timed on the device
+        alone, not on the host that enqueues it (200 us was too little where the previous
+        implementation left the GPU idle, e.g. one that synchronizes)."""
         self._flush.zero_()
-        torch.cuda._sleep(400_000)
+        torch.cuda._sleep(2_000_000)
+
+    def host_ms(self, fn: Callable[[], object], calls: int = 20) -> float:
+        """CPU time per call to enqueue `fn` while the GPU is busy (so that enqueueing never
+        waits on it): where this exceeds the device time, the op is host-bound."""
+        import time
+
+        fn()
+        torch.cuda._sleep(100_000_000)  # ~50 ms
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        elapsed = time.perf_counter() - start
+        torch.cuda.synchronize()
+        return elapsed / calls * 1e3
 
     def compare(self, fns: Dict[str, Callable[[], object]], warmup: int = 3, reps: int = 20) -> Dict[str, float]:
         """Median device time of each callable, the runs interleaved (the order rotating every

@@ -120,9 +120,14 @@ def run(out_dir: str, quick: bool = False) -> dict:
                 row[impl] = entry(ms, flops)
             row["ratios"] = {impl: round(row[impl]["ms"] / row["distgemm"]["ms"], 4)
                              for impl in impls if impl != "distgemm" and impl in row}
+            if pass_name == "forward":  # CPU time per call: what bounds the smallest layers
+                row["host_ms"] = {impl: round(timer.host_ms(impls[impl]), 4)
+                                  for impl in ("distgemm", "torch_grouped_mm")}
             rows.append(row)
             print_row(f"{pass_name:7s} {name}", {"ours": row["distgemm"]["tflops"],
-                      **{p: f"{r:.2f}x" for p, r in row["ratios"].items()}})
+                      **{p: f"{r:.2f}x" for p, r in row["ratios"].items()},
+                      **({"host_us": "/".join(f"{v * 1e3:.0f}" for v in row["host_ms"].values())}
+                         if "host_ms" in row else {})})
 
     def geo(pass_name, peer, subset=None):
         vals = [r["ratios"][peer] for r in rows if r["shape"]["pass"] == pass_name and peer in r["ratios"]
