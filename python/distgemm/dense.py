@@ -12,6 +12,7 @@ from ._library import device_arch, has_kernels, ops, warn_once
 FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 FLOAT16 = (torch.bfloat16, torch.float16)
 _OUT_DTYPES_FP8 = (torch.bfloat16, torch.float16, torch.float32)
+_INPUT_DTYPES = frozenset(FLOAT16 + FLOAT8)
 
 
 def _shape(t: torch.Tensor) -> tuple:
@@ -25,7 +26,7 @@ def check_operands(op: str, a, b, c, out_dtype, scale_a, scale_b) -> torch.dtype
             raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 2:
             raise ValueError(f"{op}: {name} must be 2-D, got shape {_shape(t)}")
-    if a.dtype not in FLOAT16 + FLOAT8:
+    if a.dtype not in _INPUT_DTYPES:
         raise ValueError(
             f"{op}: a must be bfloat16, float16, float8_e4m3fn or float8_e5m2, got {a.dtype}"
         )
@@ -155,8 +156,10 @@ def _kernel_operands(a, b, c, out_dtype, scale_b):
     operands that are neither K-major nor (16-bit b) N-major, K or N not a multiple of 16
     bytes (zero padding leaves the product unchanged)."""
     n = b.shape[0]
+    if c is None and scale_b is None and kernel_ready(a, b, out_dtype):
+        return a, b, None, None, n  # the common case: nothing to copy or pad
     k_pad = _pad_to(a.shape[1], 16 // a.element_size())
-    n_pad = _pad_to(n, max(16 // torch.empty((), dtype=out_dtype).element_size(),
+    n_pad = _pad_to(n, max(16 // out_dtype.itemsize,
                            16 // b.element_size() if b.stride(0) == 1 and b.stride(1) != 1 else 1))
     if k_pad:
         a = F.pad(a, (0, k_pad))
@@ -184,7 +187,7 @@ def _kernel_operands(a, b, c, out_dtype, scale_b):
 
 def kernel_ready(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> bool:
     """True when the kernels read a and b in place (no copy or padding by _kernel_operands)."""
-    out_bytes = torch.empty((), dtype=out_dtype).element_size()
+    out_bytes = out_dtype.itemsize
     return (a.shape[1] * a.element_size() % 16 == 0 and b.shape[0] * out_bytes % 16 == 0
             and _k_major(a) and (_k_major(b) or (b.dtype in FLOAT16 and _n_major(b)
                                                  and b.shape[0] * b.element_size() % 16 == 0)))

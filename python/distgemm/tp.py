@@ -50,7 +50,10 @@ def check_errors(device: Optional[torch.device] = None) -> None:
     undefined; training should stop."""
     if not torch.cuda.is_available():
         return
-    index = torch.cuda.current_device() if device is None else torch.device(device).index
+    _raise_on_error_word(torch.cuda.current_device() if device is None else torch.device(device).index)
+
+
+def _raise_on_error_word(index: int) -> None:
     code = ops.tp_error(index)
     if code:
         kind, peer = code >> 16, (code & 0xFFFF) - 1
@@ -158,9 +161,8 @@ def _resolve(group) -> dist.ProcessGroup:
 # ---------------------------------------------------------------- fused ops (custom ops)
 
 
-def _fused_all_gather_matmul(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, group_name,
+def _fused_all_gather_matmul(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, group,
                              return_gathered):
-    group = _resolve(group_name)
     world, rank = group.size(), group.rank()
     nbytes = _workspace_bytes(_AG, a.shape[0], a.shape[1], b.shape[0], a.dtype, out_dtype, world)
     ws = _workspace(group, _AG, nbytes, a.device)
@@ -168,9 +170,7 @@ def _fused_all_gather_matmul(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, 
                                   world, ws.ptrs, ws.nbytes, timeout_s(), return_gathered, _algo())
 
 
-def _fused_matmul_reduce_scatter(a, b, bias, alpha, beta, out_dtype, scale_a, scale_b, fast_accum,
-                                 group_name):
-    group = _resolve(group_name)
+def _fused_matmul_reduce_scatter(a, b, bias, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, group):
     world, rank = group.size(), group.rank()
     nbytes = _workspace_bytes(_RS, a.shape[0] // world, a.shape[1], b.shape[0], a.dtype, out_dtype, world)
     ws = _workspace(group, _RS, nbytes, a.device)
@@ -289,14 +289,14 @@ def _all_gather_matmul_eager(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, 
         out = gemm_unchecked(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum)
         return out, (a if return_gathered else None)
     if a.is_cuda:
-        check_errors(a.device)
+        _raise_on_error_word(a.get_device())
     _check_same_on_all_ranks(group, _OP_NAMES[_AG], (tuple(a.shape), tuple(b.shape), str(a.dtype),
                                                      str(out_dtype), scale_a is not None))
-    if _use_fused(group, a.device) and kernel_ready(a.contiguous(), b, out_dtype):
+    a = a.contiguous()
+    if _use_fused(group, a.device) and kernel_ready(a, b, out_dtype):
         bias_or_c, beta = _scaled_bias(c, beta, out_dtype, full_rows=a.shape[0] * world)
-        out, gathered = _fused_all_gather_matmul(a.contiguous(), b, bias_or_c, alpha, beta, out_dtype,
-                                                 scale_a, scale_b, fast_accum, group.group_name,
-                                                 return_gathered)
+        out, gathered = _fused_all_gather_matmul(a, b, bias_or_c, alpha, beta, out_dtype, scale_a, scale_b,
+                                                 fast_accum, group, return_gathered)
         return out, (gathered if return_gathered else None)
     gathered = _all_gather(a, group)
     out = gemm_unchecked(gathered, b, c, alpha, beta, out_dtype,
@@ -316,15 +316,16 @@ def _matmul_reduce_scatter_eager(a, b, c, alpha, beta, out_dtype, scale_a, scale
     if world == 1:
         return gemm_unchecked(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum)
     if a.is_cuda:
-        check_errors(a.device)
+        _raise_on_error_word(a.get_device())
     full_c = c is not None and c.dim() == 2 and c.shape[0] != 1
     bias = None if c is None or full_c else c.reshape(-1).to(out_dtype)
     _check_same_on_all_ranks(group, _OP_NAMES[_RS], (tuple(a.shape), tuple(b.shape), str(a.dtype),
                                                      str(out_dtype), scale_a is not None))
-    if _use_fused(group, a.device) and kernel_ready(a.contiguous(), b, out_dtype):
+    a = a.contiguous()
+    if _use_fused(group, a.device) and kernel_ready(a, b, out_dtype):
         scaled, bias_beta = _scaled_bias(bias, beta, out_dtype, full_rows=-1)
-        out = _fused_matmul_reduce_scatter(a.contiguous(), b, scaled, alpha, bias_beta, out_dtype, scale_a,
-                                           scale_b, fast_accum, group.group_name)
+        out = _fused_matmul_reduce_scatter(a, b, scaled, alpha, bias_beta, out_dtype, scale_a, scale_b,
+                                           fast_accum, group)
     else:
         partial = gemm_unchecked(a, b, None, alpha, 0.0, torch.float32, scale_a, scale_b, fast_accum)
         out = _reduce_scatter(partial, group)
