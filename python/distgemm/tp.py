@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -80,6 +80,22 @@ class _Workspace:
         self.handle.barrier()  # every rank's flags are zero before anyone signals
 
 
+class _GroupInfo(NamedTuple):
+    name: str
+    size: int
+    rank: int
+
+
+_group_infos: dict = {}    # ProcessGroup -> _GroupInfo (read once: every call needs them)
+
+
+def _info(group: dist.ProcessGroup) -> _GroupInfo:
+    info = _group_infos.get(group)
+    if info is None:
+        info = _group_infos[group] = _GroupInfo(group.group_name, group.size(), group.rank())
+    return info
+
+
 _workspaces: dict = {}     # (group name, kind) -> _Workspace
 _fused_ok: dict = {}       # group name -> bool, agreed by all ranks
 _shapes_checked: set = set()
@@ -108,10 +124,10 @@ def _use_fused(group: dist.ProcessGroup, device: torch.device) -> bool:
     ranks decide together (a collective, once per group)."""
     if _backend() == "collectives":
         return False
-    name = group.group_name
+    name = _info(group).name
     if name not in _fused_ok:
         local = (device.type == "cuda" and dist.get_backend(group) == "nccl" and has_kernels(device)
-                 and device_arch(device) == 90 and group.size() <= 64)
+                 and device_arch(device) == 90 and _info(group).size <= 64)
         flag = torch.tensor([1 if local else 0], dtype=torch.int32, device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
         _fused_ok[name] = bool(flag.item())
@@ -123,7 +139,7 @@ def _use_fused(group: dist.ProcessGroup, device: torch.device) -> bool:
 
 def _check_same_on_all_ranks(group, op: str, key: tuple) -> None:
     """On the first call with a shape, every rank must have passed the same one."""
-    full = (group.group_name, op, key)
+    full = (_info(group).name, op, key)
     if full in _shapes_checked:
         return
     keys = [None] * group.size()
@@ -135,7 +151,7 @@ def _check_same_on_all_ranks(group, op: str, key: tuple) -> None:
 
 
 def _workspace(group, kind: int, nbytes: int, device) -> _Workspace:
-    key = (group.group_name, kind)
+    key = (_info(group).name, kind)
     ws = _workspaces.get(key)
     if ws is None or ws.nbytes < nbytes:
         if ws is not None:  # grow: all ranks are here; let in-flight work finish first
@@ -163,7 +179,7 @@ def _resolve(group) -> dist.ProcessGroup:
 
 def _fused_all_gather_matmul(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, group,
                              return_gathered):
-    world, rank = group.size(), group.rank()
+    _, world, rank = _info(group)
     nbytes = _workspace_bytes(_AG, a.shape[0], a.shape[1], b.shape[0], a.dtype, out_dtype, world)
     ws = _workspace(group, _AG, nbytes, a.device)
     return ops.tp_all_gather_gemm(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, rank,
@@ -171,7 +187,7 @@ def _fused_all_gather_matmul(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, 
 
 
 def _fused_matmul_reduce_scatter(a, b, bias, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, group):
-    world, rank = group.size(), group.rank()
+    _, world, rank = _info(group)
     nbytes = _workspace_bytes(_RS, a.shape[0] // world, a.shape[1], b.shape[0], a.dtype, out_dtype, world)
     ws = _workspace(group, _RS, nbytes, a.device)
     return ops.tp_gemm_reduce_scatter(a, b, bias, alpha, beta, out_dtype, scale_a, scale_b, fast_accum,
@@ -274,9 +290,9 @@ def _check_tp(op, a, b, c, out_dtype, scale_a, scale_b, c_rows: int):
 def _all_gather_matmul(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, group,
                        return_gathered):
     """Forward of all_gather_matmul without autograd; returns (out, gathered or None)."""
-    if group.size() > 1 and torch.compiler.is_compiling():
+    if _info(group).size > 1 and torch.compiler.is_compiling():
         out, gathered = _all_gather_matmul_op(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum,
-                                              group.group_name, return_gathered)
+                                              _info(group).name, return_gathered)
         return out, (gathered if return_gathered else None)
     return _all_gather_matmul_eager(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, group,
                                     return_gathered)
@@ -284,7 +300,7 @@ def _all_gather_matmul(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_a
 
 def _all_gather_matmul_eager(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, group,
                              return_gathered):
-    world = group.size()
+    world = _info(group).size
     if world == 1:
         out = gemm_unchecked(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum)
         return out, (a if return_gathered else None)
@@ -305,14 +321,14 @@ def _all_gather_matmul_eager(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, 
 
 
 def _matmul_reduce_scatter(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, group):
-    if group.size() > 1 and torch.compiler.is_compiling():
+    if _info(group).size > 1 and torch.compiler.is_compiling():
         return _matmul_reduce_scatter_op(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum,
-                                         group.group_name)
+                                         _info(group).name)
     return _matmul_reduce_scatter_eager(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, group)
 
 
 def _matmul_reduce_scatter_eager(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, group):
-    world = group.size()
+    world = _info(group).size
     if world == 1:
         return gemm_unchecked(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum)
     if a.is_cuda:
@@ -409,7 +425,7 @@ def all_gather_matmul(a: torch.Tensor, b: torch.Tensor, *, group=None, c: Option
     """
     op = _OP_NAMES[_AG]
     group = _resolve(group)
-    out_dtype = _check_tp(op, a, b, c, out_dtype, scale_a, scale_b, a.shape[0] * group.size())
+    out_dtype = _check_tp(op, a, b, c, out_dtype, scale_a, scale_b, a.shape[0] * _info(group).size)
     if _needs_grad(a, b, c):
         if a.dtype in FLOAT8:
             raise NotImplementedError(f"{op}: autograd through float8 inputs is not supported")
@@ -433,7 +449,7 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, *, group=None, c: Op
     """
     op = _OP_NAMES[_RS]
     group = _resolve(group)
-    world = group.size()
+    world = _info(group).size
     if isinstance(a, torch.Tensor) and a.dim() == 2 and a.shape[0] % world:
         raise ValueError(f"{op}: a's {a.shape[0]} rows must divide evenly by the group size {world}")
     out_dtype = _check_tp(op, a, b, c, out_dtype, scale_a, scale_b, a.shape[0] // world)
