@@ -1,11 +1,15 @@
-"""Session-3 probe: where a call's host time goes. Host us/call (GPU kept busy) of the public
-op, of the raw torch.ops entry (no Python checks), per dense tile config, and for the TP ops."""
+"""Where a call's host time goes: CPU microseconds to enqueue one call (the GPU kept busy, so
+enqueueing never waits on it) of the public op and of the raw torch.ops entry (no Python
+checks), per dense tile config, for the grouped GEMM and for the TP ops with each algorithm.
+``python -m distgemm.bench.host_probe`` (one GPU), or under ``torchrun --nproc-per-node=2``."""
 import faulthandler, json, os, time
 
 import torch
 
 import distgemm
 from distgemm._library import ops
+
+from . import common  # noqa: F401  (sets the multicast-off environment)
 
 faulthandler.dump_traceback_later(150, exit=True)
 
