@@ -58,20 +58,6 @@ class Timer:
         self._flush.zero_()
         torch.cuda._sleep(2_000_000)
 
-    def host_ms(self, fn: Callable[[], object], calls: int = 20) -> float:
-        """CPU time per call to enqueue `fn` while the GPU is busy (so that enqueueing never
-        waits on it): where this exceeds the device time, the op is host-bound."""
-        import time
-
-        fn()
-        torch.cuda._sleep(100_000_000)  # ~50 ms
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        elapsed = time.perf_counter() - start
-        torch.cuda.synchronize()
-        return elapsed / calls * 1e3
-
     def compare(self, fns: Dict[str, Callable[[], object]], warmup: int = 3, reps: int = 20) -> Dict[str, float]:
         """Median device time of each callable, the runs interleaved (the order rotating every
         round) so that clock and power drift over a row falls on every implementation alike.
@@ -95,6 +81,25 @@ class Timer:
                 events[name].append((s, e))
         torch.cuda.synchronize()
         return {name: median(s.elapsed_time(e) for s, e in pairs) for name, pairs in events.items()}
+
+
+def host_ms(fn: Callable[[], object], calls: int = 20, before: Optional[Callable[[], object]] = None) -> float:
+    """CPU time per call to enqueue `fn` while the GPU is busy (so that enqueueing never waits
+    on it): where this reaches the device time, the op is host-bound at that size. `before`
+    runs first (e.g. a barrier, so that the ranks of a collective start together)."""
+    import time
+
+    fn()
+    torch.cuda.synchronize()
+    if before is not None:
+        before()
+    torch.cuda._sleep(100_000_000)  # ~50 ms
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e3
 
 
 def rotated(names: List[str], turn: int) -> List[str]:

@@ -2,28 +2,20 @@
 enqueueing never waits on it) of the public op and of the raw torch.ops entry (no Python
 checks), per dense tile config, for the grouped GEMM and for the TP ops with each algorithm.
 ``python -m distgemm.bench.host_probe`` (one GPU), or under ``torchrun --nproc-per-node=2``."""
-import faulthandler, json, os, time
+import faulthandler, json, os
 
 import torch
 
 import distgemm
 from distgemm._library import ops
 
-from . import common  # noqa: F401  (sets the multicast-off environment)
+from .common import host_ms
 
 faulthandler.dump_traceback_later(150, exit=True)
 
 
-def host_us(fn, calls=40):
-    fn(); fn()
-    torch.cuda.synchronize()
-    torch.cuda._sleep(200_000_000)
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    dt = (time.perf_counter() - t0) / calls * 1e6
-    torch.cuda.synchronize()
-    return round(dt, 1)
+def host_us(fn):
+    return round(host_ms(fn, calls=40) * 1e3, 1)
 
 
 res = {}

@@ -18,7 +18,7 @@ import torch.distributed._symmetric_memory  # noqa: F401  (registers torch.ops.s
 
 import distgemm
 
-from .common import entry, geomean, gpu_slug, median, plot_ratios, print_row, rotated, write_results
+from .common import entry, geomean, gpu_slug, host_ms, median, plot_ratios, print_row, rotated, write_results
 
 # Llama-3 TP layers: (model, hidden, ffn, q heads, kv heads, head dim)
 MODELS = [("llama3-8b", 4096, 14336, 32, 8, 128), ("llama3-70b", 8192, 28672, 64, 8, 128)]
@@ -68,21 +68,6 @@ def interleaved_ms(impls: dict, rounds: int = 3) -> dict:
         for name in rotated(list(impls), rnd):
             samples[name].append(_slowest(loop_ms(impls[name], iters=10)))
     return {name: median(v) for name, v in samples.items()}
-
-
-def _host_ms(fn, calls: int = 10) -> float:
-    """CPU time per call to enqueue `fn` (the GPU is left to catch up afterwards): when it
-    reaches the device time, the op is host-bound at that size."""
-    import time
-
-    torch.cuda.synchronize()
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / calls * 1e3
 
 
 # The fused backend's two algorithms (DISTGEMM_TP_ALGO), timed beside the default choice.
@@ -166,7 +151,7 @@ def main(argv=None):
             errs[impl] = ((out.float() - check.float()).norm() / check.float().norm()).item()
         err = max(errs.values())
         times = interleaved_ms(impls)
-        host_ms = _host_ms(impls["distgemm"])
+        host = host_ms(impls["distgemm"], calls=10, before=dist.barrier)
         distgemm.check_errors()
         ideal = max(times["gemm"], times["comm"])
         row = {"shape": {"label": label, "kind": kind, "m": m, "k": k, "n": n, "world": world,
@@ -175,7 +160,7 @@ def main(argv=None):
                "rel_err": err, "ideal": entry(ideal, flops)}
         for impl in ("distgemm",) + tuple(ALGOS) + ("sequential", "async_tp", "gemm", "gemm_ours", "comm"):
             row[impl] = entry(times[impl], flops)
-        row["distgemm_host_ms"] = round(host_ms, 4)  # CPU time to enqueue one call
+        row["distgemm_host_ms"] = round(host, 4)  # CPU time to enqueue one call
         row["ours_over_ideal"] = round(times["distgemm"] / ideal, 4)
         row["speedup_vs_sequential"] = round(times["sequential"] / times["distgemm"], 4)
         row["speedup_vs_async_tp"] = round(times["async_tp"] / times["distgemm"], 4)
@@ -187,7 +172,7 @@ def main(argv=None):
                               **{a.split("_")[1]: f"{times[a]:.3f}" for a in ALGOS},
                               "ours/ideal": f"{row['ours_over_ideal']:.3f}",
                               "vs_seq": f"{row['speedup_vs_sequential']:.2f}x",
-                              "vs_asyncTP": f"{row['speedup_vs_async_tp']:.2f}x", "host": f"{host_ms:.3f}",
+                              "vs_asyncTP": f"{row['speedup_vs_async_tp']:.2f}x", "host": f"{host:.3f}",
                               "err": f"{err:.1e}"})
     if rank == 0:
         big = [r for r in rows if r["gemm"]["ms"] >= 0.3]
