@@ -1,0 +1,148 @@
+// dg_all_gather_gemm: the order of copies, flags and GEMMs that hides the all-gather of a
+// tensor-parallel GEMM under its compute. Host-only.
+//
+// Rank r of P pushes its shard to every peer's gathered buffer on the copy engine (in the order
+// the peers' GEMMs need it), raising that peer's ready flag. Fused: r copies its shard into its
+// own gathered buffer before the GEMM (a local copy needs SMs: started under the GEMM it would
+// crawl), then one persistent GEMM over the gathered rows starts on r's own shard and waits,
+// tile row by tile row, for each peer's shard (Sm90SyncTileScheduler). Decomposed: one cuBLASLt
+// GEMM per chunk, the own shard straight from `a` first, then each peer's after a bounded wait
+// for its flag on the caller's stream (cuBLAS's kernels beat ours on large bf16 GEMMs). After
+// the GEMMs, r tells every peer that its buffer is free again; a peer waits for that before its
+// next copy into it.
+#include <cstdint>
+
+#include "common/device.h"
+#include "common/dtype.h"
+#include "common/status.h"
+#include "common/stream_pool.h"
+#include "dist/tp_call.h"
+#include "dist/tp_kernels.cuh"
+#include "dist/tp_layout.h"
+#include "distgemm/distgemm.h"
+#include "gemm/cublaslt_gemm.h"
+#include "gemm/gemm_internal.h"
+
+using namespace distgemm;
+using namespace distgemm::dist;
+
+extern "C" dg_status dg_all_gather_gemm(const dg_tp_desc* desc, cudaStream_t stream) {
+  Peers peers;
+  DG_RETURN_IF_ERROR(check_tp(desc, &peers));
+  const dg_tp_desc& d = *desc;
+  const dg_gemm_desc& g = d.gemm;
+  const int r = d.rank, world = d.world;
+  const int64_t m = g.a.rows, k = g.a.cols, rows = m * world;
+  const size_t elem = dtype_bytes(g.a.dtype);
+  const AllGatherLayout layout(rows, k, elem);
+  DG_REQUIRE(m >= 1, "a (this rank's shard) must have at least one row");
+  DG_REQUIRE(g.a.col_stride == 1 && g.a.row_stride >= k, "a must be row-major, got strides (",
+             g.a.row_stride, ", ", g.a.col_stride, ")");
+  DG_REQUIRE(g.d.rows == rows, "out must have world * m = ", rows, " rows, got ", g.d.rows);
+  DG_REQUIRE(d.workspace_bytes >= layout.bytes, "the workspace of ", d.workspace_bytes,
+             " bytes is smaller than the ", layout.bytes, " needed");
+  DG_REQUIRE(!g.scale_a || g.scale_a_len == 1 || g.scale_a_len == m,
+             "scale_a must hold 1 or m = ", m, " values (this rank's shard)");
+
+  // The GEMM over the gathered rows (fused), or over one chunk of them (decomposed: chunk q's
+  // rows of `a` and `out`), checked before anything is enqueued.
+  dg_gemm_desc gathered = g;
+  gathered.a = {peers.base[r] + layout.gathered, g.a.dtype, rows, k, k, 1};
+  if (g.scale_a) {
+    gathered.scale_a = reinterpret_cast<const float*>(peers.base[r] + layout.scales);
+    gathered.scale_a_len = rows;
+  }
+  auto chunk_desc = [&](int q) {
+    dg_gemm_desc chunk = g;
+    if (q != r) chunk.a = {peers.base[r] + layout.gathered + static_cast<size_t>(q * m * k) * elem, g.a.dtype, m, k, k, 1};
+    chunk.d.data = static_cast<const char*>(g.d.data) + static_cast<size_t>(q * m * g.d.row_stride) * dtype_bytes(g.d.dtype);
+    chunk.d.rows = m;
+    if (g.c.data && g.c.rows != 1) {
+      chunk.c.data = static_cast<const char*>(g.c.data) + static_cast<size_t>(q * m * g.c.row_stride) * dtype_bytes(g.c.dtype);
+      chunk.c.rows = m;
+    }
+    return chunk;
+  };
+  const int device = current_device();
+  const DeviceInfo& dev = device_info(device);
+  bool decomposed = false;
+  const char* why_not = gemm::cublaslt_unsupported(chunk_desc(r), false);
+  if (!why_not) why_not = gemm::cublaslt_unsupported(chunk_desc((r + 1) % world), false);
+  DG_RETURN_IF_ERROR(use_decomposed(d, why_not, false, &decomposed));
+  DG_RETURN_IF_ERROR(dg_gemm_check(&gathered, dev.arch));
+  CallStart call;
+  DG_RETURN_IF_ERROR(start_call(d, peers, kTagAllGather, device, stream, &call));
+  StreamPool* pool = call.pool;
+  const SyncParams& sync = call.sync;
+  if (g.scale_a) {
+    ScaleTargets targets{};
+    for (int q = 0; q < world; ++q)
+      targets.dst[targets.count++] = reinterpret_cast<float*>(peers.base[q] + layout.scales) + r * m;
+    DG_CUDA_RETURN(launch_scatter_scales(g.scale_a, g.scale_a_len, m, targets, stream));
+  }
+  // Every peer gets the shard in the order they need it: the GEMMs of rank p walk chunks p,
+  // p + 1, ..., so rank r is needed first by r - 1, then r - 2.
+  const size_t shard_bytes = static_cast<size_t>(m * k) * elem;
+  const size_t shard_offset = layout.gathered + static_cast<size_t>(r * m * k) * elem;
+  auto copy_shard = [&](char* dst, cudaStream_t on) {
+    if (g.a.row_stride == k)  // one DMA: a 2-D copy of many short rows runs far slower
+      return cudaMemcpyAsync(dst, g.a.data, shard_bytes, cudaMemcpyDeviceToDevice, on);
+    return cudaMemcpy2DAsync(dst, k * elem, g.a.data, g.a.row_stride * elem, k * elem, m,
+                             cudaMemcpyDeviceToDevice, on);
+  };
+  const int streams = 1;
+  DG_RETURN_IF_ERROR(fork_streams(*pool, stream, streams));
+  cudaStream_t push = pool->streams[0];
+  for (int i = 1; i < world; ++i) {
+    const int p = (r - i + world) % world;
+    // p must be done reading its buffer from the previous call.
+    DG_CUDA_RETURN(launch_wait_flag(peers.word(r, TpHeader::kConsumed, p), -1, sync, p, push));
+    DG_CUDA_RETURN(copy_shard(peers.base[p] + shard_offset, push));
+    SignalTargets ready{};
+    ready.flags[ready.count++] = peers.word(p, TpHeader::kReady, r);
+    DG_CUDA_RETURN(launch_signal(ready, sync.epoch, push));
+  }
+  if (decomposed) {
+    void* scratch = peers.base[r] + layout.scratch;
+    for (int i = 0; i < world; ++i) {
+      const int q = (r + i) % world;  // q's shard arrives after those of q - 1, ..., r + 1
+      if (i > 0) DG_CUDA_RETURN(launch_wait_flag(peers.word(r, TpHeader::kReady, q), 0, sync, q, stream));
+      DG_RETURN_IF_ERROR(gemm::run_cublaslt_gemm(chunk_desc(q), nullptr, 0, scratch, kGemmScratchBytes, stream));
+    }
+  } else {
+    // The own shard on the caller's stream: started under the GEMM, a local copy would crawl.
+    DG_CUDA_RETURN(copy_shard(peers.base[r] + shard_offset, stream));
+    SignalTargets own_ready{};
+    own_ready.flags[own_ready.count++] = peers.word(r, TpHeader::kReady, r);
+    DG_CUDA_RETURN(launch_signal(own_ready, sync.epoch, stream));
+    gemm::GemmExtras extras;
+    extras.sync = sync;
+    extras.sync.chunk_ready = peers.word(r, TpHeader::kReady);
+    extras.sync.chunk_rows = static_cast<int32_t>(m);
+    extras.sync.num_chunks = world;
+    extras.sync.first_chunk = r;
+    extras.sm_count = dev.sm_count - kFreeSms;
+    DG_RETURN_IF_ERROR(gemm::run_gemm_desc(gathered, extras, stream));
+  }
+  if (d.gathered_out) {
+    char* out = static_cast<char*>(d.gathered_out);
+    if (decomposed) {  // the own shard never entered the gathered buffer
+      DG_CUDA_RETURN(copy_shard(out + static_cast<size_t>(r * m * k) * elem, stream));
+      const size_t before = static_cast<size_t>(r * m * k) * elem, after = static_cast<size_t>((rows - (r + 1) * m) * k) * elem;
+      if (before)
+        DG_CUDA_RETURN(cudaMemcpyAsync(out, gathered.a.data, before, cudaMemcpyDeviceToDevice, stream));
+      if (after)
+        DG_CUDA_RETURN(cudaMemcpyAsync(out + before + shard_bytes, static_cast<const char*>(gathered.a.data) + before + shard_bytes,
+                                       after, cudaMemcpyDeviceToDevice, stream));
+    } else {
+      DG_CUDA_RETURN(cudaMemcpyAsync(out, gathered.a.data, static_cast<size_t>(rows * k) * elem,
+                                     cudaMemcpyDeviceToDevice, stream));
+    }
+  }
+  SignalTargets consumed{};
+  for (int p = 0; p < world; ++p)
+    if (p != r) consumed.flags[consumed.count++] = peers.word(p, TpHeader::kConsumed, r);
+  DG_CUDA_RETURN(launch_signal(consumed, sync.epoch, stream));
+  return join_streams(*pool, stream, streams);
+}
+

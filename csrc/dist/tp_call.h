@@ -1,0 +1,45 @@
+// What both tensor-parallel ops share once their arguments are read: the ranks' mapped
+// workspaces, the checks of a dg_tp_desc, the start of a call (epoch, side streams, wait
+// parameters) and the choice between the fused and the decomposed algorithm. Host-only.
+#pragma once
+
+#include <cstdint>
+
+#include "common/error_state.h"
+#include "common/stream_pool.h"
+#include "common/sync.h"
+#include "dist/tp_layout.h"
+#include "distgemm/distgemm.h"
+
+namespace distgemm::dist {
+
+constexpr int kTagAllGather = DG_TP_ALL_GATHER_GEMM << kErrorPeerBits;
+constexpr int kTagReduceScatter = DG_TP_GEMM_REDUCE_SCATTER << kErrorPeerBits;
+constexpr int kFreeSms = 2;  // left to the copy streams' flag kernels while a fused GEMM spins
+
+// Every rank's workspace as mapped in this process.
+struct Peers {
+  char* base[kMaxWorld] = {};
+  uint32_t* word(int rank, size_t offset, int index = 0) const {
+    return reinterpret_cast<uint32_t*>(base[rank] + offset) + index;
+  }
+};
+
+// Checks what every op needs of `d` (world, rank, workspaces, timeout) and maps the workspaces.
+dg_status check_tp(const dg_tp_desc* d, Peers* peers);
+
+// What every call needs once its arguments are checked: the device's side streams and the
+// parameters of its bounded waits; the call's epoch is bumped first on `stream`.
+struct CallStart {
+  StreamPool* pool = nullptr;
+  SyncParams sync;
+};
+dg_status start_call(const dg_tp_desc& d, const Peers& peers, int tag, int device, cudaStream_t stream,
+                     CallStart* out);
+
+// Whether to run the decomposed algorithm: `why_not` is why cuBLASLt cannot run a piece of
+// this call (nullptr if it can); `auto_fused`: the automatic choice is the fused algorithm
+// even though the decomposed one could run.
+dg_status use_decomposed(const dg_tp_desc& d, const char* why_not, bool auto_fused, bool* decomposed);
+
+}  // namespace distgemm::dist
