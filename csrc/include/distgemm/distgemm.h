@@ -113,8 +113,9 @@ DG_API dg_status dg_grouped_gemm_cublas(const dg_grouped_desc* desc, const int32
 /* One rank's share of a GEMM over `world` GPUs of one node, its communication hidden under
  * the GEMM. Every rank passes the same shapes and dtypes. The ranks' symmetric workspaces
  * (dg_tp_workspace_size bytes each, zeroed once before first use, mapped into every rank)
- * hold the exchanged operand, the partial sums and the epoch flags that order the ranks;
- * every wait on a peer is bounded by timeout_s and reported through dg_tp_error.
+ * hold the exchanged operand, the partial sums, the epoch flags that order the ranks and the
+ * cuBLASLt scratch of the decomposed algorithm (32 MiB); every wait on a peer is bounded by
+ * timeout_s and reported through dg_tp_error.
  *   DG_TP_ALL_GATHER_GEMM: gemm.a is this rank's (m, K) row shard, gemm.d the (world*m, N)
  *     output; C, alpha/beta and scales as in dg_gemm (scale_a: 1 or m values of this shard).
  *   DG_TP_GEMM_REDUCE_SCATTER: gemm.a (world*m, K) (K is this rank's shard), gemm.d this
