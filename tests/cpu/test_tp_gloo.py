@@ -34,3 +34,27 @@ def test_algo_environment_maps_to_the_c_api(monkeypatch, value, code):
 
     monkeypatch.setenv("DISTGEMM_TP_ALGO", value)
     assert tp._algo() == code  # dg_tp_algo: AUTO 0, FUSED 1, DECOMPOSED 2
+
+
+def test_workspace_sizes_follow_the_layout():
+    """Host arithmetic of the symmetric workspaces (no device needed): a 4 KiB flag header, the
+    exchanged data, and the decomposed algorithm's 32 MiB cuBLASLt scratch."""
+    import torch
+
+    from distgemm._library import ops
+
+    def up(x, to):
+        return (x + to - 1) // to * to
+
+    scratch, header = 32 << 20, 4096
+    for world, rows, k, n in ((2, 2048, 4096, 3072), (4, 333, 512, 1032), (8, 1, 64, 264)):
+        # all-gather: gathered operand (world * rows, K) bf16, then world * rows FP32 scales
+        gathered = header + world * rows * k * 2
+        expect = up(up(gathered, 256) + world * rows * 4, 4096) + scratch
+        assert ops.tp_workspace_size(1, rows, k, n, torch.bfloat16, torch.bfloat16, world) == expect
+        # reduce-scatter: (world - 1) slots to send and (world - 1) received, (rows, N) fp32 each
+        slot = up(rows * n * 4, 256)
+        expect = up(header + 2 * (world - 1) * slot, 4096) + scratch
+        assert ops.tp_workspace_size(2, rows, k, n, torch.bfloat16, torch.float32, world) == expect
+    with pytest.raises(ValueError, match="world size"):
+        ops.tp_workspace_size(1, 16, 64, 64, torch.bfloat16, torch.bfloat16, 1)
