@@ -14,4 +14,12 @@ const char* dtype_name(dg_dtype t) {
   return "unknown";
 }
 
+cudaDataType_t cublas_float_type(dg_dtype t) {
+  switch (t) {
+    case DG_BF16: return CUDA_R_16BF;
+    case DG_F16: return CUDA_R_16F;
+    default: return CUDA_R_32F;
+  }
+}
+
 }  // namespace distgemm

@@ -1,6 +1,8 @@
 // Host-side facts about dg_dtype values.
 #pragma once
 
+#include <library_types.h>
+
 #include "distgemm/types.h"
 
 namespace distgemm {
@@ -18,5 +20,8 @@ constexpr bool is_fp8(dg_dtype t) { return t == DG_E4M3 || t == DG_E5M2; }
 constexpr bool is_16bit_float(dg_dtype t) { return t == DG_F16 || t == DG_BF16; }
 
 const char* dtype_name(dg_dtype t);
+
+// The cuBLAS data type of a 16- or 32-bit float dtype (the only ones distgemm hands cuBLAS).
+cudaDataType_t cublas_float_type(dg_dtype t);
 
 }  // namespace distgemm

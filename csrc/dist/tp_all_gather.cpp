@@ -54,11 +54,16 @@ extern "C" dg_status dg_all_gather_gemm(const dg_tp_desc* desc, cudaStream_t str
   }
   auto chunk_desc = [&](int q) {
     dg_gemm_desc chunk = g;
-    if (q != r) chunk.a = {peers.base[r] + layout.gathered + static_cast<size_t>(q * m * k) * elem, g.a.dtype, m, k, k, 1};
-    chunk.d.data = static_cast<const char*>(g.d.data) + static_cast<size_t>(q * m * g.d.row_stride) * dtype_bytes(g.d.dtype);
+    if (q != r) {  // a peer's shard, in this rank's gathered buffer
+      const char* shard = peers.base[r] + layout.gathered + static_cast<size_t>(q * m * k) * elem;
+      chunk.a = {shard, g.a.dtype, m, k, k, 1};
+    }
+    chunk.d.data = static_cast<const char*>(g.d.data) +
+                   static_cast<size_t>(q * m * g.d.row_stride) * dtype_bytes(g.d.dtype);
     chunk.d.rows = m;
     if (g.c.data && g.c.rows != 1) {
-      chunk.c.data = static_cast<const char*>(g.c.data) + static_cast<size_t>(q * m * g.c.row_stride) * dtype_bytes(g.c.dtype);
+      chunk.c.data = static_cast<const char*>(g.c.data) +
+                     static_cast<size_t>(q * m * g.c.row_stride) * dtype_bytes(g.c.dtype);
       chunk.c.rows = m;
     }
     return chunk;
@@ -107,7 +112,8 @@ extern "C" dg_status dg_all_gather_gemm(const dg_tp_desc* desc, cudaStream_t str
     for (int i = 0; i < world; ++i) {
       const int q = (r + i) % world;  // q's shard arrives after those of q - 1, ..., r + 1
       if (i > 0) DG_CUDA_RETURN(launch_wait_flag(peers.word(r, TpHeader::kReady, q), 0, sync, q, stream));
-      DG_RETURN_IF_ERROR(gemm::run_cublaslt_gemm(chunk_desc(q), nullptr, 0, scratch, kGemmScratchBytes, stream));
+      DG_RETURN_IF_ERROR(
+          gemm::run_cublaslt_gemm(chunk_desc(q), nullptr, 0, scratch, kGemmScratchBytes, stream));
     }
   } else {
     // The own shard on the caller's stream: started under the GEMM, a local copy would crawl.
@@ -128,11 +134,13 @@ extern "C" dg_status dg_all_gather_gemm(const dg_tp_desc* desc, cudaStream_t str
     char* out = static_cast<char*>(d.gathered_out);
     if (decomposed) {  // the own shard never entered the gathered buffer
       DG_CUDA_RETURN(copy_shard(out + static_cast<size_t>(r * m * k) * elem, stream));
-      const size_t before = static_cast<size_t>(r * m * k) * elem, after = static_cast<size_t>((rows - (r + 1) * m) * k) * elem;
+      const size_t before = static_cast<size_t>(r * m * k) * elem,
+                   after = static_cast<size_t>((rows - (r + 1) * m) * k) * elem;
       if (before)
         DG_CUDA_RETURN(cudaMemcpyAsync(out, gathered.a.data, before, cudaMemcpyDeviceToDevice, stream));
       if (after)
-        DG_CUDA_RETURN(cudaMemcpyAsync(out + before + shard_bytes, static_cast<const char*>(gathered.a.data) + before + shard_bytes,
+        DG_CUDA_RETURN(cudaMemcpyAsync(out + before + shard_bytes,
+                                       static_cast<const char*>(gathered.a.data) + before + shard_bytes,
                                        after, cudaMemcpyDeviceToDevice, stream));
     } else {
       DG_CUDA_RETURN(cudaMemcpyAsync(out, gathered.a.data, static_cast<size_t>(rows * k) * elem,

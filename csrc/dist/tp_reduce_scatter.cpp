@@ -105,7 +105,8 @@ extern "C" dg_status dg_gemm_reduce_scatter(const dg_tp_desc* desc, cudaStream_t
       step.d = {peers.base[r] + slot_at(layout.slots, s, row0), g.d.dtype, rows, n, n, 1};
       step.c = {};  // the bias is added once, at the last step
     } else {
-      step.d.data = static_cast<const char*>(g.d.data) + static_cast<size_t>(row0 * g.d.row_stride) * out_elem;
+      step.d.data =
+          static_cast<const char*>(g.d.data) + static_cast<size_t>(row0 * g.d.row_stride) * out_elem;
       step.d.rows = rows;
     }
     return step;
@@ -115,7 +116,8 @@ extern "C" dg_status dg_gemm_reduce_scatter(const dg_tp_desc* desc, cudaStream_t
   plan_parts();
   const char* why_not = nullptr;
   for (int s = 0; s < world && !why_not; ++s)
-    for (int part = 0; part < parts && !why_not; ++part) why_not = gemm::cublaslt_unsupported(step_desc(s, part), s > 0);
+    for (int part = 0; part < parts && !why_not; ++part)
+      why_not = gemm::cublaslt_unsupported(step_desc(s, part), s > 0);
   // Below ~100 GFLOP per rank, the decomposed ring's four launches and waits cost more than the
   // fused ring's tile-level overlap saves (measured on H200 x2: 8B attn-out, 4096 tokens, 0.21 vs
   // 0.16 ms; from 137 GFLOP on, decomposed is as fast or faster).
@@ -138,12 +140,13 @@ extern "C" dg_status dg_gemm_reduce_scatter(const dg_tp_desc* desc, cudaStream_t
     for (int part = 0; part < parts; ++part) {
       const int64_t row0 = part_row0(part);
       // Step s > 0 adds what the previous rank computed at step s - 1 for the same rows.
-      const uint32_t* received_ready = s > 0 ? peers.word(r, TpHeader::kStepReady, (s - 1) * parts + part) : nullptr;
+      const uint32_t* received_ready =
+          s > 0 ? peers.word(r, TpHeader::kStepReady, (s - 1) * parts + part) : nullptr;
       const void* received = s > 0 ? peers.base[r] + slot_at(layout.received, s - 1, row0) : nullptr;
       if (decomposed) {
         if (s > 0) DG_CUDA_RETURN(launch_wait_flag(received_ready, 0, sync, prev, stream));
-        DG_RETURN_IF_ERROR(gemm::run_cublaslt_gemm(step_desc(s, part), received, n,
-                                                   peers.base[r] + layout.scratch, kGemmScratchBytes, stream));
+        DG_RETURN_IF_ERROR(gemm::run_cublaslt_gemm(
+            step_desc(s, part), received, n, peers.base[r] + layout.scratch, kGemmScratchBytes, stream));
       } else {
         gemm::GemmExtras extras;
         if (s > 0) {

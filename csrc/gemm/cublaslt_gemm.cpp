@@ -28,14 +28,6 @@ cublasLtHandle_t lt_handle(int device) {
   return handles[device];
 }
 
-cudaDataType_t lt_type(dg_dtype t) {
-  switch (t) {
-    case DG_BF16: return CUDA_R_16BF;
-    case DG_F16: return CUDA_R_16F;
-    default: return CUDA_R_32F;
-  }
-}
-
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 #define DG_LT_RETURN(expr)                                                                   \
@@ -64,13 +56,16 @@ dg_status make_plan(cublasLtHandle_t handle, const PlanKey& key, size_t workspac
   const cudaDataType_t in = static_cast<cudaDataType_t>(in_type), out = static_cast<cudaDataType_t>(out_type);
   DG_LT_RETURN(cublasLtMatmulDescCreate(&plan->op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   const cublasOperation_t trans_a = b_k_major ? CUBLAS_OP_T : CUBLAS_OP_N, trans_b = CUBLAS_OP_N;
-  DG_LT_RETURN(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_TRANSA, &trans_a, sizeof(trans_a)));
-  DG_LT_RETURN(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_TRANSB, &trans_b, sizeof(trans_b)));
+  DG_LT_RETURN(
+      cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_TRANSA, &trans_a, sizeof(trans_a)));
+  DG_LT_RETURN(
+      cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_TRANSB, &trans_b, sizeof(trans_b)));
   if (bias) {
     const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
     DG_LT_RETURN(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue,
                                                 sizeof(epilogue)));
-    DG_LT_RETURN(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &out, sizeof(out)));
+    DG_LT_RETURN(
+        cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &out, sizeof(out)));
   }
   plan->bias = bias;
   // Our B (N, K) is cuBLASLt's A: stored (K, N) column-major if K-major, else (N, K).
@@ -89,12 +84,13 @@ dg_status make_plan(cublasLtHandle_t handle, const PlanKey& key, size_t workspac
                                                            &workspace_bytes, sizeof(workspace_bytes));
   for (auto attr : {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
                     CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES})
-    if (st == CUBLAS_STATUS_SUCCESS) st = cublasLtMatmulPreferenceSetAttribute(pref, attr, &align, sizeof(align));
+    if (st == CUBLAS_STATUS_SUCCESS)
+      st = cublasLtMatmulPreferenceSetAttribute(pref, attr, &align, sizeof(align));
   cublasLtMatmulHeuristicResult_t result{};
   int found = 0;
   if (st == CUBLAS_STATUS_SUCCESS)
-    st = cublasLtMatmulAlgoGetHeuristic(handle, plan->op, plan->a, plan->b, plan->c, plan->d, pref, 1, &result,
-                                        &found);
+    st = cublasLtMatmulAlgoGetHeuristic(handle, plan->op, plan->a, plan->b, plan->c, plan->d, pref, 1,
+                                        &result, &found);
   cublasLtMatmulPreferenceDestroy(pref);
   DG_LT_RETURN(st);
   if (found < 1)
@@ -115,16 +111,17 @@ bool is_bias(const dg_gemm_desc& d, bool chained) {
 const char* cublaslt_unsupported(const dg_gemm_desc& d, bool chained) {
   if (!is_16bit_float(d.a.dtype) || d.b.dtype != d.a.dtype) return "inputs other than bf16/fp16";
   if (d.scale_a || d.scale_b) return "scales";
-  if (!(d.d.dtype == d.a.dtype || d.d.dtype == DG_F32)) return "an output dtype other than the input's or fp32";
+  if (!(d.d.dtype == d.a.dtype || d.d.dtype == DG_F32))
+    return "an output dtype other than the input's or fp32";
   if (is_bias(d, chained) && d.beta != 1.f && d.beta != 0.f) return "a bias scaled by beta other than 0 or 1";
   if (d.a.col_stride != 1 || d.d.col_stride != 1 || (d.c.data && !is_bias(d, chained) && d.c.col_stride != 1))
     return "a, c and out other than row-major";
   if (d.b.col_stride != 1 && d.b.row_stride != 1) return "b neither K- nor N-major";
   const int64_t ldb = d.b.col_stride == 1 ? d.b.row_stride : d.b.col_stride;
   const int in = dtype_bytes(d.a.dtype), out = dtype_bytes(d.d.dtype);
-  if (!aligned16(d.a.data) || !aligned16(d.b.data) || !aligned16(d.d.data) || (d.c.data && !aligned16(d.c.data)) ||
-      (d.a.row_stride * in) % 16 || (ldb * in) % 16 || (d.d.row_stride * out) % 16 ||
-      (d.c.data && !is_bias(d, chained) && (d.c.row_stride * out) % 16))
+  if (!aligned16(d.a.data) || !aligned16(d.b.data) || !aligned16(d.d.data) ||
+      (d.c.data && !aligned16(d.c.data)) || (d.a.row_stride * in) % 16 || (ldb * in) % 16 ||
+      (d.d.row_stride * out) % 16 || (d.c.data && !is_bias(d, chained) && (d.c.row_stride * out) % 16))
     return "pointers or leading dimensions not 16-byte aligned";
   return nullptr;
 }
@@ -151,8 +148,8 @@ dg_status run_cublaslt_gemm(const dg_gemm_desc& d, const void* chain_c, int64_t 
   const float beta = chain_c ? 1.f : full_c ? d.beta : 0.f;
   const PlanKey key{device, b_k_major, m, n, k, d.a.row_stride,
                     b_k_major ? d.b.row_stride : d.b.col_stride, ldc, d.d.row_stride,
-                    static_cast<int>(lt_type(d.a.dtype)), static_cast<int>(lt_type(d.d.dtype)), beta != 0.f, bias,
-                    workspace_bytes};
+                    static_cast<int>(cublas_float_type(d.a.dtype)),
+                    static_cast<int>(cublas_float_type(d.d.dtype)), beta != 0.f, bias, workspace_bytes};
   thread_local std::map<PlanKey, Plan> plans;
   auto it = plans.find(key);
   if (it == plans.end()) {

@@ -35,14 +35,6 @@ cublasHandle_t* cublas_handles(int device, StreamPool& pool) {
   return ok[device] ? handles[device].data() : nullptr;
 }
 
-cudaDataType_t cuda_type(dg_dtype t) {
-  switch (t) {
-    case DG_BF16: return CUDA_R_16BF;
-    case DG_F16: return CUDA_R_16F;
-    default: return CUDA_R_32F;
-  }
-}
-
 }  // namespace
 }  // namespace distgemm::grouped
 
@@ -61,7 +53,8 @@ extern "C" dg_status dg_grouped_gemm_cublas(const dg_grouped_desc* desc, const i
   if (!handles) return fail(DG_ERROR_CUDA, "creating the cuBLAS handles failed");
 
   const size_t in_bytes = dtype_bytes(desc->in_dtype), out_bytes = dtype_bytes(desc->out_dtype);
-  const cudaDataType_t in_type = cuda_type(desc->in_dtype), out_type = cuda_type(desc->out_dtype);
+  const cudaDataType_t in_type = cublas_float_type(desc->in_dtype),
+                       out_type = cublas_float_type(desc->out_dtype);
   const float alpha = 1.f, beta = p.accumulate ? 1.f : 0.f;
   auto const* a = static_cast<const char*>(p.a);
   auto const* b = static_cast<const char*>(p.b);
@@ -80,7 +73,8 @@ extern "C" dg_status dg_grouped_gemm_cublas(const dg_grouped_desc* desc, const i
     if (p.kind == DG_GROUPED_WGRAD) {
       char* out_g = out + static_cast<int64_t>(g) * n * k * out_bytes;
       if (rows == 0) {
-        if (!p.accumulate) DG_CUDA_RETURN(cudaMemsetAsync(out_g, 0, size_t(n) * k * out_bytes, pool->streams[s]));
+        if (!p.accumulate)
+          DG_CUDA_RETURN(cudaMemsetAsync(out_g, 0, size_t(n) * k * out_bytes, pool->streams[s]));
       } else {
         // out_g^T (K x N, column-major) = x_g^T (K x rows) @ dy_g (rows x N)
         st = cublasGemmEx(handles[s], CUBLAS_OP_N, CUBLAS_OP_T, k, n, rows, &alpha,
