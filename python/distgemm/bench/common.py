@@ -102,6 +102,22 @@ def host_ms(fn: Callable[[], object], calls: int = 20, before: Optional[Callable
     return elapsed / calls * 1e3
 
 
+def with_env(var: str, value: str, fn: Callable[[], object]) -> Callable[[], object]:
+    """`fn` run with the environment variable `var` set to `value` (the previous value, or its
+    absence, restored after each call): how the suites time one backend or algorithm."""
+    def call():
+        old = os.environ.get(var)
+        os.environ[var] = value
+        try:
+            return fn()
+        finally:
+            if old is None:
+                del os.environ[var]
+            else:
+                os.environ[var] = old
+    return call
+
+
 def rotated(names: List[str], turn: int) -> List[str]:
     """`names` starting at position turn mod len(names): who goes first changes every round."""
     i = turn % len(names)

@@ -4,14 +4,13 @@ forward, dgrad and wgrad GEMMs of each layer shape, same inputs, same timer."""
 
 from __future__ import annotations
 
-import os
 
 import torch
 from tqdm import tqdm
 
 import distgemm
 
-from .common import Timer, entry, geomean, gpu_slug, host_ms, plot_ratios, print_row, write_results
+from .common import Timer, entry, geomean, gpu_slug, host_ms, plot_ratios, print_row, with_env, write_results
 
 # (name, experts G, mean tokens per expert, N, K, routing)
 SUITE = [
@@ -40,17 +39,7 @@ def counts_for(groups: int, mean: int, routing: str) -> list:
 
 
 def _backend_call(name: str, fn):
-    def call():
-        old = os.environ.get("DISTGEMM_GROUPED_BACKEND")
-        os.environ["DISTGEMM_GROUPED_BACKEND"] = name
-        try:
-            return fn()
-        finally:
-            if old is None:
-                del os.environ["DISTGEMM_GROUPED_BACKEND"]
-            else:
-                os.environ["DISTGEMM_GROUPED_BACKEND"] = old
-    return call
+    return with_env("DISTGEMM_GROUPED_BACKEND", name, fn)
 
 
 def _rel(x, y):

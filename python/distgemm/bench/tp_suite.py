@@ -18,7 +18,8 @@ import torch.distributed._symmetric_memory  # noqa: F401  (registers torch.ops.s
 
 import distgemm
 
-from .common import entry, geomean, gpu_slug, host_ms, median, plot_ratios, print_row, rotated, write_results
+from .common import (entry, geomean, gpu_slug, host_ms, median, plot_ratios, print_row, rotated, with_env,
+                     write_results)
 
 # Llama-3 TP layers: (model, hidden, ffn, q heads, kv heads, head dim)
 MODELS = [("llama3-8b", 4096, 14336, 32, 8, 128), ("llama3-70b", 8192, 28672, 64, 8, 128)]
@@ -75,15 +76,7 @@ ALGOS = {"distgemm_fused": "fused", "distgemm_decomposed": "decomposed"}
 
 
 def _algo_variants(call):
-    def with_algo(algo):
-        def run():
-            os.environ["DISTGEMM_TP_ALGO"] = algo
-            try:
-                return call()
-            finally:
-                del os.environ["DISTGEMM_TP_ALGO"]
-        return run
-    return {name: with_algo(algo) for name, algo in ALGOS.items()}
+    return {name: with_env("DISTGEMM_TP_ALGO", algo, call) for name, algo in ALGOS.items()}
 
 
 def _slowest(ms: float) -> float:
