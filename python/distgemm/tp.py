@@ -265,12 +265,12 @@ def _gathered_scale_a(scale_a, rows: int, group) -> Optional[torch.Tensor]:
 # ---------------------------------------------------------------- public ops
 
 
-def _scaled_bias(c, beta, out_dtype, full_rows):
-    """(c, beta) for the fused ops: a bias row comes pre-multiplied by beta, with beta 1 (the
-    decomposed algorithm adds a bias unscaled); a full C (full_rows rows) keeps its beta."""
+def _scaled_bias(c, beta, out_dtype):
+    """(c, beta) for the fused ops: a bias ((N,) or (1, N)) comes pre-multiplied by beta, with
+    beta 1 (the decomposed algorithm adds a bias unscaled); a full C keeps its beta."""
     if c is None or beta == 0.0:
         return None, 0.0
-    if c.dim() == 2 and c.shape[0] == full_rows and full_rows != 1:
+    if c.dim() == 2 and c.shape[0] != 1:
         return c.to(out_dtype), beta
     return (c.reshape(-1).float() * beta).to(out_dtype), 1.0
 
@@ -310,7 +310,7 @@ def _all_gather_matmul_eager(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, 
                                                      str(out_dtype), scale_a is not None))
     a = a.contiguous()
     if _use_fused(group, a.device) and kernel_ready(a, b, out_dtype):
-        bias_or_c, beta = _scaled_bias(c, beta, out_dtype, full_rows=a.shape[0] * world)
+        bias_or_c, beta = _scaled_bias(c, beta, out_dtype)
         out, gathered = _fused_all_gather_matmul(a, b, bias_or_c, alpha, beta, out_dtype, scale_a, scale_b,
                                                  fast_accum, group, return_gathered)
         return out, (gathered if return_gathered else None)
@@ -334,19 +334,19 @@ def _matmul_reduce_scatter_eager(a, b, c, alpha, beta, out_dtype, scale_a, scale
     if a.is_cuda:
         _raise_on_error_word(a.get_device())
     full_c = c is not None and c.dim() == 2 and c.shape[0] != 1
-    bias = None if c is None or full_c else c.reshape(-1).to(out_dtype)
+    bias = None if c is None or full_c else c.reshape(-1)
     _check_same_on_all_ranks(group, _OP_NAMES[_RS], (tuple(a.shape), tuple(b.shape), str(a.dtype),
                                                      str(out_dtype), scale_a is not None))
     a = a.contiguous()
     if _use_fused(group, a.device) and kernel_ready(a, b, out_dtype):
-        scaled, bias_beta = _scaled_bias(bias, beta, out_dtype, full_rows=-1)
+        scaled, bias_beta = _scaled_bias(bias, beta, out_dtype)
         out = _fused_matmul_reduce_scatter(a, b, scaled, alpha, bias_beta, out_dtype, scale_a, scale_b,
                                            fast_accum, group)
     else:
         partial = gemm_unchecked(a, b, None, alpha, 0.0, torch.float32, scale_a, scale_b, fast_accum)
         out = _reduce_scatter(partial, group)
         if bias is not None:
-            out = out + beta * bias.float()
+            out = out + beta * bias.to(out_dtype).float()
         out = out.to(out_dtype)
     if full_c:  # a full C is this rank's output shard: added after the reduction
         out = (out.float() + beta * c.float()).to(out_dtype)
