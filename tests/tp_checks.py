@@ -80,7 +80,8 @@ def check_all_gather_matmul_fp8(rank, world):
         del os.environ["DISTGEMM_TP_ALGO"]
 
 
-RS_SHAPES = [(128, 256, 128), (250, 520, 256), (1, 264, 64), (300, 264, 128)]  # (m_local, N, K_local)
+# (m_local, N, K_local); 520 rows: four pieces of a chunk where they are asked for, the last of 8 rows
+RS_SHAPES = [(128, 256, 128), (250, 520, 256), (1, 264, 64), (300, 264, 128), (520, 136, 64)]
 
 
 def check_matmul_reduce_scatter(rank, world, dtypes=(torch.bfloat16, torch.float16)):

@@ -52,28 +52,49 @@ extern "C" dg_status dg_all_gather_gemm(const dg_tp_desc* desc, cudaStream_t str
     gathered.scale_a = reinterpret_cast<const float*>(peers.base[r] + layout.scales);
     gathered.scale_a_len = rows;
   }
-  auto chunk_desc = [&](int q) {
+  // Rows [row0, row0 + rows) of chunk q: from `a` for the own shard, else from the gathered buffer.
+  auto chunk_desc = [&](int q, int64_t row0, int64_t rows) {
     dg_gemm_desc chunk = g;
-    if (q != r) {  // a peer's shard, in this rank's gathered buffer
-      const char* shard = peers.base[r] + layout.gathered + static_cast<size_t>(q * m * k) * elem;
-      chunk.a = {shard, g.a.dtype, m, k, k, 1};
+    if (q != r) {
+      const char* shard = peers.base[r] + layout.gathered + static_cast<size_t>((q * m + row0) * k) * elem;
+      chunk.a = {shard, g.a.dtype, rows, k, k, 1};
+    } else {
+      chunk.a.data = static_cast<const char*>(g.a.data) + static_cast<size_t>(row0 * g.a.row_stride) * elem;
+      chunk.a.rows = rows;
     }
     chunk.d.data = static_cast<const char*>(g.d.data) +
-                   static_cast<size_t>(q * m * g.d.row_stride) * dtype_bytes(g.d.dtype);
-    chunk.d.rows = m;
+                   static_cast<size_t>((q * m + row0) * g.d.row_stride) * dtype_bytes(g.d.dtype);
+    chunk.d.rows = rows;
     if (g.c.data && g.c.rows != 1) {
       chunk.c.data = static_cast<const char*>(g.c.data) +
-                     static_cast<size_t>(q * m * g.c.row_stride) * dtype_bytes(g.c.dtype);
-      chunk.c.rows = m;
+                     static_cast<size_t>((q * m + row0) * g.c.row_stride) * dtype_bytes(g.c.dtype);
+      chunk.c.rows = rows;
     }
     return chunk;
   };
   const int device = current_device();
   const DeviceInfo& dev = device_info(device);
+  // Decomposed: a peer's shard travels in pieces, each multiplied as soon as it is in, so that
+  // the last GEMM waits for a piece, not a whole shard. Fused: one piece (the kernel waits per
+  // tile row anyway).
+  int wanted_pieces = 1;
+  DG_RETURN_IF_ERROR(tp_pieces(1, &wanted_pieces));
+  RowPieces cut(m, wanted_pieces);
+  const int peer = (r + 1) % world;
+  const char* why_not = gemm::cublaslt_unsupported(chunk_desc(r, 0, m), false);
+  for (int j = 0; j < cut.count && !why_not; ++j)
+    why_not = gemm::cublaslt_unsupported(chunk_desc(peer, cut.row0(j), cut.rows(j)), false);
   bool decomposed = false;
-  const char* why_not = gemm::cublaslt_unsupported(chunk_desc(r), false);
-  if (!why_not) why_not = gemm::cublaslt_unsupported(chunk_desc((r + 1) % world), false);
   DG_RETURN_IF_ERROR(use_decomposed(d, why_not, false, &decomposed));
+  void* scratch = peers.base[r] + layout.scratch;
+  if (decomposed) {  // plans made before anything is enqueued: a failure must not strand the peers
+    DG_RETURN_IF_ERROR(gemm::plan_cublaslt_gemm(chunk_desc(r, 0, m), nullptr, 0, kGemmScratchBytes));
+    for (int j = 0; j < cut.count; ++j)
+      DG_RETURN_IF_ERROR(gemm::plan_cublaslt_gemm(chunk_desc(peer, cut.row0(j), cut.rows(j)), nullptr, 0,
+                                                  kGemmScratchBytes));
+  } else {
+    cut = RowPieces(m, 1);
+  }
   DG_RETURN_IF_ERROR(dg_gemm_check(&gathered, dev.arch));
   CallStart call;
   DG_RETURN_IF_ERROR(start_call(d, peers, kTagAllGather, device, stream, &call));
@@ -89,10 +110,13 @@ extern "C" dg_status dg_all_gather_gemm(const dg_tp_desc* desc, cudaStream_t str
   // p + 1, ..., so rank r is needed first by r - 1, then r - 2.
   const size_t shard_bytes = static_cast<size_t>(m * k) * elem;
   const size_t shard_offset = layout.gathered + static_cast<size_t>(r * m * k) * elem;
-  auto copy_shard = [&](char* dst, cudaStream_t on) {
+  // Rows [row0, row0 + rows) of the shard to dst (the shard's first row there).
+  auto copy_rows = [&](char* dst, int64_t row0, int64_t rows, cudaStream_t on) {
+    dst += static_cast<size_t>(row0 * k) * elem;
+    const char* src = static_cast<const char*>(g.a.data) + static_cast<size_t>(row0 * g.a.row_stride) * elem;
     if (g.a.row_stride == k)  // one DMA: a 2-D copy of many short rows runs far slower
-      return cudaMemcpyAsync(dst, g.a.data, shard_bytes, cudaMemcpyDeviceToDevice, on);
-    return cudaMemcpy2DAsync(dst, k * elem, g.a.data, g.a.row_stride * elem, k * elem, m,
+      return cudaMemcpyAsync(dst, src, static_cast<size_t>(rows * k) * elem, cudaMemcpyDeviceToDevice, on);
+    return cudaMemcpy2DAsync(dst, k * elem, src, g.a.row_stride * elem, k * elem, rows,
                              cudaMemcpyDeviceToDevice, on);
   };
   const int streams = 1;
@@ -102,22 +126,28 @@ extern "C" dg_status dg_all_gather_gemm(const dg_tp_desc* desc, cudaStream_t str
     const int p = (r - i + world) % world;
     // p must be done reading its buffer from the previous call.
     DG_CUDA_RETURN(launch_wait_flag(peers.word(r, TpHeader::kConsumed, p), -1, sync, p, push));
-    DG_CUDA_RETURN(copy_shard(peers.base[p] + shard_offset, push));
-    SignalTargets ready{};
-    ready.flags[ready.count++] = peers.word(p, TpHeader::kReady, r);
-    DG_CUDA_RETURN(launch_signal(ready, sync.epoch, push));
+    for (int j = 0; j < cut.count; ++j) {
+      DG_CUDA_RETURN(copy_rows(peers.base[p] + shard_offset, cut.row0(j), cut.rows(j), push));
+      SignalTargets ready{};
+      ready.flags[ready.count++] = peers.word(p, TpHeader::kReady, r * cut.count + j);
+      DG_CUDA_RETURN(launch_signal(ready, sync.epoch, push));
+    }
   }
   if (decomposed) {
-    void* scratch = peers.base[r] + layout.scratch;
-    for (int i = 0; i < world; ++i) {
+    DG_RETURN_IF_ERROR(
+        gemm::run_cublaslt_gemm(chunk_desc(r, 0, m), nullptr, 0, scratch, kGemmScratchBytes, stream));
+    for (int i = 1; i < world; ++i) {
       const int q = (r + i) % world;  // q's shard arrives after those of q - 1, ..., r + 1
-      if (i > 0) DG_CUDA_RETURN(launch_wait_flag(peers.word(r, TpHeader::kReady, q), 0, sync, q, stream));
-      DG_RETURN_IF_ERROR(
-          gemm::run_cublaslt_gemm(chunk_desc(q), nullptr, 0, scratch, kGemmScratchBytes, stream));
+      for (int j = 0; j < cut.count; ++j) {
+        DG_CUDA_RETURN(
+            launch_wait_flag(peers.word(r, TpHeader::kReady, q * cut.count + j), 0, sync, q, stream));
+        DG_RETURN_IF_ERROR(gemm::run_cublaslt_gemm(chunk_desc(q, cut.row0(j), cut.rows(j)), nullptr, 0,
+                                                   scratch, kGemmScratchBytes, stream));
+      }
     }
   } else {
     // The own shard on the caller's stream: started under the GEMM, a local copy would crawl.
-    DG_CUDA_RETURN(copy_shard(peers.base[r] + shard_offset, stream));
+    DG_CUDA_RETURN(copy_rows(peers.base[r] + shard_offset, 0, m, stream));
     SignalTargets own_ready{};
     own_ready.flags[own_ready.count++] = peers.word(r, TpHeader::kReady, r);
     DG_CUDA_RETURN(launch_signal(own_ready, sync.epoch, stream));
@@ -133,7 +163,7 @@ extern "C" dg_status dg_all_gather_gemm(const dg_tp_desc* desc, cudaStream_t str
   if (d.gathered_out) {
     char* out = static_cast<char*>(d.gathered_out);
     if (decomposed) {  // the own shard never entered the gathered buffer
-      DG_CUDA_RETURN(copy_shard(out + static_cast<size_t>(r * m * k) * elem, stream));
+      DG_CUDA_RETURN(copy_rows(out + static_cast<size_t>(r * m * k) * elem, 0, m, stream));
       const size_t before = static_cast<size_t>(r * m * k) * elem,
                    after = static_cast<size_t>((rows - (r + 1) * m) * k) * elem;
       if (before)

@@ -1,5 +1,9 @@
 #include "dist/tp_call.h"
 
+#include <algorithm>
+#include <cstdlib>
+#include <string_view>
+
 #include "common/dtype.h"
 #include "common/status.h"
 #include "dist/tp_kernels.cuh"
@@ -44,6 +48,26 @@ dg_status use_decomposed(const dg_tp_desc& d, const char* why_not, bool auto_fus
   if (d.algo == DG_TP_ALGO_DECOMPOSED && why_not)
     return fail(DG_ERROR_NOT_SUPPORTED, cat("the decomposed algorithm does not take ", why_not));
   *decomposed = !why_not && (d.algo == DG_TP_ALGO_DECOMPOSED || (d.algo == DG_TP_ALGO_AUTO && !auto_fused));
+  return DG_SUCCESS;
+}
+
+RowPieces::RowPieces(int64_t rows, int wanted) {
+  count = std::clamp(wanted, 1, kMaxPieces);
+  while (count > 1 && rows < count * kPieceRowAlign) --count;
+  for (int j = 0; j < count; ++j)
+    bound[j] = (rows * j / count + kPieceRowAlign - 1) / kPieceRowAlign * kPieceRowAlign;
+  bound[count] = rows;
+}
+
+dg_status tp_pieces(int automatic, int* pieces) {
+  *pieces = automatic;
+  const char* v = std::getenv("DISTGEMM_TP_PIECES");
+  if (!v || !*v || std::string_view(v) == "auto") return DG_SUCCESS;
+  char* end = nullptr;
+  const long count = std::strtol(v, &end, 10);
+  DG_REQUIRE(*end == '\0' && count >= 1 && count <= kMaxPieces, "DISTGEMM_TP_PIECES must be 'auto' or a count in [1, ",
+             kMaxPieces, "], got '", v, "'");
+  *pieces = static_cast<int>(count);
   return DG_SUCCESS;
 }
 

@@ -42,4 +42,19 @@ dg_status start_call(const dg_tp_desc& d, const Peers& peers, int tag, int devic
 // even though the decomposed one could run.
 dg_status use_decomposed(const dg_tp_desc& d, const char* why_not, bool auto_fused, bool* decomposed);
 
+// Rows [0, rows) of a chunk cut into pieces that travel and are multiplied one by one, at
+// tile-row boundaries (fewer pieces than wanted where the rows are too few).
+constexpr int64_t kPieceRowAlign = 128;
+struct RowPieces {
+  int count = 1;
+  int64_t bound[kMaxPieces + 1] = {};
+  RowPieces(int64_t rows, int wanted);
+  int64_t row0(int j) const { return bound[j]; }
+  int64_t rows(int j) const { return bound[j + 1] - bound[j]; }
+};
+
+// How many pieces a chunk of the decomposed algorithm travels in: `automatic` unless
+// DISTGEMM_TP_PIECES names a count in [1, kMaxPieces]. Every rank must see the same value.
+dg_status tp_pieces(int automatic, int* pieces);
+
 }  // namespace distgemm::dist

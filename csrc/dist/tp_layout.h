@@ -9,17 +9,21 @@
 namespace distgemm::dist {
 
 constexpr int kMaxWorld = 64;
+// The most pieces one rank's chunk travels in (each piece: its own copy, flag and GEMM).
+constexpr int kMaxPieces = 4;
 
 // Header: monotonic epoch flags, one 32-bit word each, written by the rank named in the
 // comment and read by the owner of the workspace.
 struct TpHeader {
-  static constexpr size_t kEpoch = 0;                     // this rank's call counter
-  static constexpr size_t kReady = 256;                   // [world] peer p: "my shard is in your buffer"
-  static constexpr size_t kConsumed = kReady + 4 * kMaxWorld;    // [world] peer p: "done reading"
-  // [kMaxWorld] received partial sums in: slot s, or half h of it when steps are split (2s + h)
-  static constexpr size_t kStepReady = kConsumed + 4 * kMaxWorld;
+  static constexpr size_t kEpoch = 0;                            // this rank's call counter
+  static constexpr size_t kConsumed = 256;                       // [world] peer p: "done reading"
+  // [world * kMaxPieces] piece j of peer p's shard is in this buffer (p * pieces + j)
+  static constexpr size_t kReady = kConsumed + 4 * kMaxWorld;
+  // [world * kMaxPieces] piece j of the partial sums of ring slot s are in (s * pieces + j)
+  static constexpr size_t kStepReady = kReady + 4 * kMaxWorld * kMaxPieces;
   static constexpr size_t kBytes = 4096;
 };
+static_assert(TpHeader::kStepReady + 4 * kMaxWorld * kMaxPieces <= TpHeader::kBytes, "header overflow");
 
 inline size_t align_up(size_t bytes, size_t to) { return (bytes + to - 1) / to * to; }
 

@@ -27,7 +27,6 @@ using namespace distgemm::dist;
 
 namespace {
 
-constexpr int64_t kPartRowAlign = 128;  // reduce-scatter steps split at a tile-row boundary
 constexpr double kDecomposedMinRsFlops = 100e9;  // smaller reduce-scatters run fused by default
 
 // The smallest half of a reduce-scatter step worth its own launch, in FLOPs (see
@@ -76,23 +75,19 @@ extern "C" dg_status dg_gemm_reduce_scatter(const dg_tp_desc* desc, cudaStream_t
   const double half_flops = static_cast<double>(m) * static_cast<double>(n) * g.a.cols;
   double min_half_flops = 0.0;
   DG_RETURN_IF_ERROR(split_min_flops(&min_half_flops));
+  int decomposed_pieces = 2;
+  DG_RETURN_IF_ERROR(tp_pieces(2, &decomposed_pieces));
   bool decomposed = true;  // settled below, once every piece's fit is known
-  int parts = 1;
-  int64_t split = m;
-  auto plan_parts = [&] {
-    const bool halves = m >= 2 * kPartRowAlign && (decomposed || half_flops >= min_half_flops) &&
-                        (world - 1) * 2 <= kMaxWorld;
-    parts = halves ? 2 : 1;
-    split = halves ? (m / 2 + kPartRowAlign - 1) / kPartRowAlign * kPartRowAlign : m;
+  RowPieces cut(m, 1);
+  auto plan_pieces = [&] {
+    cut = RowPieces(m, decomposed ? decomposed_pieces : half_flops >= min_half_flops ? 2 : 1);
   };
-  auto part_row0 = [&](int part) { return part == 0 ? int64_t{0} : split; };
-  auto part_rows = [&](int part) { return part == 0 ? split : m - split; };
   auto slot_at = [&](size_t region, int s, int64_t row) {
     return region + s * layout.slot_bytes + static_cast<size_t>(row * n) * out_elem;
   };
   auto step_desc = [&](int s, int part) {
     const int64_t chunk = (r - s - 1 + 2 * world) % world;
-    const int64_t row0 = part_row0(part), rows = part_rows(part);
+    const int64_t row0 = cut.row0(part), rows = cut.rows(part);
     dg_gemm_desc step = g;
     step.a.data = static_cast<const char*>(g.a.data) +
                   static_cast<size_t>((chunk * m + row0) * g.a.row_stride) * in_elem;
@@ -111,23 +106,30 @@ extern "C" dg_status dg_gemm_reduce_scatter(const dg_tp_desc* desc, cudaStream_t
     }
     return step;
   };
+  // The partial sums step s > 0 adds: what the previous rank pushed for the same rows.
+  auto received_at = [&](int s, int part) -> const void* {
+    return s > 0 ? peers.base[r] + slot_at(layout.received, s - 1, cut.row0(part)) : nullptr;
+  };
   const int device = current_device();
   const DeviceInfo& dev = device_info(device);
-  plan_parts();
+  plan_pieces();
   const char* why_not = nullptr;
   for (int s = 0; s < world && !why_not; ++s)
-    for (int part = 0; part < parts && !why_not; ++part)
+    for (int part = 0; part < cut.count && !why_not; ++part)
       why_not = gemm::cublaslt_unsupported(step_desc(s, part), s > 0);
   // Below ~100 GFLOP per rank, the decomposed ring's four launches and waits cost more than the
   // fused ring's tile-level overlap saves (measured on H200 x2: 8B attn-out, 4096 tokens, 0.21 vs
   // 0.16 ms; from 137 GFLOP on, decomposed is as fast or faster).
   const bool small = 2.0 * static_cast<double>(g.a.rows) * n * g.a.cols < kDecomposedMinRsFlops;
   DG_RETURN_IF_ERROR(use_decomposed(d, why_not, small, &decomposed));
-  plan_parts();
+  plan_pieces();
   for (int s = 0; s < world; ++s) {
-    for (int part = 0; part < parts; ++part) {
+    for (int part = 0; part < cut.count; ++part) {
       const dg_gemm_desc step = step_desc(s, part);
       DG_RETURN_IF_ERROR(dg_gemm_check(&step, dev.arch));
+      // Plans made before anything is enqueued: a failure must not strand the peers.
+      if (decomposed)
+        DG_RETURN_IF_ERROR(gemm::plan_cublaslt_gemm(step, received_at(s, part), n, kGemmScratchBytes));
     }
   }
   CallStart call;
@@ -137,16 +139,16 @@ extern "C" dg_status dg_gemm_reduce_scatter(const dg_tp_desc* desc, cudaStream_t
   // The next rank must be done reading the partial sums of our previous call.
   DG_CUDA_RETURN(launch_wait_flag(peers.word(r, TpHeader::kConsumed, next), -1, sync, next, stream));
   for (int s = 0; s < world; ++s) {
-    for (int part = 0; part < parts; ++part) {
-      const int64_t row0 = part_row0(part);
+    for (int part = 0; part < cut.count; ++part) {
+      const int64_t row0 = cut.row0(part);
       // Step s > 0 adds what the previous rank computed at step s - 1 for the same rows.
       const uint32_t* received_ready =
-          s > 0 ? peers.word(r, TpHeader::kStepReady, (s - 1) * parts + part) : nullptr;
-      const void* received = s > 0 ? peers.base[r] + slot_at(layout.received, s - 1, row0) : nullptr;
+          s > 0 ? peers.word(r, TpHeader::kStepReady, (s - 1) * cut.count + part) : nullptr;
+      const void* received = received_at(s, part);
       if (decomposed) {
         if (s > 0) DG_CUDA_RETURN(launch_wait_flag(received_ready, 0, sync, prev, stream));
-        DG_RETURN_IF_ERROR(gemm::run_cublaslt_gemm(
-            step_desc(s, part), received, n, peers.base[r] + layout.scratch, kGemmScratchBytes, stream));
+        DG_RETURN_IF_ERROR(gemm::run_cublaslt_gemm(step_desc(s, part), received, n,
+                                                   peers.base[r] + layout.scratch, kGemmScratchBytes, stream));
       } else {
         gemm::GemmExtras extras;
         if (s > 0) {
@@ -161,11 +163,11 @@ extern "C" dg_status dg_gemm_reduce_scatter(const dg_tp_desc* desc, cudaStream_t
       }
       if (s == world - 1) continue;
       SignalTargets done{};
-      done.flags[done.count++] = peers.word(next, TpHeader::kStepReady, s * parts + part);
+      done.flags[done.count++] = peers.word(next, TpHeader::kStepReady, s * cut.count + part);
       DG_RETURN_IF_ERROR(fork_streams(*pool, stream, 1));  // the push waits for this launch only
       DG_CUDA_RETURN(cudaMemcpyAsync(peers.base[next] + slot_at(layout.received, s, row0),
                                      peers.base[r] + slot_at(layout.slots, s, row0),
-                                     static_cast<size_t>(part_rows(part) * n) * out_elem,
+                                     static_cast<size_t>(cut.rows(part) * n) * out_elem,
                                      cudaMemcpyDeviceToDevice, pool->streams[0]));
       DG_CUDA_RETURN(launch_signal(done, sync.epoch, pool->streams[0]));
     }

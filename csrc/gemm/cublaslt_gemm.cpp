@@ -126,30 +126,39 @@ const char* cublaslt_unsupported(const dg_gemm_desc& d, bool chained) {
   return nullptr;
 }
 
-dg_status run_cublaslt_gemm(const dg_gemm_desc& d, const void* chain_c, int64_t chain_ldc, void* workspace,
-                            size_t workspace_bytes, cudaStream_t stream) {
+namespace {
+
+// What one call passes to cublasLtMatmul besides A, B and D: the C operand and its beta.
+struct Operands {
+  const void* c = nullptr;
+  int64_t ldc = 0;
+  float beta = 0.f;
+};
+
+// The cached plan for `d` (made on first use), after the checks every call needs.
+dg_status find_plan(const dg_gemm_desc& d, const void* chain_c, int64_t chain_ldc, size_t workspace_bytes,
+                    cublasLtHandle_t* handle_out, Plan** plan_out, Operands* ops) {
   const bool chained = chain_c != nullptr;
   if (const char* why = cublaslt_unsupported(d, chained))
     return fail(DG_ERROR_NOT_SUPPORTED, cat("the cuBLASLt GEMM does not take ", why));
   const bool full_c = d.c.data && !is_bias(d, chained) && d.beta != 0.f;
   const bool bias = is_bias(d, chained) && d.beta != 0.f;
-  DG_REQUIRE(!(chain_c && full_c), "a chained partial sum cannot be combined with a full C operand");
-  DG_REQUIRE(!chain_c || (aligned16(chain_c) && (chain_ldc * dtype_bytes(d.d.dtype)) % 16 == 0),
+  DG_REQUIRE(!(chained && full_c), "a chained partial sum cannot be combined with a full C operand");
+  DG_REQUIRE(!chained || (aligned16(chain_c) && (chain_ldc * dtype_bytes(d.d.dtype)) % 16 == 0),
              "the chained partial sums must be 16-byte aligned");
-  DG_REQUIRE(workspace_bytes == 0 || aligned16(workspace), "the cuBLASLt workspace must be 16-byte aligned");
   const int device = current_device();
   cublasLtHandle_t handle = lt_handle(device);
   if (!handle) return fail(DG_ERROR_CUDA, cat("cublasLtCreate failed on device ", device));
 
   const bool b_k_major = d.b.col_stride == 1;
   const int64_t m = d.a.rows, n = d.b.rows, k = d.a.cols;
-  const void* c = chain_c ? chain_c : full_c ? d.c.data : d.d.data;
-  const int64_t ldc = chain_c ? chain_ldc : full_c ? d.c.row_stride : d.d.row_stride;
-  const float beta = chain_c ? 1.f : full_c ? d.beta : 0.f;
+  ops->c = chained ? chain_c : full_c ? d.c.data : d.d.data;
+  ops->ldc = chained ? chain_ldc : full_c ? d.c.row_stride : d.d.row_stride;
+  ops->beta = chained ? 1.f : full_c ? d.beta : 0.f;
   const PlanKey key{device, b_k_major, m, n, k, d.a.row_stride,
-                    b_k_major ? d.b.row_stride : d.b.col_stride, ldc, d.d.row_stride,
+                    b_k_major ? d.b.row_stride : d.b.col_stride, ops->ldc, d.d.row_stride,
                     static_cast<int>(cublas_float_type(d.a.dtype)),
-                    static_cast<int>(cublas_float_type(d.d.dtype)), beta != 0.f, bias, workspace_bytes};
+                    static_cast<int>(cublas_float_type(d.d.dtype)), ops->beta != 0.f, bias, workspace_bytes};
   thread_local std::map<PlanKey, Plan> plans;
   auto it = plans.find(key);
   if (it == plans.end()) {
@@ -157,14 +166,35 @@ dg_status run_cublaslt_gemm(const dg_gemm_desc& d, const void* chain_c, int64_t 
     DG_RETURN_IF_ERROR(make_plan(handle, key, workspace_bytes, &plan));
     it = plans.emplace(key, plan).first;
   }
-  Plan& plan = it->second;
-  if (plan.bias)
-    DG_LT_RETURN(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &d.c.data,
+  *handle_out = handle;
+  *plan_out = &it->second;
+  return DG_SUCCESS;
+}
+
+}  // namespace
+
+dg_status plan_cublaslt_gemm(const dg_gemm_desc& d, const void* chain_c, int64_t chain_ldc,
+                             size_t workspace_bytes) {
+  cublasLtHandle_t handle = nullptr;
+  Plan* plan = nullptr;
+  Operands ops;
+  return find_plan(d, chain_c, chain_ldc, workspace_bytes, &handle, &plan, &ops);
+}
+
+dg_status run_cublaslt_gemm(const dg_gemm_desc& d, const void* chain_c, int64_t chain_ldc, void* workspace,
+                            size_t workspace_bytes, cudaStream_t stream) {
+  DG_REQUIRE(workspace_bytes == 0 || aligned16(workspace), "the cuBLASLt workspace must be 16-byte aligned");
+  cublasLtHandle_t handle = nullptr;
+  Plan* plan = nullptr;
+  Operands ops;
+  DG_RETURN_IF_ERROR(find_plan(d, chain_c, chain_ldc, workspace_bytes, &handle, &plan, &ops));
+  if (plan->bias)
+    DG_LT_RETURN(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &d.c.data,
                                                 sizeof(d.c.data)));
   const float alpha = d.alpha;
-  DG_LT_RETURN(cublasLtMatmul(handle, plan.op, &alpha, d.b.data, plan.a, d.a.data, plan.b, &beta, c, plan.c,
-                              const_cast<void*>(d.d.data), plan.d, &plan.algo, workspace, workspace_bytes,
-                              stream));
+  DG_LT_RETURN(cublasLtMatmul(handle, plan->op, &alpha, d.b.data, plan->a, d.a.data, plan->b, &ops.beta, ops.c,
+                              plan->c, const_cast<void*>(d.d.data), plan->d, &plan->algo, workspace,
+                              workspace_bytes, stream));
   return DG_SUCCESS;
 }
 

@@ -22,9 +22,11 @@ def algo_env(algo, **extra):
     return {"DISTGEMM_TP_ALGO": algo, **extra}
 
 
-@pytest.mark.parametrize("algo", ALGOS)
-def test_all_gather_matmul(algo):
-    run_ranks(tp_checks.check_all_gather_matmul, WORLD, "nccl", env=algo_env(algo))
+# pieces: how many parts a chunk of the decomposed algorithm travels in (DISTGEMM_TP_PIECES);
+# 3 and 4 cut the test shapes unevenly (e.g. 1000 rows into 256 + 256 + 256 + 232)
+@pytest.mark.parametrize("algo,pieces", [("fused", "auto"), ("decomposed", "auto"), ("decomposed", "4")])
+def test_all_gather_matmul(algo, pieces):
+    run_ranks(tp_checks.check_all_gather_matmul, WORLD, "nccl", env=algo_env(algo, DISTGEMM_TP_PIECES=pieces))
 
 
 def test_all_gather_matmul_fp8_scales():
@@ -32,10 +34,12 @@ def test_all_gather_matmul_fp8_scales():
     run_ranks(tp_checks.check_all_gather_matmul_fp8, WORLD, "nccl")
 
 
-@pytest.mark.parametrize("algo,split", [("fused", "default"), ("fused", "halves"), ("decomposed", "default")])
+@pytest.mark.parametrize("algo,split", [("fused", "default"), ("fused", "halves"), ("decomposed", "default"),
+                                        ("decomposed", "pieces3"), ("decomposed", "pieces4")])
 def test_matmul_reduce_scatter(algo, split):
     # "halves": every fused ring step of 256+ rows runs as two launches, as large shapes do
-    extra = {"DISTGEMM_RS_SPLIT_GFLOPS": "0"} if split == "halves" else {}
+    extra = ({"DISTGEMM_RS_SPLIT_GFLOPS": "0"} if split == "halves" else
+             {"DISTGEMM_TP_PIECES": split[-1]} if split.startswith("pieces") else {})
     run_ranks(tp_checks.check_matmul_reduce_scatter, WORLD, "nccl", env=algo_env(algo, **extra))
 
 

@@ -105,17 +105,41 @@ def host_ms(fn: Callable[[], object], calls: int = 20, before: Optional[Callable
 def with_env(var: str, value: str, fn: Callable[[], object]) -> Callable[[], object]:
     """`fn` run with the environment variable `var` set to `value` (the previous value, or its
     absence, restored after each call): how the suites time one backend or algorithm."""
+    return with_envs({var: value}, fn)
+
+
+def with_envs(envs: Dict[str, str], fn: Callable[[], object]) -> Callable[[], object]:
+    """`fn` run with every variable of `envs` set, the previous values restored after each call."""
     def call():
-        old = os.environ.get(var)
-        os.environ[var] = value
+        old = {var: os.environ.get(var) for var in envs}
+        os.environ.update(envs)
         try:
             return fn()
         finally:
-            if old is None:
-                del os.environ[var]
-            else:
-                os.environ[var] = old
+            for var, value in old.items():
+                if value is None:
+                    del os.environ[var]
+                else:
+                    os.environ[var] = value
     return call
+
+
+def parse_variants(spec: str) -> Dict[str, Dict[str, str]]:
+    """'name:VAR=value,VAR2=value;name2:VAR=value' -> {name: {VAR: value, ...}, ...}: extra
+    columns of a suite, each the default call run under its own environment."""
+    variants = {}
+    for item in filter(None, (s.strip() for s in spec.split(";"))):
+        name, _, assigns = item.partition(":")
+        envs = {}
+        for assign in filter(None, assigns.split(",")):
+            var, eq, value = assign.partition("=")
+            if not eq or not var:
+                raise ValueError(f"variant {name!r}: expected VAR=value, got {assign!r}")
+            envs[var.strip()] = value.strip()
+        if not name or not envs:
+            raise ValueError(f"variant {item!r}: expected name:VAR=value[,VAR=value...]")
+        variants[name.strip()] = envs
+    return variants
 
 
 def rotated(names: List[str], turn: int) -> List[str]:

@@ -18,8 +18,8 @@ import torch.distributed._symmetric_memory  # noqa: F401  (registers torch.ops.s
 
 import distgemm
 
-from .common import (entry, geomean, gpu_slug, host_ms, median, plot_ratios, print_row, rotated, with_env,
-                     write_results)
+from .common import (entry, geomean, gpu_slug, host_ms, median, parse_variants, plot_ratios, print_row, rotated,
+                     with_env, with_envs, write_results)
 
 # Llama-3 TP layers: (model, hidden, ffn, q heads, kv heads, head dim)
 MODELS = [("llama3-8b", 4096, 14336, 32, 8, 128), ("llama3-70b", 8192, 28672, 64, 8, 128)]
@@ -79,6 +79,21 @@ def _algo_variants(call):
     return {name: with_env("DISTGEMM_TP_ALGO", algo, call) for name, algo in ALGOS.items()}
 
 
+def graph_ms(fn, calls: int = 10) -> float:
+    """Device time per call of `fn` replayed from a captured CUDA graph of `calls` calls: with
+    the host out of the loop, the difference to loop_ms is what enqueueing costs."""
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    ms = _slowest(loop_ms(graph.replay, iters=3, warmup=1)) / calls
+    del graph
+    return ms
+
+
 def _slowest(ms: float) -> float:
     t = torch.tensor([ms], device="cuda")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -90,7 +105,14 @@ def main(argv=None):
     parser.add_argument("--out", default=os.path.join("bench", "results"))
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--kinds", default="ag,rs", help="ag, rs or both (comma-separated)")
+    parser.add_argument("--only", default="", help="comma-separated substrings: the shapes whose label has one")
+    parser.add_argument("--variants", default="",
+                        help="extra columns of ours under other settings: 'name:VAR=value,...;name2:...'")
+    parser.add_argument("--graph", action="store_true",
+                        help="also time ours replayed from a CUDA graph (device time without the host)")
     args = parser.parse_args(argv)
+    variants = parse_variants(args.variants)
+    only = [s for s in args.only.split(",") if s]
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
@@ -100,7 +122,8 @@ def main(argv=None):
     if rank == 0:
         print(f"\n== tensor-parallel GEMMs, bf16, {world} ranks (ms; x = ratio to ours)")
     kinds = set(args.kinds.split(","))
-    for label, kind, m, k, n in [s for s in shapes(world, args.quick) if s[1] in kinds]:
+    for label, kind, m, k, n in [s for s in shapes(world, args.quick)
+                                 if s[1] in kinds and (not only or any(o in s[0] for o in only))]:
         torch.manual_seed(0)
         if kind == "ag":
             nl = n // world
@@ -119,6 +142,7 @@ def main(argv=None):
                 "comm": lambda: dist.all_gather_into_tensor(gathered, a, group=group),
             }
             check = torch.matmul(torch.cat([t for t in _gather_list(a, world)]), b.T)
+            ours = lambda: distgemm.all_gather_matmul(a, b, group=group)
         else:
             kl = k // world
             a = torch.randn(m, kl, device="cuda").to(torch.bfloat16)
@@ -138,13 +162,16 @@ def main(argv=None):
             full = torch.matmul(a, b.T).float()
             dist.all_reduce(full)
             check = full.chunk(world)[rank]
+            ours = lambda: distgemm.matmul_reduce_scatter(a, b, group=group)
+        impls.update({name: with_envs(envs, ours) for name, envs in variants.items()})
         errs = {}
-        for impl in ("distgemm",) + tuple(ALGOS):
+        for impl in ("distgemm",) + tuple(ALGOS) + tuple(variants):
             out = impls[impl]()
             errs[impl] = ((out.float() - check.float()).norm() / check.float().norm()).item()
         err = max(errs.values())
         times = interleaved_ms(impls)
         host = host_ms(impls["distgemm"], calls=10, before=dist.barrier)
+        graphed = graph_ms(ours) if args.graph else None
         distgemm.check_errors()
         ideal = max(times["gemm"], times["comm"])
         row = {"shape": {"label": label, "kind": kind, "m": m, "k": k, "n": n, "world": world,
@@ -153,6 +180,10 @@ def main(argv=None):
                "rel_err": err, "ideal": entry(ideal, flops)}
         for impl in ("distgemm",) + tuple(ALGOS) + ("sequential", "async_tp", "gemm", "gemm_ours", "comm"):
             row[impl] = entry(times[impl], flops)
+        for name in variants:
+            row[f"variant_{name}"] = entry(times[name], flops)
+        if graphed is not None:
+            row["distgemm_graph"] = entry(graphed, flops)
         row["distgemm_host_ms"] = round(host, 4)  # CPU time to enqueue one call
         row["ours_over_ideal"] = round(times["distgemm"] / ideal, 4)
         row["speedup_vs_sequential"] = round(times["sequential"] / times["distgemm"], 4)
@@ -163,6 +194,8 @@ def main(argv=None):
                               "asyncTP": f"{times['async_tp']:.3f}", "ideal": f"{ideal:.3f}",
                               "gemm": f"{times['gemm']:.3f}", "gemm_ours": f"{times['gemm_ours']:.3f}",
                               **{a.split("_")[1]: f"{times[a]:.3f}" for a in ALGOS},
+                              **{v: f"{times[v]:.3f}" for v in variants},
+                              **({"graph": f"{graphed:.3f}"} if graphed is not None else {}),
                               "ours/ideal": f"{row['ours_over_ideal']:.3f}",
                               "vs_seq": f"{row['speedup_vs_sequential']:.2f}x",
                               "vs_asyncTP": f"{row['speedup_vs_async_tp']:.2f}x", "host": f"{host:.3f}",
