@@ -17,7 +17,8 @@ if [ -n "${TESTS:-}" ]; then
 fi
 if [ -n "${TIMELINE:-}" ]; then
   run timeline "${TIMELINE_LIMIT:-120}" python3 -m torch.distributed.run --nproc-per-node="$nproc_gpu" -m distgemm.bench.tp_timeline \
-    --out "$res/timeline" --only "$TIMELINE" --variants "${TIMELINE_VARIANTS:-}"
+    --out /tmp/timeline --only "$TIMELINE" --variants "${TIMELINE_VARIANTS:-}"
+  tar czf "$res/timeline.tgz" -C /tmp timeline
 fi
 if [ -n "${SUITE_ARGS:-}" ]; then
   TAIL=45 run suite "${SUITE_LIMIT:-280}" python3 -m torch.distributed.run --nproc-per-node="$nproc_gpu" -m distgemm.bench.tp_suite \

@@ -46,13 +46,17 @@ def shapes(world: int, quick: bool):
 
 def loop_ms(fn, iters: int = 20, warmup: int = 3) -> float:
     """Mean time per call over back-to-back calls, ranks started together: collectives pair
-    up across ranks, so per-call events after per-rank delays would time the other rank's lag."""
+    up across ranks, so per-call events after per-rank delays would time the other rank's lag.
+    As in the single-GPU suites, ~1 ms of GPU work is queued ahead of the timed calls, so that
+    the loop is timed on the GPU, not on the host enqueueing its first call (an op whose host
+    time exceeds its GPU time still shows it: the queue drains within a few calls)."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     dist.barrier()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(2_000_000)
     start.record()
     for _ in range(iters):
         fn()
@@ -180,8 +184,8 @@ def main(argv=None):
                "rel_err": err, "ideal": entry(ideal, flops)}
         for impl in ("distgemm",) + tuple(ALGOS) + ("sequential", "async_tp", "gemm", "gemm_ours", "comm"):
             row[impl] = entry(times[impl], flops)
-        for name in variants:
-            row[f"variant_{name}"] = entry(times[name], flops)
+        for variant in variants:
+            row[f"variant_{variant}"] = entry(times[variant], flops)
         if graphed is not None:
             row["distgemm_graph"] = entry(graphed, flops)
         row["distgemm_host_ms"] = round(host, 4)  # CPU time to enqueue one call
