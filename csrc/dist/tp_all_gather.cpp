@@ -7,9 +7,9 @@
 // crawl), then one persistent GEMM over the gathered rows starts on r's own shard and waits,
 // tile row by tile row, for each peer's shard (Sm90SyncTileScheduler). Decomposed: one cuBLASLt
 // GEMM per chunk, the own shard straight from `a` first, then each peer's after a bounded wait
-// for its flag on the caller's stream (cuBLAS's kernels beat ours on large bf16 GEMMs). After
-// the GEMMs, r tells every peer that its buffer is free again; a peer waits for that before its
-// next copy into it.
+// for its flag on the caller's stream (cuBLAS's kernels beat ours on large bf16 GEMMs). A call
+// begins by telling every peer that r's earlier calls are done with r's buffer; a peer waits
+// for that before its copies into it.
 #include <cstdint>
 
 #include "common/device.h"
@@ -96,16 +96,20 @@ extern "C" dg_status dg_all_gather_gemm(const dg_tp_desc* desc, cudaStream_t str
     cut = RowPieces(m, 1);
   }
   DG_RETURN_IF_ERROR(dg_gemm_check(&gathered, dev.arch));
+  SignalTargets started{};  // every peer writes into this rank's gathered buffer
+  for (int p = 0; p < world; ++p)
+    if (p != r) started.flags[started.count++] = peers.word(p, TpHeader::kConsumed, r);
   CallStart call;
-  DG_RETURN_IF_ERROR(start_call(d, peers, kTagAllGather, device, stream, &call));
+  DG_RETURN_IF_ERROR(start_call(d, peers, kTagAllGather, device, stream, started, &call));
   StreamPool* pool = call.pool;
   const SyncParams& sync = call.sync;
-  if (g.scale_a) {
+  // FP8 row scales of this shard, into rank q's gathered scales (a peer's after it began).
+  auto scatter_scales = [&](int q, cudaStream_t on) {
     ScaleTargets targets{};
-    for (int q = 0; q < world; ++q)
-      targets.dst[targets.count++] = reinterpret_cast<float*>(peers.base[q] + layout.scales) + r * m;
-    DG_CUDA_RETURN(launch_scatter_scales(g.scale_a, g.scale_a_len, m, targets, stream));
-  }
+    targets.dst[targets.count++] = reinterpret_cast<float*>(peers.base[q] + layout.scales) + r * m;
+    return launch_scatter_scales(g.scale_a, g.scale_a_len, m, targets, on);
+  };
+  if (g.scale_a) DG_CUDA_RETURN(scatter_scales(r, stream));
   // Every peer gets the shard in the order they need it: the GEMMs of rank p walk chunks p,
   // p + 1, ..., so rank r is needed first by r - 1, then r - 2.
   const size_t shard_bytes = static_cast<size_t>(m * k) * elem;
@@ -124,8 +128,9 @@ extern "C" dg_status dg_all_gather_gemm(const dg_tp_desc* desc, cudaStream_t str
   cudaStream_t push = pool->streams[0];
   for (int i = 1; i < world; ++i) {
     const int p = (r - i + world) % world;
-    // p must be done reading its buffer from the previous call.
-    DG_CUDA_RETURN(launch_wait_flag(peers.word(r, TpHeader::kConsumed, p), -1, sync, p, push));
+    // p must be done reading its buffer in earlier calls: it has begun this one.
+    DG_CUDA_RETURN(launch_wait_flag(peers.word(r, TpHeader::kConsumed, p), 0, sync, p, push));
+    if (g.scale_a) DG_CUDA_RETURN(scatter_scales(p, push));
     for (int j = 0; j < cut.count; ++j) {
       DG_CUDA_RETURN(copy_rows(peers.base[p] + shard_offset, cut.row0(j), cut.rows(j), push));
       SignalTargets ready{};
@@ -177,10 +182,6 @@ extern "C" dg_status dg_all_gather_gemm(const dg_tp_desc* desc, cudaStream_t str
                                      cudaMemcpyDeviceToDevice, stream));
     }
   }
-  SignalTargets consumed{};
-  for (int p = 0; p < world; ++p)
-    if (p != r) consumed.flags[consumed.count++] = peers.word(p, TpHeader::kConsumed, r);
-  DG_CUDA_RETURN(launch_signal(consumed, sync.epoch, stream));
   return join_streams(*pool, stream, streams);
 }
 

@@ -28,7 +28,7 @@ dg_status check_tp(const dg_tp_desc* d, Peers* peers) {
 }
 
 dg_status start_call(const dg_tp_desc& d, const Peers& peers, int tag, int device, cudaStream_t stream,
-                     CallStart* out) {
+                     const SignalTargets& started, CallStart* out) {
   const ErrorState* err = error_state(device);
   out->pool = stream_pool(device);
   if (!err || !out->pool) return DG_ERROR_CUDA;
@@ -38,7 +38,7 @@ dg_status start_call(const dg_tp_desc& d, const Peers& peers, int tag, int devic
   s.error = err->device_word;
   s.error_host = err->host_word_device;
   s.error_tag = tag;
-  DG_CUDA_RETURN(launch_bump_epoch(peers.word(d.rank, TpHeader::kEpoch), stream));
+  DG_CUDA_RETURN(launch_begin_call(peers.word(d.rank, TpHeader::kEpoch), started, stream));
   return DG_SUCCESS;
 }
 

@@ -8,6 +8,7 @@
 #include "common/error_state.h"
 #include "common/stream_pool.h"
 #include "common/sync.h"
+#include "dist/tp_kernels.cuh"
 #include "dist/tp_layout.h"
 #include "distgemm/distgemm.h"
 
@@ -29,13 +30,14 @@ struct Peers {
 dg_status check_tp(const dg_tp_desc* d, Peers* peers);
 
 // What every call needs once its arguments are checked: the device's side streams and the
-// parameters of its bounded waits; the call's epoch is bumped first on `stream`.
+// parameters of its bounded waits. The call's first kernel bumps its epoch on `stream` and
+// raises `started` (the kConsumed words of the peers that write into this rank's workspace).
 struct CallStart {
   StreamPool* pool = nullptr;
   SyncParams sync;
 };
 dg_status start_call(const dg_tp_desc& d, const Peers& peers, int tag, int device, cudaStream_t stream,
-                     CallStart* out);
+                     const SignalTargets& started, CallStart* out);
 
 // Whether to run the decomposed algorithm: `why_not` is why cuBLASLt cannot run a piece of
 // this call (nullptr if it can); `auto_fused`: the automatic choice is the fused algorithm

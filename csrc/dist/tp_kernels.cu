@@ -6,7 +6,14 @@
 namespace distgemm::dist {
 namespace {
 
-__global__ void bump_epoch_kernel(uint32_t* epoch) { *epoch += 1; }
+__global__ void begin_call_kernel(uint32_t* epoch, SignalTargets started) {
+  const uint32_t value = *epoch + 1;
+  *epoch = value;
+  // No fence: what "started" vouches for (the earlier calls' reads of this workspace) finished
+  // before this kernel began; the release keeps the flag after the epoch store.
+  for (int i = 0; i < started.count; ++i)
+    asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(started.flags[i]), "r"(value) : "memory");
+}
 
 __global__ void wait_flag_kernel(const uint32_t* flag, int32_t offset, SyncParams s, int peer) {
   wait_flag(flag, *s.epoch + offset, s, peer);
@@ -38,8 +45,8 @@ cudaError_t launch_scatter_scales(const float* src, int64_t count, int64_t rows,
   return cudaGetLastError();
 }
 
-cudaError_t launch_bump_epoch(uint32_t* epoch, cudaStream_t stream) {
-  bump_epoch_kernel<<<1, 1, 0, stream>>>(epoch);
+cudaError_t launch_begin_call(uint32_t* epoch, const SignalTargets& started, cudaStream_t stream) {
+  begin_call_kernel<<<1, 1, 0, stream>>>(epoch, started);
   return cudaGetLastError();
 }
 

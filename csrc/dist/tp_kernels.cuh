@@ -17,8 +17,11 @@ struct SignalTargets {
   int count;
 };
 
-// *epoch += 1 (one thread); every later kernel of the call reads the new value.
-cudaError_t launch_bump_epoch(uint32_t* epoch, cudaStream_t stream);
+// The first kernel of a call: *epoch += 1 (every later kernel of the call reads the new value),
+// then the new value to every `started` flag. That tells the peers writing into this rank's
+// workspace that its earlier calls are done with it (stream order), so no call ends with a
+// signal of its own.
+cudaError_t launch_begin_call(uint32_t* epoch, const SignalTargets& started, cudaStream_t stream);
 
 // Bounded wait until *flag >= *s.epoch + offset; a timeout records s.error_tag | (peer + 1).
 cudaError_t launch_wait_flag(const uint32_t* flag, int32_t offset, const SyncParams& s, int peer,

@@ -16,7 +16,9 @@ constexpr int kMaxPieces = 4;
 // comment and read by the owner of the workspace.
 struct TpHeader {
   static constexpr size_t kEpoch = 0;                            // this rank's call counter
-  static constexpr size_t kConsumed = 256;                       // [world] peer p: "done reading"
+  // [world] peer p has begun its call of this epoch, so it is done reading what earlier calls
+  // wrote into its workspace: the writer may overwrite it
+  static constexpr size_t kConsumed = 256;
   // [world * kMaxPieces] piece j of peer p's shard is in this buffer (p * pieces + j)
   static constexpr size_t kReady = kConsumed + 4 * kMaxWorld;
   // [world * kMaxPieces] piece j of the partial sums of ring slot s are in (s * pieces + j)

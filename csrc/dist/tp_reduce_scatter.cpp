@@ -6,8 +6,10 @@
 // copy engine while r computes, so the addition reads local memory. The last step (chunk r)
 // writes the output. Fused: each step is a CUTLASS GEMM whose epilogue waits for the pushed
 // slot's flag (the GEMMs keep two SMs free for the copy streams' flag kernels). Decomposed: each
-// half step is a cuBLASLt GEMM whose C operand is the previous rank's pushed half, after a
-// bounded wait for it on the caller's stream; the other half's GEMM runs meanwhile.
+// piece of a step (halves by default) is a cuBLASLt GEMM whose C operand is the previous rank's
+// pushed piece, after a bounded wait for it on the caller's stream. A call begins by telling
+// r - 1 that r's earlier calls are done with the received slots; r - 1 waits for that before
+// its first push.
 #include <cstdint>
 #include <cstdlib>
 
@@ -71,7 +73,8 @@ extern "C" dg_status dg_gemm_reduce_scatter(const dg_tp_desc* desc, cudaStream_t
   // second is computed and the next rank's first epilogues wait for half the bytes, not all of
   // them; a small one stays whole, where the extra launches would cost more host time than the
   // wait they save (measured on H200: halves of under ~25 GFLOP lose). The decomposed
-  // algorithm always splits: its GEMMs wait for their whole C operand before they start.
+  // algorithm splits by default (DISTGEMM_TP_PIECES): its GEMMs wait for their whole C operand
+  // before they start.
   const double half_flops = static_cast<double>(m) * static_cast<double>(n) * g.a.cols;
   double min_half_flops = 0.0;
   DG_RETURN_IF_ERROR(split_min_flops(&min_half_flops));
@@ -132,12 +135,12 @@ extern "C" dg_status dg_gemm_reduce_scatter(const dg_tp_desc* desc, cudaStream_t
         DG_RETURN_IF_ERROR(gemm::plan_cublaslt_gemm(step, received_at(s, part), n, kGemmScratchBytes));
     }
   }
+  SignalTargets started{};  // the previous rank pushes into this rank's received slots
+  started.flags[started.count++] = peers.word(prev, TpHeader::kConsumed, r);
   CallStart call;
-  DG_RETURN_IF_ERROR(start_call(d, peers, kTagReduceScatter, device, stream, &call));
+  DG_RETURN_IF_ERROR(start_call(d, peers, kTagReduceScatter, device, stream, started, &call));
   StreamPool* pool = call.pool;
   const SyncParams& sync = call.sync;
-  // The next rank must be done reading the partial sums of our previous call.
-  DG_CUDA_RETURN(launch_wait_flag(peers.word(r, TpHeader::kConsumed, next), -1, sync, next, stream));
   for (int s = 0; s < world; ++s) {
     for (int part = 0; part < cut.count; ++part) {
       const int64_t row0 = cut.row0(part);
@@ -165,6 +168,9 @@ extern "C" dg_status dg_gemm_reduce_scatter(const dg_tp_desc* desc, cudaStream_t
       SignalTargets done{};
       done.flags[done.count++] = peers.word(next, TpHeader::kStepReady, s * cut.count + part);
       DG_RETURN_IF_ERROR(fork_streams(*pool, stream, 1));  // the push waits for this launch only
+      // The next rank must be done reading its received slots in earlier calls: it has begun this one.
+      if (s == 0 && part == 0)
+        DG_CUDA_RETURN(launch_wait_flag(peers.word(r, TpHeader::kConsumed, next), 0, sync, next, pool->streams[0]));
       DG_CUDA_RETURN(cudaMemcpyAsync(peers.base[next] + slot_at(layout.received, s, row0),
                                      peers.base[r] + slot_at(layout.slots, s, row0),
                                      static_cast<size_t>(cut.rows(part) * n) * out_elem,
@@ -172,9 +178,5 @@ extern "C" dg_status dg_gemm_reduce_scatter(const dg_tp_desc* desc, cudaStream_t
       DG_CUDA_RETURN(launch_signal(done, sync.epoch, pool->streams[0]));
     }
   }
-  DG_RETURN_IF_ERROR(join_streams(*pool, stream, 1));
-  SignalTargets consumed{};
-  consumed.flags[consumed.count++] = peers.word(prev, TpHeader::kConsumed, r);
-  DG_CUDA_RETURN(launch_signal(consumed, sync.epoch, stream));
-  return DG_SUCCESS;
+  return join_streams(*pool, stream, 1);
 }

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import random
 import subprocess
 from typing import Callable, Dict, List, Optional
 
@@ -59,8 +60,8 @@ class Timer:
         torch.cuda._sleep(2_000_000)
 
     def compare(self, fns: Dict[str, Callable[[], object]], warmup: int = 3, reps: int = 20) -> Dict[str, float]:
-        """Median device time of each callable, the runs interleaved (the order rotating every
-        round) so that clock and power drift over a row falls on every implementation alike.
+        """Median device time of each callable, the runs interleaved (in a fresh order every
+        round: the GPU runs faster for a while after lighter work, so a fixed neighbour biases) so that clock and power drift over a row falls on every implementation alike.
         DISTGEMM_BENCH_TIMING=sequential times them one after the other instead."""
         if os.environ.get("DISTGEMM_BENCH_TIMING") == "sequential":
             return {name: self(fn, warmup, reps) for name, fn in fns.items()}
@@ -72,7 +73,7 @@ class Timer:
                 fn()
         events = {name: [] for name in fns}
         for rep in range(reps):
-            for name in rotated(list(fns), rep):
+            for name in shuffled(list(fns), rep):
                 s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 self.queue_ahead()
                 s.record()
@@ -142,10 +143,12 @@ def parse_variants(spec: str) -> Dict[str, Dict[str, str]]:
     return variants
 
 
-def rotated(names: List[str], turn: int) -> List[str]:
-    """`names` starting at position turn mod len(names): who goes first changes every round."""
-    i = turn % len(names)
-    return names[i:] + names[:i]
+def shuffled(names: List[str], turn: int) -> List[str]:
+    """`names` in the order of round `turn`: the same on every rank (seeded by the round), a
+    different one every round."""
+    order = list(names)
+    random.Random(turn).shuffle(order)
+    return order
 
 
 def median(values) -> float:

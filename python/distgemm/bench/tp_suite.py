@@ -4,8 +4,8 @@ distgemm.bench.tp_suite``; ``python -m distgemm.bench`` launches it when it sees
 Per shape, same inputs and timer on every rank: sequential NCCL + cuBLAS, PyTorch async-TP
 (torch.ops.symm_mem.fused_*), distgemm, and ideal = max(t_gemm, t_comm) from the GEMM and
 the collective timed alone (and gemm_ours: distgemm.gemm on the same operands, which tells
-the kernel's share of a gap from the overlap's). A time is the median over three rounds, the implementations
-taking turns, of the slowest rank's loop time."""
+the kernel's share of a gap from the overlap's). A time is the median over five rounds, the implementations
+taking turns in a shuffled order, of the slowest rank's loop time."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import torch.distributed._symmetric_memory  # noqa: F401  (registers torch.ops.s
 
 import distgemm
 
-from .common import (entry, geomean, gpu_slug, host_ms, median, parse_variants, plot_ratios, print_row, rotated,
+from .common import (entry, geomean, gpu_slug, host_ms, median, parse_variants, plot_ratios, print_row, shuffled,
                      with_env, with_envs, write_results)
 
 # Llama-3 TP layers: (model, hidden, ffn, q heads, kv heads, head dim)
@@ -65,12 +65,13 @@ def loop_ms(fn, iters: int = 20, warmup: int = 3) -> float:
     return start.elapsed_time(end) / iters
 
 
-def interleaved_ms(impls: dict, rounds: int = 3) -> dict:
+def interleaved_ms(impls: dict, rounds: int = 5) -> dict:
     """Per implementation, the median over `rounds` of its loop time (slowest rank), the
-    implementations taking turns in a rotating order so that drift falls on all alike."""
+    implementations taking turns in a fresh order every round (the same on every rank): the
+    H200 runs faster for a while after lighter work, so a fixed neighbour would bias a column."""
     samples = {name: [] for name in impls}
     for rnd in range(rounds):
-        for name in rotated(list(impls), rnd):
+        for name in shuffled(list(impls), rnd):
             samples[name].append(_slowest(loop_ms(impls[name], iters=10)))
     return {name: median(v) for name, v in samples.items()}
 
