@@ -77,9 +77,9 @@ extern "C" dg_status dg_all_gather_gemm(const dg_tp_desc* desc, cudaStream_t str
   // Decomposed: a peer's shard travels in pieces, each multiplied as soon as it is in, so that
   // the last GEMM waits for a piece, not a whole shard. Fused: one piece (the kernel waits per
   // tile row anyway).
-  int wanted_pieces = 1;
-  DG_RETURN_IF_ERROR(tp_pieces(1, &wanted_pieces));
-  RowPieces cut(m, wanted_pieces);
+  PieceSplit split;
+  DG_RETURN_IF_ERROR(tp_pieces({1, false}, &split));
+  RowPieces cut(m, split);
   const int peer = (r + 1) % world;
   const char* why_not = gemm::cublaslt_unsupported(chunk_desc(r, 0, m), false);
   for (int j = 0; j < cut.count && !why_not; ++j)
@@ -93,7 +93,7 @@ extern "C" dg_status dg_all_gather_gemm(const dg_tp_desc* desc, cudaStream_t str
       DG_RETURN_IF_ERROR(gemm::plan_cublaslt_gemm(chunk_desc(peer, cut.row0(j), cut.rows(j)), nullptr, 0,
                                                   kGemmScratchBytes));
   } else {
-    cut = RowPieces(m, 1);
+    cut = RowPieces(m, {1, false});
   }
   DG_RETURN_IF_ERROR(dg_gemm_check(&gathered, dev.arch));
   SignalTargets started{};  // every peer writes into this rank's gathered buffer

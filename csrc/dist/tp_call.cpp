@@ -51,23 +51,38 @@ dg_status use_decomposed(const dg_tp_desc& d, const char* why_not, bool auto_fus
   return DG_SUCCESS;
 }
 
-RowPieces::RowPieces(int64_t rows, int wanted) {
-  count = std::clamp(wanted, 1, kMaxPieces);
+RowPieces::RowPieces(int64_t rows, PieceSplit split) {
+  count = std::clamp(split.count, 1, kMaxPieces);
   while (count > 1 && rows < count * kPieceRowAlign) --count;
-  for (int j = 0; j < count; ++j)
-    bound[j] = (rows * j / count + kPieceRowAlign - 1) / kPieceRowAlign * kPieceRowAlign;
+  int weight[kMaxPieces];
+  int total = 0;
+  for (int j = 0; j < count; ++j) {
+    weight[j] = split.tapered && count > 2 && j > 0 && j < count - 1 ? 2 : 1;
+    total += weight[j];
+  }
+  if (rows < total * kPieceRowAlign) {  // a tapered end piece would round to nothing
+    for (int j = 0; j < count; ++j) weight[j] = 1;
+    total = count;
+  }
+  int64_t cumulative = 0;
+  for (int j = 0; j < count; ++j) {
+    bound[j] = (rows * cumulative / total + kPieceRowAlign - 1) / kPieceRowAlign * kPieceRowAlign;
+    cumulative += weight[j];
+  }
   bound[count] = rows;
 }
 
-dg_status tp_pieces(int automatic, int* pieces) {
-  *pieces = automatic;
+dg_status tp_pieces(PieceSplit automatic, PieceSplit* split) {
+  *split = automatic;
   const char* v = std::getenv("DISTGEMM_TP_PIECES");
   if (!v || !*v || std::string_view(v) == "auto") return DG_SUCCESS;
   char* end = nullptr;
   const long count = std::strtol(v, &end, 10);
-  DG_REQUIRE(*end == '\0' && count >= 1 && count <= kMaxPieces, "DISTGEMM_TP_PIECES must be 'auto' or a count in [1, ",
-             kMaxPieces, "], got '", v, "'");
-  *pieces = static_cast<int>(count);
+  const bool tapered = *end == 't';
+  DG_REQUIRE(end != v && (*end == '\0' || (tapered && end[1] == '\0')) && count >= 1 && count <= kMaxPieces,
+             "DISTGEMM_TP_PIECES must be 'auto', N or Nt (tapered) with N in [1, ", kMaxPieces, "], got '", v,
+             "'");
+  *split = {static_cast<int>(count), tapered};
   return DG_SUCCESS;
 }
 

@@ -44,19 +44,27 @@ dg_status start_call(const dg_tp_desc& d, const Peers& peers, int tag, int devic
 // even though the decomposed one could run.
 dg_status use_decomposed(const dg_tp_desc& d, const char* why_not, bool auto_fused, bool* decomposed);
 
+// How a chunk of the decomposed algorithm is cut: `count` pieces, equal or, `tapered`, the
+// first and last half as large as the others (the first push starts sooner and the last GEMM,
+// which waits for the last push, is short: what a chunk whose copy takes long needs).
+struct PieceSplit {
+  int count = 1;
+  bool tapered = false;
+};
+
 // Rows [0, rows) of a chunk cut into pieces that travel and are multiplied one by one, at
-// tile-row boundaries (fewer pieces than wanted where the rows are too few).
+// tile-row boundaries (fewer pieces, or equal ones, where the rows are too few).
 constexpr int64_t kPieceRowAlign = 128;
 struct RowPieces {
   int count = 1;
   int64_t bound[kMaxPieces + 1] = {};
-  RowPieces(int64_t rows, int wanted);
+  RowPieces(int64_t rows, PieceSplit split);
   int64_t row0(int j) const { return bound[j]; }
   int64_t rows(int j) const { return bound[j + 1] - bound[j]; }
 };
 
-// How many pieces a chunk of the decomposed algorithm travels in: `automatic` unless
-// DISTGEMM_TP_PIECES names a count in [1, kMaxPieces]. Every rank must see the same value.
-dg_status tp_pieces(int automatic, int* pieces);
+// The split of a decomposed call: `automatic` unless DISTGEMM_TP_PIECES names one ("N" or
+// "Nt", tapered, N in [1, kMaxPieces]). Every rank must see the same value.
+dg_status tp_pieces(PieceSplit automatic, PieceSplit* split);
 
 }  // namespace distgemm::dist

@@ -78,12 +78,12 @@ extern "C" dg_status dg_gemm_reduce_scatter(const dg_tp_desc* desc, cudaStream_t
   const double half_flops = static_cast<double>(m) * static_cast<double>(n) * g.a.cols;
   double min_half_flops = 0.0;
   DG_RETURN_IF_ERROR(split_min_flops(&min_half_flops));
-  int decomposed_pieces = 2;
-  DG_RETURN_IF_ERROR(tp_pieces(2, &decomposed_pieces));
+  PieceSplit decomposed_split;
+  DG_RETURN_IF_ERROR(tp_pieces({2, false}, &decomposed_split));
   bool decomposed = true;  // settled below, once every piece's fit is known
-  RowPieces cut(m, 1);
+  RowPieces cut(m, {1, false});
   auto plan_pieces = [&] {
-    cut = RowPieces(m, decomposed ? decomposed_pieces : half_flops >= min_half_flops ? 2 : 1);
+    cut = RowPieces(m, decomposed ? decomposed_split : PieceSplit{half_flops >= min_half_flops ? 2 : 1, false});
   };
   auto slot_at = [&](size_t region, int s, int64_t row) {
     return region + s * layout.slot_bytes + static_cast<size_t>(row * n) * out_elem;

@@ -25,23 +25,36 @@ def _kind(event: dict) -> str:
     name = event["name"]
     if event.get("cat") == "gpu_memcpy" or "Memcpy" in name:
         return "copy"
-    for small in ("wait_flag", "signal", "bump_epoch", "scatter_scales"):
+    for small in ("wait_flag", "signal", "begin_call", "scatter_scales"):
         if small in name:
             return small
     return "gemm"
 
 
-def profile_calls(fn, calls: int):
-    """Device events of `calls` back-to-back calls of fn: [(kind, name, stream, start_us, dur_us)]."""
+def profile_calls(fn, calls: int, graph: bool):
+    """Device events of `calls` back-to-back calls of fn: [(kind, name, stream, start_us, dur_us)].
+    With `graph`, the calls are captured once and one replay is profiled: the device's own
+    timeline, without the profiler's (large) host overhead pacing the launches."""
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
+    captured = None
+    if graph:
+        captured = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(captured):
+            for _ in range(calls):
+                fn()
+        captured.replay()
+        torch.cuda.synchronize()
     dist.barrier()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
+        if captured is not None:
+            captured.replay()
+        else:
+            for _ in range(calls):
+                fn()
         torch.cuda.synchronize()
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         path = f.name
@@ -81,6 +94,7 @@ def main(argv=None):
     parser.add_argument("--only", required=True, help="comma-separated substrings of shape labels")
     parser.add_argument("--variants", default="", help="'name:VAR=value,...;name2:...' (default: as is)")
     parser.add_argument("--calls", type=int, default=4)
+    parser.add_argument("--graph", action="store_true", help="profile a CUDA graph replay of the calls")
     args = parser.parse_args(argv)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
@@ -100,7 +114,7 @@ def main(argv=None):
             b = (torch.randn(n, k // world, device="cuda") * 0.05).to(torch.bfloat16)
             call = lambda: distgemm.matmul_reduce_scatter(a, b, group=group)
         for name, envs in variants.items():
-            events = profile_calls(with_envs(envs, call), args.calls)
+            events = profile_calls(with_envs(envs, call), args.calls, args.graph)
             slug = label.replace(" ", "_")
             with open(os.path.join(args.out, f"timeline_{slug}_{name}_rank{rank}.json"), "w") as f:
                 json.dump({"label": label, "variant": name, "env": envs, "calls": args.calls,
