@@ -177,6 +177,18 @@ def check_mismatched_shapes(rank, world):
         assert "ranks passed different shapes" in str(e), e
     else:
         raise AssertionError("mismatched shapes were not reported")
+    # a malformed split setting is refused by name before anything is enqueued (no peer waits)
+    a = full((256, 128), torch.bfloat16, dev, 402)
+    os.environ.update(DISTGEMM_TP_ALGO="decomposed", DISTGEMM_TP_PIECES="5")
+    try:
+        distgemm.all_gather_matmul(a, b)
+    except (ValueError, RuntimeError) as e:
+        assert "DISTGEMM_TP_PIECES must be 'auto', N or Nt" in str(e), e
+    else:
+        raise AssertionError("DISTGEMM_TP_PIECES=5 was not refused")
+    finally:
+        del os.environ["DISTGEMM_TP_ALGO"], os.environ["DISTGEMM_TP_PIECES"]
+    distgemm.all_gather_matmul(a, b)  # and the next call runs
 
 
 def check_cuda_graph_replay(rank, world):

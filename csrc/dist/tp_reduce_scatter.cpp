@@ -11,13 +11,13 @@
 // r - 1 that r's earlier calls are done with the received slots; r - 1 waits for that before
 // its first push.
 #include <cstdint>
-#include <cstdlib>
 
 #include "common/device.h"
 #include "common/dtype.h"
 #include "common/status.h"
 #include "common/stream_pool.h"
 #include "dist/tp_call.h"
+#include "dist/tp_heuristics.h"
 #include "dist/tp_kernels.cuh"
 #include "dist/tp_layout.h"
 #include "distgemm/distgemm.h"
@@ -27,26 +27,6 @@
 using namespace distgemm;
 using namespace distgemm::dist;
 
-namespace {
-
-constexpr double kDecomposedMinRsFlops = 100e9;  // smaller reduce-scatters run fused by default
-
-// The smallest half of a reduce-scatter step worth its own launch, in FLOPs (see
-// dg_gemm_reduce_scatter); DISTGEMM_RS_SPLIT_GFLOPS overrides it (the tests force halves).
-dg_status split_min_flops(double* flops) {
-  const char* v = std::getenv("DISTGEMM_RS_SPLIT_GFLOPS");
-  double gflops = 25.0;
-  if (v && *v) {
-    char* end = nullptr;
-    gflops = std::strtod(v, &end);
-    DG_REQUIRE(*end == '\0' && gflops >= 0.0,
-               "DISTGEMM_RS_SPLIT_GFLOPS must be a non-negative number of GFLOP, got '", v, "'");
-  }
-  *flops = gflops * 1e9;
-  return DG_SUCCESS;
-}
-
-}  // namespace
 
 extern "C" dg_status dg_gemm_reduce_scatter(const dg_tp_desc* desc, cudaStream_t stream) {
   Peers peers;
@@ -68,23 +48,17 @@ extern "C" dg_status dg_gemm_reduce_scatter(const dg_tp_desc* desc, cudaStream_t
   DG_REQUIRE(d.workspace_bytes >= layout.bytes, "the workspace of ", d.workspace_bytes,
              " bytes is smaller than the ", layout.bytes, " needed");
 
-  // Step s computes chunk (r - s - 1) mod P into slot s (the last step into out). A large step
-  // runs as two launches over the halves of its rows, so the first half travels while the
-  // second is computed and the next rank's first epilogues wait for half the bytes, not all of
-  // them; a small one stays whole, where the extra launches would cost more host time than the
-  // wait they save (measured on H200: halves of under ~25 GFLOP lose). The decomposed
-  // algorithm splits by default (DISTGEMM_TP_PIECES): its GEMMs wait for their whole C operand
-  // before they start.
-  const double half_flops = static_cast<double>(m) * static_cast<double>(n) * g.a.cols;
-  double min_half_flops = 0.0;
-  DG_RETURN_IF_ERROR(split_min_flops(&min_half_flops));
-  PieceSplit decomposed_split;
-  DG_RETURN_IF_ERROR(tp_pieces({2, false}, &decomposed_split));
+  // Step s computes chunk (r - s - 1) mod P into slot s (the last step into out), in pieces
+  // of its rows (tp_heuristics), so that the first piece travels while the next is computed and
+  // the next rank's GEMMs wait for a piece, not a whole step.
+  const double flops = 2.0 * static_cast<double>(g.a.rows) * n * g.a.cols;
+  PieceSplit fused_split, decomposed_split;
+  DG_RETURN_IF_ERROR(rs_fused_split(flops / world / 2, &fused_split));
+  DG_RETURN_IF_ERROR(tp_pieces(rs_decomposed_split(flops, static_cast<double>(world - 1) * m * n * out_elem),
+                               &decomposed_split));
   bool decomposed = true;  // settled below, once every piece's fit is known
-  RowPieces cut(m, {1, false});
-  auto plan_pieces = [&] {
-    cut = RowPieces(m, decomposed ? decomposed_split : PieceSplit{half_flops >= min_half_flops ? 2 : 1, false});
-  };
+  RowPieces cut(m, fused_split);
+  auto plan_pieces = [&] { cut = RowPieces(m, decomposed ? decomposed_split : fused_split); };
   auto slot_at = [&](size_t region, int s, int64_t row) {
     return region + s * layout.slot_bytes + static_cast<size_t>(row * n) * out_elem;
   };
@@ -120,11 +94,7 @@ extern "C" dg_status dg_gemm_reduce_scatter(const dg_tp_desc* desc, cudaStream_t
   for (int s = 0; s < world && !why_not; ++s)
     for (int part = 0; part < cut.count && !why_not; ++part)
       why_not = gemm::cublaslt_unsupported(step_desc(s, part), s > 0);
-  // Below ~100 GFLOP per rank, the decomposed ring's four launches and waits cost more than the
-  // fused ring's tile-level overlap saves (measured on H200 x2: 8B attn-out, 4096 tokens, 0.21 vs
-  // 0.16 ms; from 137 GFLOP on, decomposed is as fast or faster).
-  const bool small = 2.0 * static_cast<double>(g.a.rows) * n * g.a.cols < kDecomposedMinRsFlops;
-  DG_RETURN_IF_ERROR(use_decomposed(d, why_not, small, &decomposed));
+  DG_RETURN_IF_ERROR(use_decomposed(d, why_not, rs_auto_prefers_fused(flops), &decomposed));
   plan_pieces();
   for (int s = 0; s < world; ++s) {
     for (int part = 0; part < cut.count; ++part) {

@@ -22,8 +22,9 @@ def algo_env(algo, **extra):
     return {"DISTGEMM_TP_ALGO": algo, **extra}
 
 
-# pieces: how many parts a chunk of the decomposed algorithm travels in (DISTGEMM_TP_PIECES);
-# 3 and 4 cut the test shapes unevenly (e.g. 1000 rows into 256 + 256 + 256 + 232)
+# pieces: how many parts a chunk of the decomposed algorithm travels in (DISTGEMM_TP_PIECES, "3t":
+# three tapered ones); they cut the test shapes unevenly (1000 rows into 256 + 256 + 256 + 232,
+# 520 into 256 + 256 + 8)
 @pytest.mark.parametrize("algo,pieces", [("fused", "auto"), ("decomposed", "auto"), ("decomposed", "4")])
 def test_all_gather_matmul(algo, pieces):
     run_ranks(tp_checks.check_all_gather_matmul, WORLD, "nccl", env=algo_env(algo, DISTGEMM_TP_PIECES=pieces))
@@ -35,11 +36,11 @@ def test_all_gather_matmul_fp8_scales():
 
 
 @pytest.mark.parametrize("algo,split", [("fused", "default"), ("fused", "halves"), ("decomposed", "default"),
-                                        ("decomposed", "pieces3"), ("decomposed", "pieces4")])
+                                        ("decomposed", "pieces3t"), ("decomposed", "pieces4")])
 def test_matmul_reduce_scatter(algo, split):
     # "halves": every fused ring step of 256+ rows runs as two launches, as large shapes do
     extra = ({"DISTGEMM_RS_SPLIT_GFLOPS": "0"} if split == "halves" else
-             {"DISTGEMM_TP_PIECES": split[-1]} if split.startswith("pieces") else {})
+             {"DISTGEMM_TP_PIECES": split[len("pieces"):]} if split.startswith("pieces") else {})
     run_ranks(tp_checks.check_matmul_reduce_scatter, WORLD, "nccl", env=algo_env(algo, **extra))
 
 

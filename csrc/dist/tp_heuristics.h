@@ -1,0 +1,25 @@
+// How a tensor-parallel call is cut up, decided from its shape alone so that every rank reaches
+// the same answer: which algorithm `auto` takes and how many pieces a chunk travels in. The
+// constants come from H200 x2 runs (bench/results/h200x2_tp.json). Host-only.
+#pragma once
+
+#include "dist/tp_call.h"
+#include "distgemm/distgemm.h"
+
+namespace distgemm::dist {
+
+// Whether `auto` runs a bf16/fp16 GEMM + reduce-scatter of `flops` (per rank) fused: below
+// ~50 GFLOP the decomposed ring's extra launches cost more than cuBLAS's kernels gain.
+bool rs_auto_prefers_fused(double flops);
+
+// The fused reduce-scatter's steps: halves where half a step is worth its own launch (at least
+// DISTGEMM_RS_SPLIT_GFLOPS, default 25; the tests set 0 to force them), else whole.
+dg_status rs_fused_split(double half_step_flops, PieceSplit* split);
+
+// The decomposed reduce-scatter's steps, before DISTGEMM_TP_PIECES: halves; where the pushes
+// take about half the GEMM's time or more (a large attention-out projection), three tapered
+// pieces, so that the first push starts sooner and the last GEMM, which waits for the last
+// push, is short.
+PieceSplit rs_decomposed_split(double flops, double pushed_bytes);
+
+}  // namespace distgemm::dist
