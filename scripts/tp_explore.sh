@@ -2,7 +2,8 @@
 # On a 2+ GPU machine, with a wheel built elsewhere in dist/: checks the TP ops and times
 # variants of them, leaving everything under $OUT (a developer's loop: one device
 # call per round of ideas).
-#   TESTS="node ids"  TIMELINE="label substrings"  TIMELINE_VARIANTS="spec"  SUITE_ARGS="..."
+#   TESTS="node ids"  TIMELINE="label substrings"  TIMELINE_VARIANTS="spec"  TIMELINE_ARGS="--graph"
+#   SUITE_ARGS="..." (no spaces inside an argument)
 set -uo pipefail
 res="${OUT:-explore_out}"; mkdir -p "$res"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -17,7 +18,7 @@ if [ -n "${TESTS:-}" ]; then
 fi
 if [ -n "${TIMELINE:-}" ]; then
   run timeline "${TIMELINE_LIMIT:-120}" python3 -m torch.distributed.run --nproc-per-node="$nproc_gpu" -m distgemm.bench.tp_timeline \
-    --out /tmp/timeline --only "$TIMELINE" --variants "${TIMELINE_VARIANTS:-}"
+    --out /tmp/timeline --only "$TIMELINE" --variants "${TIMELINE_VARIANTS:-}" ${TIMELINE_ARGS:-}
   tar czf "$res/timeline.tgz" -C /tmp timeline
 fi
 if [ -n "${SUITE_ARGS:-}" ]; then

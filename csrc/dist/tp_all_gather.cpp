@@ -17,6 +17,7 @@
 #include "common/status.h"
 #include "common/stream_pool.h"
 #include "dist/tp_call.h"
+#include "dist/tp_heuristics.h"
 #include "dist/tp_kernels.cuh"
 #include "dist/tp_layout.h"
 #include "distgemm/distgemm.h"
@@ -77,8 +78,9 @@ extern "C" dg_status dg_all_gather_gemm(const dg_tp_desc* desc, cudaStream_t str
   // Decomposed: a peer's shard travels in pieces, each multiplied as soon as it is in, so that
   // the last GEMM waits for a piece, not a whole shard. Fused: one piece (the kernel waits per
   // tile row anyway).
+  const double flops = 2.0 * static_cast<double>(rows) * g.b.rows * k;
   PieceSplit split;
-  DG_RETURN_IF_ERROR(tp_pieces({1, false}, &split));
+  DG_RETURN_IF_ERROR(tp_pieces(ag_decomposed_split(flops, static_cast<double>(world - 1) * m * k * elem), &split));
   RowPieces cut(m, split);
   const int peer = (r + 1) % world;
   const char* why_not = gemm::cublaslt_unsupported(chunk_desc(r, 0, m), false);

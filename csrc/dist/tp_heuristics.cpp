@@ -11,6 +11,11 @@ namespace {
 constexpr double kPushBytesPerSecond = 350e9;
 constexpr double kGemmFlopsPerSecond = 700e12;
 
+// Estimated time of the pushes over that of the GEMM.
+double push_over_gemm(double flops, double pushed_bytes) {
+  return (pushed_bytes / kPushBytesPerSecond) / (flops / kGemmFlopsPerSecond);
+}
+
 }  // namespace
 
 bool rs_auto_prefers_fused(double flops) {
@@ -31,12 +36,17 @@ dg_status rs_fused_split(double half_step_flops, PieceSplit* split) {
   return DG_SUCCESS;
 }
 
-PieceSplit rs_decomposed_split(double flops, double pushed_bytes) {
-  const double gemm_s = flops / kGemmFlopsPerSecond, push_s = pushed_bytes / kPushBytesPerSecond;
-  // 8B attn-out at 16384 tokens (push/GEMM ~0.5): 0.417 ms tapered vs 0.456 in halves (graph
-  // replays); at 0.25 (70B attn-out, 4096 tokens) halves stay ahead, 0.382 vs 0.391.
-  if (flops >= 200e9 && push_s >= 0.4 * gemm_s) return {3, true};
+PieceSplit rs_decomposed_split(double flops, double pushed_bytes, int64_t step_rows) {
+  // H200 x2, tapered vs halves: 8B attn-out at 8192/16384 tokens 0.224/0.422 vs 0.238/0.442 ms,
+  // fc2 at 16384 1.427 vs 1.462; at 4096 tokens halves are ahead or even (fc2 0.333 vs 0.350).
+  if (flops >= 100e9 && (push_over_gemm(flops, pushed_bytes) >= 0.4 || step_rows >= 8192)) return {3, true};
   return {2, false};
+}
+
+PieceSplit ag_decomposed_split(double flops, double pushed_bytes) {
+  // 8B QKV at 16384 tokens: 0.590 ms in halves vs 0.627 whole; below 0.3 no shard waits.
+  if (flops >= 200e9 && push_over_gemm(flops, pushed_bytes) >= 0.3) return {2, false};
+  return {1, false};
 }
 
 }  // namespace distgemm::dist

@@ -54,7 +54,7 @@ extern "C" dg_status dg_gemm_reduce_scatter(const dg_tp_desc* desc, cudaStream_t
   const double flops = 2.0 * static_cast<double>(g.a.rows) * n * g.a.cols;
   PieceSplit fused_split, decomposed_split;
   DG_RETURN_IF_ERROR(rs_fused_split(flops / world / 2, &fused_split));
-  DG_RETURN_IF_ERROR(tp_pieces(rs_decomposed_split(flops, static_cast<double>(world - 1) * m * n * out_elem),
+  DG_RETURN_IF_ERROR(tp_pieces(rs_decomposed_split(flops, static_cast<double>(world - 1) * m * n * out_elem, m),
                                &decomposed_split));
   bool decomposed = true;  // settled below, once every piece's fit is known
   RowPieces cut(m, fused_split);
