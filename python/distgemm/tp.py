@@ -111,8 +111,8 @@ def _backend() -> str:
 def _algo() -> int:
     """DISTGEMM_TP_ALGO: how the fused backend hides the communication. `fused`: one CUTLASS
     GEMM per ring step waiting on per-tile-row flags; `decomposed`: one cuBLASLt GEMM per chunk
-    after a bounded wait for it (bf16/fp16); `auto` (default): decomposed where it applies,
-    except reduce-scatters of under ~100 GFLOP per rank."""
+    piece after a bounded wait for it (bf16/fp16); `auto` (default): decomposed where it
+    applies, except reduce-scatters of under ~50 GFLOP per rank."""
     value = os.environ.get("DISTGEMM_TP_ALGO", "auto").lower()
     if value not in _ALGOS:
         raise ValueError(f"DISTGEMM_TP_ALGO must be one of {tuple(_ALGOS)}, got {value!r}")

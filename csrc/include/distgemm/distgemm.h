@@ -129,10 +129,11 @@ typedef enum dg_tp_kind {
  *   DG_TP_ALGO_FUSED: one persistent CUTLASS GEMM per ring step that waits, tile row by tile
  *     row, on per-chunk ready flags (all-gather) or on the previous rank's partial sums in its
  *     epilogue (reduce-scatter). Every dtype, FP8 scales included.
- *   DG_TP_ALGO_DECOMPOSED: one cuBLASLt GEMM per chunk (half ring step for reduce-scatter),
- *     each after a bounded wait for its chunk's flag on the caller's stream. bf16/fp16 only.
- *   DG_TP_ALGO_AUTO: decomposed where it applies, except reduce-scatters of under ~100 GFLOP
- *     per rank (there the fused ring's tile-level overlap wins); else fused. */
+ *   DG_TP_ALGO_DECOMPOSED: one cuBLASLt GEMM per piece of a chunk (pieces: DISTGEMM_TP_PIECES,
+ *     chosen from the shape by default), each after a bounded wait for its piece's flag on the
+ *     caller's stream. bf16/fp16 only.
+ *   DG_TP_ALGO_AUTO: decomposed where it applies, except reduce-scatters of under ~50 GFLOP
+ *     per rank (there the fused ring's fewer launches win); else fused. */
 typedef enum dg_tp_algo {
   DG_TP_ALGO_AUTO = 0,
   DG_TP_ALGO_FUSED = 1,
