@@ -80,7 +80,8 @@ extern "C" dg_status dg_all_gather_gemm(const dg_tp_desc* desc, cudaStream_t str
   // tile row anyway).
   const double flops = 2.0 * static_cast<double>(rows) * g.b.rows * k;
   PieceSplit split;
-  DG_RETURN_IF_ERROR(tp_pieces(ag_decomposed_split(flops, static_cast<double>(world - 1) * m * k * elem), &split));
+  const double pushed_bytes = static_cast<double>(world - 1) * m * k * elem;  // into each rank
+  DG_RETURN_IF_ERROR(tp_pieces(ag_decomposed_split(flops, pushed_bytes), &split));
   RowPieces cut(m, split);
   const int peer = (r + 1) % world;
   const char* why_not = gemm::cublaslt_unsupported(chunk_desc(r, 0, m), false);

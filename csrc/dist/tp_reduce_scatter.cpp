@@ -54,8 +54,8 @@ extern "C" dg_status dg_gemm_reduce_scatter(const dg_tp_desc* desc, cudaStream_t
   const double flops = 2.0 * static_cast<double>(g.a.rows) * n * g.a.cols;
   PieceSplit fused_split, decomposed_split;
   DG_RETURN_IF_ERROR(rs_fused_split(flops / world / 2, &fused_split));
-  DG_RETURN_IF_ERROR(tp_pieces(rs_decomposed_split(flops, static_cast<double>(world - 1) * m * n * out_elem, m),
-                               &decomposed_split));
+  const double pushed_bytes = static_cast<double>(world - 1) * m * n * out_elem;  // by each rank
+  DG_RETURN_IF_ERROR(tp_pieces(rs_decomposed_split(flops, pushed_bytes, m), &decomposed_split));
   bool decomposed = true;  // settled below, once every piece's fit is known
   RowPieces cut(m, fused_split);
   auto plan_pieces = [&] { cut = RowPieces(m, decomposed ? decomposed_split : fused_split); };
@@ -120,8 +120,9 @@ extern "C" dg_status dg_gemm_reduce_scatter(const dg_tp_desc* desc, cudaStream_t
       const void* received = received_at(s, part);
       if (decomposed) {
         if (s > 0) DG_CUDA_RETURN(launch_wait_flag(received_ready, 0, sync, prev, stream));
-        DG_RETURN_IF_ERROR(gemm::run_cublaslt_gemm(step_desc(s, part), received, n,
-                                                   peers.base[r] + layout.scratch, kGemmScratchBytes, stream));
+        void* scratch = peers.base[r] + layout.scratch;
+        DG_RETURN_IF_ERROR(
+            gemm::run_cublaslt_gemm(step_desc(s, part), received, n, scratch, kGemmScratchBytes, stream));
       } else {
         gemm::GemmExtras extras;
         if (s > 0) {
@@ -139,8 +140,8 @@ extern "C" dg_status dg_gemm_reduce_scatter(const dg_tp_desc* desc, cudaStream_t
       done.flags[done.count++] = peers.word(next, TpHeader::kStepReady, s * cut.count + part);
       DG_RETURN_IF_ERROR(fork_streams(*pool, stream, 1));  // the push waits for this launch only
       // The next rank must be done reading its received slots in earlier calls: it has begun this one.
-      if (s == 0 && part == 0)
-        DG_CUDA_RETURN(launch_wait_flag(peers.word(r, TpHeader::kConsumed, next), 0, sync, next, pool->streams[0]));
+      const uint32_t* next_began = peers.word(r, TpHeader::kConsumed, next);
+      if (s == 0 && part == 0) DG_CUDA_RETURN(launch_wait_flag(next_began, 0, sync, next, pool->streams[0]));
       DG_CUDA_RETURN(cudaMemcpyAsync(peers.base[next] + slot_at(layout.received, s, row0),
                                      peers.base[r] + slot_at(layout.slots, s, row0),
                                      static_cast<size_t>(cut.rows(part) * n) * out_elem,

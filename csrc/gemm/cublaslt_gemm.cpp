@@ -192,8 +192,8 @@ dg_status run_cublaslt_gemm(const dg_gemm_desc& d, const void* chain_c, int64_t 
     DG_LT_RETURN(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &d.c.data,
                                                 sizeof(d.c.data)));
   const float alpha = d.alpha;
-  DG_LT_RETURN(cublasLtMatmul(handle, plan->op, &alpha, d.b.data, plan->a, d.a.data, plan->b, &ops.beta, ops.c,
-                              plan->c, const_cast<void*>(d.d.data), plan->d, &plan->algo, workspace,
+  DG_LT_RETURN(cublasLtMatmul(handle, plan->op, &alpha, d.b.data, plan->a, d.a.data, plan->b, &ops.beta,
+                              ops.c, plan->c, const_cast<void*>(d.d.data), plan->d, &plan->algo, workspace,
                               workspace_bytes, stream));
   return DG_SUCCESS;
 }
