@@ -27,7 +27,6 @@
 using namespace distgemm;
 using namespace distgemm::dist;
 
-
 extern "C" dg_status dg_gemm_reduce_scatter(const dg_tp_desc* desc, cudaStream_t stream) {
   Peers peers;
   DG_RETURN_IF_ERROR(check_tp(desc, &peers));
@@ -139,9 +138,12 @@ extern "C" dg_status dg_gemm_reduce_scatter(const dg_tp_desc* desc, cudaStream_t
       SignalTargets done{};
       done.flags[done.count++] = peers.word(next, TpHeader::kStepReady, s * cut.count + part);
       DG_RETURN_IF_ERROR(fork_streams(*pool, stream, 1));  // the push waits for this launch only
-      // The next rank must be done reading its received slots in earlier calls: it has begun this one.
-      const uint32_t* next_began = peers.word(r, TpHeader::kConsumed, next);
-      if (s == 0 && part == 0) DG_CUDA_RETURN(launch_wait_flag(next_began, 0, sync, next, pool->streams[0]));
+      // Before the first push: the next rank must be done reading its received slots in earlier
+      // calls, i.e. it has begun this one.
+      if (s == 0 && part == 0) {
+        const uint32_t* next_began = peers.word(r, TpHeader::kConsumed, next);
+        DG_CUDA_RETURN(launch_wait_flag(next_began, 0, sync, next, pool->streams[0]));
+      }
       DG_CUDA_RETURN(cudaMemcpyAsync(peers.base[next] + slot_at(layout.received, s, row0),
                                      peers.base[r] + slot_at(layout.slots, s, row0),
                                      static_cast<size_t>(cut.rows(part) * n) * out_elem,

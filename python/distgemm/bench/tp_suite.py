@@ -27,9 +27,9 @@ TOKENS = (4096, 8192, 16384)
 EXTRA = [(8192, 8192, 28672), (4096, 4096, 14336), (16384, 8192, 8192)]  # (M, K, N)
 
 
-def shapes(world: int, quick: bool):
+def shapes(world: int, quick: bool, only=()):
     """(label, kind, M, K, N): kind 'ag' = all-gather + GEMM with N split over ranks,
-    'rs' = GEMM + reduce-scatter with K split."""
+    'rs' = GEMM + reduce-scatter with K split; with `only`, those whose label contains one."""
     out = []
     for model, hidden, ffn, heads, kv, dim in MODELS:
         qkv = (heads + 2 * kv) * dim
@@ -41,7 +41,18 @@ def shapes(world: int, quick: bool):
     for m, k, n in EXTRA[: 1 if quick else None]:
         out += [(f"ag {m}x{k}x{n}", "ag", m, k, n), (f"rs {m}x{k}x{n}", "rs", m, k, n)]
     return [s for s in out if s[2] % world == 0 and (s[1] != "ag" or s[4] % world == 0)
-            and (s[1] != "rs" or s[3] % world == 0)]
+            and (s[1] != "rs" or s[3] % world == 0) and (not only or any(o in s[0] for o in only))]
+
+
+def shard_operands(kind: str, m: int, k: int, n: int, world: int, group):
+    """This rank's random bf16 shards of a shape (a, b) and the call of ours on them."""
+    if kind == "ag":
+        a = torch.randn(m // world, k, device="cuda").to(torch.bfloat16)
+        b = (torch.randn(n // world, k, device="cuda") * 0.05).to(torch.bfloat16)
+        return a, b, lambda: distgemm.all_gather_matmul(a, b, group=group)
+    a = torch.randn(m, k // world, device="cuda").to(torch.bfloat16)
+    b = (torch.randn(n, k // world, device="cuda") * 0.05).to(torch.bfloat16)
+    return a, b, lambda: distgemm.matmul_reduce_scatter(a, b, group=group)
 
 
 def loop_ms(fn, iters: int = 20, warmup: int = 3) -> float:
@@ -84,15 +95,16 @@ def _algo_variants(call):
     return {name: with_env("DISTGEMM_TP_ALGO", algo, call) for name, algo in ALGOS.items()}
 
 
-def graphed(fn):
-    """fn captured once in a CUDA graph: the returned callable replays it (device time without
-    the host's enqueueing, timed in turn with the others)."""
+def graphed(fn, calls: int = 1):
+    """`calls` calls of fn captured once in a CUDA graph (after a warm-up): the returned
+    callable replays them (device time without the host's enqueueing)."""
     for _ in range(2):
         fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
+        for _ in range(calls):
+            fn()
     return graph.replay
 
 
@@ -124,18 +136,16 @@ def main(argv=None):
     if rank == 0:
         print(f"\n== tensor-parallel GEMMs, bf16, {world} ranks (ms; x = ratio to ours)")
     kinds = set(args.kinds.split(","))
-    for label, kind, m, k, n in [s for s in shapes(world, args.quick)
-                                 if s[1] in kinds and (not only or any(o in s[0] for o in only))]:
+    for label, kind, m, k, n in [s for s in shapes(world, args.quick, only) if s[1] in kinds]:
         torch.manual_seed(0)
+        a, b, ours = shard_operands(kind, m, k, n, world, group)
         if kind == "ag":
             nl = n // world
-            a = torch.randn(m // world, k, device="cuda").to(torch.bfloat16)
-            b = (torch.randn(nl, k, device="cuda") * 0.05).to(torch.bfloat16)
             gathered = torch.empty(m, k, device="cuda", dtype=torch.bfloat16)
             flops = 2.0 * m * nl * k
             impls = {
-                "distgemm": lambda: distgemm.all_gather_matmul(a, b, group=group),
-                **_algo_variants(lambda: distgemm.all_gather_matmul(a, b, group=group)),
+                "distgemm": ours,
+                **_algo_variants(ours),
                 "sequential": lambda: torch.matmul(
                     (dist.all_gather_into_tensor(gathered, a, group=group), gathered)[1], b.T),
                 "async_tp": lambda: torch.ops.symm_mem.fused_all_gather_matmul(a, [b.T], 0, name)[1][0],
@@ -144,17 +154,14 @@ def main(argv=None):
                 "comm": lambda: dist.all_gather_into_tensor(gathered, a, group=group),
             }
             check = torch.matmul(torch.cat([t for t in _gather_list(a, world)]), b.T)
-            ours = lambda: distgemm.all_gather_matmul(a, b, group=group)
         else:
             kl = k // world
-            a = torch.randn(m, kl, device="cuda").to(torch.bfloat16)
-            b = (torch.randn(n, kl, device="cuda") * 0.05).to(torch.bfloat16)
             partial = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
             shard = torch.empty(m // world, n, device="cuda", dtype=torch.bfloat16)
             flops = 2.0 * m * n * kl
             impls = {
-                "distgemm": lambda: distgemm.matmul_reduce_scatter(a, b, group=group),
-                **_algo_variants(lambda: distgemm.matmul_reduce_scatter(a, b, group=group)),
+                "distgemm": ours,
+                **_algo_variants(ours),
                 "sequential": lambda: dist.reduce_scatter_tensor(shard, torch.matmul(a, b.T), group=group),
                 "async_tp": lambda: torch.ops.symm_mem.fused_matmul_reduce_scatter(a, b.T, "sum", 0, name),
                 "gemm": lambda: torch.matmul(a, b.T, out=partial),
@@ -164,7 +171,6 @@ def main(argv=None):
             full = torch.matmul(a, b.T).float()
             dist.all_reduce(full)
             check = full.chunk(world)[rank]
-            ours = lambda: distgemm.matmul_reduce_scatter(a, b, group=group)
         impls.update({name: with_envs(envs, ours) for name, envs in variants.items()})
         if args.graph:
             impls["distgemm_graph"] = graphed(ours)

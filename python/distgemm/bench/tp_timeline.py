@@ -18,7 +18,7 @@ import torch.distributed as dist
 import distgemm
 
 from .common import parse_variants, with_envs
-from .tp_suite import shapes
+from .tp_suite import graphed, shapes, shard_operands
 
 
 def _kind(event: dict) -> str:
@@ -40,18 +40,14 @@ def profile_calls(fn, calls: int, graph: bool):
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
-    captured = None
-    if graph:
-        captured = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(captured):
-            for _ in range(calls):
-                fn()
-        captured.replay()
+    replay = graphed(fn, calls) if graph else None
+    if replay is not None:
+        replay()
         torch.cuda.synchronize()
     dist.barrier()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        if captured is not None:
-            captured.replay()
+        if replay is not None:
+            replay()
         else:
             for _ in range(calls):
                 fn()
@@ -103,16 +99,9 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     variants = {"default": {}, **parse_variants(args.variants)}
     only = [s for s in args.only.split(",") if s]
-    for label, kind, m, k, n in [s for s in shapes(world, False) if any(o in s[0] for o in only)]:
+    for label, kind, m, k, n in shapes(world, False, only):
         torch.manual_seed(0)
-        if kind == "ag":
-            a = torch.randn(m // world, k, device="cuda").to(torch.bfloat16)
-            b = (torch.randn(n // world, k, device="cuda") * 0.05).to(torch.bfloat16)
-            call = lambda: distgemm.all_gather_matmul(a, b, group=group)
-        else:
-            a = torch.randn(m, k // world, device="cuda").to(torch.bfloat16)
-            b = (torch.randn(n, k // world, device="cuda") * 0.05).to(torch.bfloat16)
-            call = lambda: distgemm.matmul_reduce_scatter(a, b, group=group)
+        _, _, call = shard_operands(kind, m, k, n, world, group)
         for name, envs in variants.items():
             events = profile_calls(with_envs(envs, call), args.calls, args.graph)
             slug = label.replace(" ", "_")
