@@ -1,9 +1,11 @@
 #include "common/tile_heuristic.h"
 
+#include <cmath>
+
 namespace distgemm {
 namespace {
 
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+int64_t ceil_div(int64_t a, int64_t b) { return a / b + (a % b != 0); }  // a >= 0, b > 0
 
 // Throughput of one SM on a tile of this shape and schedule, relative to the cooperative
 // 128x256 tile, and the epilogue's cost per tile in (16-bit) K elements: cooperative kernels
@@ -33,13 +35,16 @@ TileCost tile_cost(const TileConfig& c) {
 double estimate_cost(const TileConfig& c, int64_t m, int64_t n, double k, int64_t batches,
                      int sm_count) {
   const int cluster = c.cluster_m * c.cluster_n;
+  const int64_t usable_sms = (sm_count / cluster) * cluster;
+  if (usable_sms <= 0 || m <= 0 || n <= 0 || batches <= 0) return 1e300;
   const int64_t tiles_m = ceil_div(ceil_div(m, c.tile_m), c.cluster_m) * c.cluster_m;
   const int64_t tiles_n = ceil_div(ceil_div(n, c.tile_n), c.cluster_n) * c.cluster_n;
-  const int64_t usable_sms = (sm_count / cluster) * cluster;
-  if (usable_sms <= 0) return 1e300;
-  const int64_t waves = ceil_div(tiles_m * tiles_n * batches, usable_sms);
+  // In double: tiles_m * tiles_n * batches of a checked problem fits int64, but the heuristic
+  // must not overflow on whatever it is asked about (exact below 2^53 tiles).
+  const double waves = std::ceil(static_cast<double>(tiles_m) * static_cast<double>(tiles_n) *
+                                 static_cast<double>(batches) / static_cast<double>(usable_sms));
   const TileCost cost = tile_cost(c);
-  return static_cast<double>(waves) * c.tile_m * c.tile_n * (k + cost.epilogue_k) / cost.efficiency;
+  return waves * c.tile_m * c.tile_n * (k + cost.epilogue_k) / cost.efficiency;
 }
 
 }  // namespace distgemm

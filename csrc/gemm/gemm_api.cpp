@@ -3,6 +3,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "common/checked_math.h"
 #include "common/device.h"
 #include "common/dtype.h"
 #include "common/status.h"
@@ -44,14 +45,23 @@ struct GemmInstance {
 #define DG_SM100_GEMM(...)
 #endif
 
-const GemmInstance kInstances[] = {
+// The compiled kernels, then a sentinel (arch 0) that keeps the array non-empty in a build
+// without any arch (the host-checks build); kInstances is the table without it.
+const GemmInstance kInstanceTable[] = {
 #include "gemm/gemm_instances.def"
 #if defined(DISTGEMM_TUNING_INSTANCES)
 #include "gemm/gemm_instances_tuning.def"
 #endif
+    GemmInstance{},
 };
 #undef DG_SM90_GEMM
 #undef DG_SM100_GEMM
+
+struct InstanceList {
+  const GemmInstance* begin() const { return kInstanceTable; }
+  const GemmInstance* end() const { return kInstanceTable + std::size(kInstanceTable) - 1; }
+};
+constexpr InstanceList kInstances{};
 
 // The arch whose kernels serve a device of compute capability `arch` (e.g. 90 -> 90).
 int kernel_arch(int device_arch) {
@@ -62,15 +72,18 @@ int kernel_arch(int device_arch) {
 
 bool b_is_k_major(const dg_matrix& b) { return b.col_stride == 1; }
 
+// The kernels for d's dtypes and b layout; the dtypes are compared as the raw ints the caller
+// stored (this also serves unchecked descs: dg_gemm_config_count / _name).
 std::vector<const GemmInstance*> candidates(const dg_gemm_desc& d, int device_arch) {
   std::vector<const GemmInstance*> out;
   const int arch = kernel_arch(device_arch);
   const bool bk = b_is_k_major(d.b);
+  const int a = raw_enum(d.a.dtype), b = raw_enum(d.b.dtype), dd = raw_enum(d.d.dtype);
   // sm100's UMMA accumulates FP8 in FP32 throughout: fast accumulation means nothing there.
-  const bool fast = is_fp8(d.a.dtype) && d.fast_accum && arch == 90;
+  const bool fast = (a == DG_E4M3 || a == DG_E5M2) && d.fast_accum && arch == 90;
   for (const GemmInstance& inst : kInstances) {
-    if (inst.arch == arch && inst.a == d.a.dtype && inst.b == d.b.dtype && inst.d == d.d.dtype &&
-        inst.b_k_major == bk && is_fast_accum(inst.schedule) == fast)
+    if (inst.arch == arch && inst.a == a && inst.b == b && inst.d == dd && inst.b_k_major == bk &&
+        is_fast_accum(inst.schedule) == fast)
       out.push_back(&inst);
   }
   return out;
@@ -78,33 +91,71 @@ std::vector<const GemmInstance*> candidates(const dg_gemm_desc& d, int device_ar
 
 // Raster swizzle for the persistent scheduler: wider swizzles keep the operands of
 // neighbouring tiles in L2 once the grid spans many tiles.
-int select_swizzle(const GemmInstance& inst, int m, int n, int sm_count) {
-  const int64_t tiles = int64_t((m + inst.tile_m - 1) / inst.tile_m) * ((n + inst.tile_n - 1) / inst.tile_n);
+int select_swizzle(const GemmInstance& inst, int64_t m, int64_t n, int sm_count) {
+  const int64_t tiles = ((m + inst.tile_m - 1) / inst.tile_m) * ((n + inst.tile_n - 1) / inst.tile_n);
   return tiles >= 4 * static_cast<int64_t>(sm_count) ? 2 : 1;
 }
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
-// A (rows, cols) matrix whose columns are contiguous, with a 16-byte aligned row pitch.
-dg_status check_row_major(const dg_matrix& m, const char* name, int64_t rows, int64_t cols) {
+bool known_dtype(int t) { return t >= DG_F32 && t <= DG_I32; }
+
+// A (rows, cols) matrix whose columns are contiguous, with a 16-byte aligned row pitch, at a
+// non-NULL 16-byte aligned address; its dtype is known (check_dtypes). *ld: the leading
+// dimension the kernels get.
+// Sizes: rows and cols are the problem's (in [1, 2^31)); the strides are the caller's, any
+// int64: every product is checked, and the matrix's byte extent ((rows - 1) * row pitch + the
+// row's bytes) must fit in int64 and in the address space after data.
+// One row: its pitch addresses nothing, so any row stride that is non-negative and whose byte
+// pitch fits in int64 is taken (PyTorch gives 1-row views arbitrary strides, e.g. (1, 1) for the
+// transpose of a (K, 1) column, or 0 for an expanded row); the kernels get the packed pitch
+// `cols` instead.
+dg_status check_row_major(const dg_matrix& m, const char* name, int64_t rows, int64_t cols,
+                          int64_t* ld) {
   DG_REQUIRE(m.rows == rows && m.cols == cols, name, " must have shape (", rows, ", ", cols,
              "), got (", m.rows, ", ", m.cols, ")");
+  DG_REQUIRE(m.data != nullptr, name, " data pointer must not be NULL");
+  DG_REQUIRE(aligned16(m.data), name, " data pointer must be 16-byte aligned");
   DG_REQUIRE(m.col_stride == 1 || cols == 1, name,
              " must be row-major (unit column stride), got strides (", m.row_stride, ", ",
              m.col_stride, ")");
   const int bytes = dtype_bytes(m.dtype);
-  DG_REQUIRE(m.row_stride >= cols || rows == 1, name, " row stride ", m.row_stride,
-             " is smaller than its ", cols, " columns");
-  DG_REQUIRE((m.row_stride * bytes) % 16 == 0 || rows == 1, name, " row stride of ",
-             m.row_stride, " elements is not a multiple of 16 bytes");
-  DG_REQUIRE((cols * bytes) % 16 == 0, name, " has ", cols, " columns of ", dtype_name(m.dtype),
+  DG_REQUIRE(bytes > 0, name, " has an unknown dtype");
+  const int64_t row_bytes = cols * bytes;  // cols < 2^31, bytes <= 4
+  DG_REQUIRE(row_bytes % 16 == 0, name, " has ", cols, " columns of ", dtype_name(m.dtype),
              ": the contiguous dimension must be a multiple of ", 16 / bytes,
              " elements (16 bytes)");
-  DG_REQUIRE(aligned16(m.data), name, " data pointer must be 16-byte aligned");
+  int64_t pitch = 0;
+  DG_REQUIRE(m.row_stride >= 0 && checked_mul(m.row_stride, bytes, &pitch), name,
+             " row stride ", m.row_stride,
+             " must be non-negative, with a byte pitch that fits in int64");
+  int64_t extent = row_bytes;
+  if (rows == 1) {
+    *ld = cols;
+  } else {
+    DG_REQUIRE(m.row_stride >= cols, name, " row stride ", m.row_stride,
+               " is smaller than its ", cols, " columns");
+    DG_REQUIRE(pitch % 16 == 0, name, " row stride of ", m.row_stride,
+               " elements is not a multiple of 16 bytes");
+    DG_REQUIRE(checked_mul(rows - 1, pitch, &extent) && checked_add(extent, row_bytes, &extent),
+               name, " spans more than 2^63 bytes: ", rows, " rows ", pitch, " bytes apart");
+    *ld = m.row_stride;
+  }
+  DG_REQUIRE(static_cast<uint64_t>(extent) <= UINTPTR_MAX - reinterpret_cast<uintptr_t>(m.data),
+             name, " runs past the end of the address space (", extent, " bytes from ", m.data,
+             ")");
   return DG_SUCCESS;
 }
 
 dg_status check_dtypes(const dg_gemm_desc& d) {
+  const int raw_a = raw_enum(d.a.dtype), raw_b = raw_enum(d.b.dtype), raw_out = raw_enum(d.d.dtype);
+  DG_REQUIRE(known_dtype(raw_a), "a has an unknown dtype (", raw_a, ")");
+  DG_REQUIRE(known_dtype(raw_b), "b has an unknown dtype (", raw_b, ")");
+  DG_REQUIRE(known_dtype(raw_out), "out has an unknown dtype (", raw_out, ")");
+  if (d.c.data) {
+    const int raw_c = raw_enum(d.c.dtype);
+    DG_REQUIRE(known_dtype(raw_c), "c has an unknown dtype (", raw_c, ")");
+  }
   const dg_dtype a = d.a.dtype, b = d.b.dtype, out = d.d.dtype;
   if (is_16bit_float(a)) {
     DG_REQUIRE(b == a, "a and b must have the same dtype, got ", dtype_name(a), " and ",
@@ -139,34 +190,32 @@ dg_status lower(const dg_gemm_desc* desc, GemmProblem* p) {
              " K=", k);
   DG_REQUIRE(m < (int64_t(1) << 31) && n < (int64_t(1) << 31) && k < (int64_t(1) << 31),
              "M, N and K must be below 2^31");
-  DG_RETURN_IF_ERROR(check_row_major(d.a, "a", m, k));
+  DG_RETURN_IF_ERROR(check_row_major(d.a, "a", m, k, &p->lda));
   DG_REQUIRE(d.b.cols == k, "b must have shape (N, K) with K=", k, " (a's columns), got (",
              d.b.rows, ", ", d.b.cols, ")");
   if (b_is_k_major(d.b)) {
-    DG_RETURN_IF_ERROR(check_row_major(d.b, "b", n, k));
-    p->ldb = d.b.row_stride;
+    DG_RETURN_IF_ERROR(check_row_major(d.b, "b", n, k, &p->ldb));
     p->b_k_major = true;
   } else {
     DG_REQUIRE(d.b.row_stride == 1, "b must be K-major (unit column stride) or N-major (unit row "
                "stride), got strides (", d.b.row_stride, ", ", d.b.col_stride, ")");
     DG_REQUIRE(is_16bit_float(d.b.dtype), "float8 b must be K-major (row-major (N, K))");
     dg_matrix bt{d.b.data, d.b.dtype, k, n, d.b.col_stride, 1};
-    DG_RETURN_IF_ERROR(check_row_major(bt, "b (N-major, as its (K, N) transpose)", k, n));
-    p->ldb = d.b.col_stride;
+    DG_RETURN_IF_ERROR(check_row_major(bt, "b (N-major, as its (K, N) transpose)", k, n, &p->ldb));
     p->b_k_major = false;
   }
-  DG_RETURN_IF_ERROR(check_row_major(d.d, "out", m, n));
+  DG_RETURN_IF_ERROR(check_row_major(d.d, "out", m, n, &p->ldd));
   if (d.c.data) {
     DG_REQUIRE(d.c.dtype == d.d.dtype, "c must have the output dtype ", dtype_name(d.d.dtype),
                ", got ", dtype_name(d.c.dtype));
     if (d.c.rows == 1) {  // a bias row (for M == 1 also the full C: the same values)
-      DG_RETURN_IF_ERROR(check_row_major(d.c, "c (bias)", 1, n));
+      int64_t unused_ld = 0;
+      DG_RETURN_IF_ERROR(check_row_major(d.c, "c (bias)", 1, n, &unused_ld));
       p->bias = d.c.data;
       p->beta_bias = d.beta;
     } else {
-      DG_RETURN_IF_ERROR(check_row_major(d.c, "c", m, n));
+      DG_RETURN_IF_ERROR(check_row_major(d.c, "c", m, n, &p->ldc));
       p->c = d.c.data;
-      p->ldc = d.c.row_stride;
       p->beta_c = d.beta;
     }
   }
@@ -184,10 +233,8 @@ dg_status lower(const dg_gemm_desc* desc, GemmProblem* p) {
   p->n = static_cast<int>(n);
   p->k = static_cast<int>(k);
   p->a = d.a.data;
-  p->lda = d.a.row_stride;
   p->b = d.b.data;
   p->d = const_cast<void*>(d.d.data);
-  p->ldd = d.d.row_stride;
   p->alpha = d.alpha;
   p->scale_a = d.scale_a;
   p->scale_a_per_row = d.scale_a && d.scale_a_len > 1;
@@ -200,6 +247,10 @@ dg_status lower(const dg_gemm_desc* desc, GemmProblem* p) {
 dg_status lower_and_list(const dg_gemm_desc* desc, int device_arch, GemmProblem* p,
                          std::vector<const GemmInstance*>* list) {
   DG_RETURN_IF_ERROR(lower(desc, p));
+  if (device_arch <= 0)
+    return fail(DG_ERROR_NOT_SUPPORTED,
+                cat("no usable CUDA device (device arch ", device_arch, "): distgemm kernels run on "
+                    "sm_90 and sm_100"));
   if (!kernel_arch(device_arch))
     return fail(DG_ERROR_NOT_SUPPORTED,
                 cat("distgemm kernels run on sm_90 and sm_100; this device is sm_", device_arch));

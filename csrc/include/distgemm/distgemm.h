@@ -56,8 +56,10 @@ typedef struct dg_gemm_desc {
 DG_API const char* dg_last_error(void);
 DG_API const char* dg_status_name(dg_status status);
 
-/* Checks a GEMM without touching device memory (data pointers are only checked for
- * alignment). Returns DG_SUCCESS when dg_gemm would run it. */
+/* Checks a GEMM without touching device memory (data pointers are only checked for being
+ * non-NULL and aligned). Returns DG_SUCCESS when dg_gemm would run it on a device_arch GPU.
+ * Strides are any int64: negative ones and sizes whose bytes overflow int64 are refused. A
+ * matrix of one row may have any non-negative row stride (it addresses nothing there). */
 DG_API dg_status dg_gemm_check(const dg_gemm_desc* desc, int device_arch);
 DG_API dg_status dg_gemm_workspace_size(const dg_gemm_desc* desc, size_t* bytes);
 DG_API dg_status dg_gemm(const dg_gemm_desc* desc, void* workspace, size_t workspace_bytes,
