@@ -8,7 +8,9 @@ struct DeviceInfo {
   int sm_count = 0;
 };
 
-// Properties of `device` (the current device when negative). Cached after the first call.
+// Properties of `device` (the current device when negative), cached after the first successful
+// query (common/per_device.h). Without a usable device (none, out of range, a failed query) the
+// result has arch 0 and sm_count 0, and the thread's last error says why.
 const DeviceInfo& device_info(int device = -1);
 // The current device, with its primary context made current on this thread; -1 on failure.
 int current_device();

@@ -2,37 +2,50 @@
 
 #include <cuda_runtime_api.h>
 
-#include <array>
-#include <mutex>
-
+#include "common/per_device.h"
 #include "common/status.h"
 #include "distgemm/distgemm.h"
 
 namespace distgemm {
 
-ErrorState* error_state(int device) {
-  constexpr int kMaxDevices = 64;
-  static std::array<ErrorState, kMaxDevices> states;
-  static std::array<std::once_flag, kMaxDevices> once;
-  static std::array<bool, kMaxDevices> ok{};
-  if (device < 0 || device >= kMaxDevices) return nullptr;
-  std::call_once(once[device], [device] {
-    ErrorState& s = states[device];
-    void* host = nullptr;
-    ok[device] = cudaMalloc(reinterpret_cast<void**>(&s.device_word), sizeof(int)) == cudaSuccess &&
-                 cudaMemset(s.device_word, 0, sizeof(int)) == cudaSuccess &&
-                 cudaHostAlloc(&host, sizeof(int), cudaHostAllocMapped) == cudaSuccess &&
-                 cudaHostGetDevicePointer(reinterpret_cast<void**>(&s.host_word_device), host, 0) ==
-                     cudaSuccess &&
-                 cudaDeviceSynchronize() == cudaSuccess;
-    s.host_word = static_cast<int*>(host);
-    if (ok[device]) *s.host_word = 0;
-  });
-  if (!ok[device]) {
-    fail(DG_ERROR_CUDA, cat("allocating the error word of device ", device, " failed"));
-    return nullptr;
+namespace {
+
+// Frees what a failed creation of `s` allocated.
+void release(ErrorState& s) {
+  if (s.device_word) cudaFree(s.device_word);
+  if (s.host_word) cudaFreeHost(s.host_word);
+  s = ErrorState{};
+}
+
+// Allocates and zeroes the error words of the current device (per_device.h makes `device`
+// current). The device word is zeroed on a private non-blocking stream, so that nothing here
+// waits on (or is captured into) the caller's streams.
+dg_status create_error_state(int device, ErrorState* s) {
+  void* host = nullptr;
+  cudaStream_t zeroing = nullptr;
+  cudaError_t err = cudaMalloc(reinterpret_cast<void**>(&s->device_word), sizeof(int));
+  if (err == cudaSuccess) err = cudaHostAlloc(&host, sizeof(int), cudaHostAllocMapped);
+  s->host_word = static_cast<int*>(host);
+  if (err == cudaSuccess)
+    err = cudaHostGetDevicePointer(reinterpret_cast<void**>(&s->host_word_device), host, 0);
+  if (err == cudaSuccess) err = cudaStreamCreateWithFlags(&zeroing, cudaStreamNonBlocking);
+  if (err == cudaSuccess) err = cudaMemsetAsync(s->device_word, 0, sizeof(int), zeroing);
+  if (err == cudaSuccess) err = cudaStreamSynchronize(zeroing);
+  if (zeroing) cudaStreamDestroy(zeroing);
+  if (err != cudaSuccess) {
+    release(*s);
+    return fail(DG_ERROR_CUDA, cat("allocating the error word of device ", device,
+                                   " failed: ", cudaGetErrorString(err)));
   }
-  return &states[device];
+  *s->host_word = 0;
+  return DG_SUCCESS;
+}
+
+}  // namespace
+
+ErrorState* error_state(int device) {
+  static PerDevice<ErrorState> states;
+  return states.get(device, "the error word", create_error_state);
 }
 
 }  // namespace distgemm

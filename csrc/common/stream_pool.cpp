@@ -1,36 +1,44 @@
 #include "common/stream_pool.h"
 
-#include <array>
-#include <mutex>
-
+#include "common/per_device.h"
 #include "common/status.h"
 
 namespace distgemm {
 
+namespace {
+
+// Destroys what a failed creation of `p` made.
+void release(StreamPool& p) {
+  for (int i = 0; i < kPoolStreams; ++i) {
+    if (p.streams[i]) cudaStreamDestroy(p.streams[i]);
+    if (p.joined[i]) cudaEventDestroy(p.joined[i]);
+  }
+  if (p.fork) cudaEventDestroy(p.fork);
+  p = StreamPool{};
+}
+
+// The pool of the current device (per_device.h makes `device` current).
+dg_status create_pool(int device, StreamPool* p) {
+  int least = 0, greatest = 0;
+  cudaError_t err = cudaDeviceGetStreamPriorityRange(&least, &greatest);
+  if (err == cudaSuccess) err = cudaEventCreateWithFlags(&p->fork, cudaEventDisableTiming);
+  for (int i = 0; i < kPoolStreams && err == cudaSuccess; ++i) {
+    err = cudaStreamCreateWithPriority(&p->streams[i], cudaStreamNonBlocking, greatest);
+    if (err == cudaSuccess) err = cudaEventCreateWithFlags(&p->joined[i], cudaEventDisableTiming);
+  }
+  if (err != cudaSuccess) {
+    release(*p);
+    return fail(DG_ERROR_CUDA, cat("creating the side streams of device ", device,
+                                   " failed: ", cudaGetErrorString(err)));
+  }
+  return DG_SUCCESS;
+}
+
+}  // namespace
+
 StreamPool* stream_pool(int device) {
-  constexpr int kMaxDevices = 64;
-  static std::array<StreamPool, kMaxDevices> pools;
-  static std::array<std::once_flag, kMaxDevices> once;
-  static std::array<bool, kMaxDevices> ok{};
-  if (device < 0 || device >= kMaxDevices) {
-    fail(DG_ERROR_INVALID_ARGUMENT, cat("device ", device, " out of range"));
-    return nullptr;
-  }
-  std::call_once(once[device], [device] {
-    StreamPool& p = pools[device];
-    int least = 0, greatest = 0;
-    bool good = cudaDeviceGetStreamPriorityRange(&least, &greatest) == cudaSuccess &&
-                cudaEventCreateWithFlags(&p.fork, cudaEventDisableTiming) == cudaSuccess;
-    for (int i = 0; i < kPoolStreams && good; ++i)
-      good = cudaStreamCreateWithPriority(&p.streams[i], cudaStreamNonBlocking, greatest) == cudaSuccess &&
-             cudaEventCreateWithFlags(&p.joined[i], cudaEventDisableTiming) == cudaSuccess;
-    ok[device] = good;
-  });
-  if (!ok[device]) {
-    fail(DG_ERROR_CUDA, cat("creating the side streams of device ", device, " failed"));
-    return nullptr;
-  }
-  return &pools[device];
+  static PerDevice<StreamPool> pools;
+  return pools.get(device, "the side streams", create_pool);
 }
 
 dg_status fork_streams(StreamPool& pool, cudaStream_t stream, int count) {

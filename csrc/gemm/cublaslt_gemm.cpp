@@ -4,31 +4,40 @@
 
 #include <cublasLt.h>
 
-#include <array>
 #include <map>
-#include <mutex>
 #include <tuple>
 
+#include "common/checked_math.h"
 #include "common/device.h"
 #include "common/dtype.h"
+#include "common/per_device.h"
 #include "common/status.h"
 
 namespace distgemm::gemm {
 namespace {
 
-constexpr int kMaxDevices = 64;
-
+// The cuBLASLt handle of `device`, made on first use (common/per_device.h); nullptr (error
+// recorded) if that failed.
 cublasLtHandle_t lt_handle(int device) {
-  static std::array<cublasLtHandle_t, kMaxDevices> handles{};
-  static std::array<std::once_flag, kMaxDevices> once;
-  if (device < 0 || device >= kMaxDevices) return nullptr;
-  std::call_once(once[device], [device] {
-    if (cublasLtCreate(&handles[device]) != CUBLAS_STATUS_SUCCESS) handles[device] = nullptr;
+  static PerDevice<cublasLtHandle_t> handles;
+  cublasLtHandle_t* h = handles.get(device, "the cuBLASLt handle", [](int d, cublasLtHandle_t* out) {
+    const cublasStatus_t st = cublasLtCreate(out);
+    if (st != CUBLAS_STATUS_SUCCESS)
+      return fail(DG_ERROR_CUDA, cat("cublasLtCreate failed on device ", d, ": ",
+                                     cublasLtGetStatusString(st)));
+    return DG_SUCCESS;
   });
-  return handles[device];
+  return h ? *h : nullptr;
 }
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+// A leading dimension of `ld` elements of `bytes` each is a non-negative multiple of 16 bytes
+// (false where the caller's stride overflows, rather than wrapping).
+bool pitch16(int64_t ld, int bytes) {
+  int64_t pitch = 0;
+  return ld >= 0 && checked_mul(ld, bytes, &pitch) && pitch % 16 == 0;
+}
 
 #define DG_LT_RETURN(expr)                                                                   \
   do {                                                                                       \
@@ -120,8 +129,8 @@ const char* cublaslt_unsupported(const dg_gemm_desc& d, bool chained) {
   const int64_t ldb = d.b.col_stride == 1 ? d.b.row_stride : d.b.col_stride;
   const int in = dtype_bytes(d.a.dtype), out = dtype_bytes(d.d.dtype);
   if (!aligned16(d.a.data) || !aligned16(d.b.data) || !aligned16(d.d.data) ||
-      (d.c.data && !aligned16(d.c.data)) || (d.a.row_stride * in) % 16 || (ldb * in) % 16 ||
-      (d.d.row_stride * out) % 16 || (d.c.data && !is_bias(d, chained) && (d.c.row_stride * out) % 16))
+      (d.c.data && !aligned16(d.c.data)) || !pitch16(d.a.row_stride, in) || !pitch16(ldb, in) ||
+      !pitch16(d.d.row_stride, out) || (d.c.data && !is_bias(d, chained) && !pitch16(d.c.row_stride, out)))
     return "pointers or leading dimensions not 16-byte aligned";
   return nullptr;
 }
@@ -144,11 +153,11 @@ dg_status find_plan(const dg_gemm_desc& d, const void* chain_c, int64_t chain_ld
   const bool full_c = d.c.data && !is_bias(d, chained) && d.beta != 0.f;
   const bool bias = is_bias(d, chained) && d.beta != 0.f;
   DG_REQUIRE(!(chained && full_c), "a chained partial sum cannot be combined with a full C operand");
-  DG_REQUIRE(!chained || (aligned16(chain_c) && (chain_ldc * dtype_bytes(d.d.dtype)) % 16 == 0),
+  DG_REQUIRE(!chained || (aligned16(chain_c) && pitch16(chain_ldc, dtype_bytes(d.d.dtype))),
              "the chained partial sums must be 16-byte aligned");
   const int device = current_device();
   cublasLtHandle_t handle = lt_handle(device);
-  if (!handle) return fail(DG_ERROR_CUDA, cat("cublasLtCreate failed on device ", device));
+  if (!handle) return DG_ERROR_CUDA;
 
   const bool b_k_major = d.b.col_stride == 1;
   const int64_t m = d.a.rows, n = d.b.rows, k = d.a.cols;

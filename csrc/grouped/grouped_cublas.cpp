@@ -6,10 +6,10 @@
 
 #include <algorithm>
 #include <array>
-#include <mutex>
 
 #include "common/device.h"
 #include "common/dtype.h"
+#include "common/per_device.h"
 #include "common/status.h"
 #include "common/stream_pool.h"
 #include "distgemm/distgemm.h"
@@ -20,19 +20,24 @@ namespace {
 
 constexpr int kStreams = 4;
 
-// One cuBLAS handle per side stream of each device, created on first use.
+// One cuBLAS handle per side stream of each device, made on first use (common/per_device.h)
+// and bound to the first kStreams streams of `pool` (the device's pool: one per device too).
 cublasHandle_t* cublas_handles(int device, StreamPool& pool) {
-  static std::array<std::array<cublasHandle_t, kStreams>, 64> handles;
-  static std::array<std::once_flag, 64> once;
-  static std::array<bool, 64> ok{};
-  std::call_once(once[device], [&] {
-    bool good = true;
-    for (int i = 0; i < kStreams && good; ++i)
-      good = cublasCreate(&handles[device][i]) == CUBLAS_STATUS_SUCCESS &&
-             cublasSetStream(handles[device][i], pool.streams[i]) == CUBLAS_STATUS_SUCCESS;
-    ok[device] = good;
+  using Handles = std::array<cublasHandle_t, kStreams>;
+  static PerDevice<Handles> handles;
+  Handles* h = handles.get(device, "the cuBLAS handles", [&pool](int d, Handles* out) {
+    cublasStatus_t st = CUBLAS_STATUS_SUCCESS;
+    for (int i = 0; i < kStreams && st == CUBLAS_STATUS_SUCCESS; ++i) {
+      st = cublasCreate(&(*out)[i]);
+      if (st == CUBLAS_STATUS_SUCCESS) st = cublasSetStream((*out)[i], pool.streams[i]);
+    }
+    if (st == CUBLAS_STATUS_SUCCESS) return DG_SUCCESS;
+    for (cublasHandle_t& handle : *out)
+      if (handle) cublasDestroy(handle);
+    return fail(DG_ERROR_CUDA, cat("creating the cuBLAS handles of device ", d, " failed: ",
+                                   cublasGetStatusString(st)));
   });
-  return ok[device] ? handles[device].data() : nullptr;
+  return h ? h->data() : nullptr;
 }
 
 }  // namespace
@@ -50,7 +55,7 @@ extern "C" dg_status dg_grouped_gemm_cublas(const dg_grouped_desc* desc, const i
   StreamPool* pool = stream_pool(device);
   if (!pool) return DG_ERROR_CUDA;
   cublasHandle_t* handles = cublas_handles(device, *pool);
-  if (!handles) return fail(DG_ERROR_CUDA, "creating the cuBLAS handles failed");
+  if (!handles) return DG_ERROR_CUDA;
 
   const size_t in_bytes = dtype_bytes(desc->in_dtype), out_bytes = dtype_bytes(desc->out_dtype);
   const cudaDataType_t in_type = cublas_float_type(desc->in_dtype),
