@@ -1,8 +1,12 @@
 // dg_grouped_gemm: argument checks, the instance table and dispatch. Host-only.
 #include <algorithm>
 #include <cstdint>
+#include <initializer_list>
+#include <iterator>
+#include <string>
 #include <vector>
 
+#include "common/checked_math.h"
 #include "common/device.h"
 #include "common/dtype.h"
 #include "common/status.h"
@@ -24,13 +28,22 @@ namespace {
 #define DG_SM90_GROUPED(...)
 #endif
 
-const GroupedInstance kInstances[] = {
+// The compiled kernels, then a sentinel (arch 0) that keeps the array non-empty in a build
+// without any arch (the host-checks build); kInstances is the table without it.
+const GroupedInstance kInstanceTable[] = {
 #include "grouped/grouped_instances.def"
 #if defined(DISTGEMM_TUNING_INSTANCES)
 #include "grouped/grouped_instances_tuning.def"
 #endif
+    GroupedInstance{},
 };
 #undef DG_SM90_GROUPED
+
+struct InstanceList {
+  const GroupedInstance* begin() const { return kInstanceTable; }
+  const GroupedInstance* end() const { return kInstanceTable + std::size(kInstanceTable) - 1; }
+};
+constexpr InstanceList kInstances{};
 
 const char* kind_name(dg_grouped_kind kind) {
   switch (kind) {
@@ -41,49 +54,131 @@ const char* kind_name(dg_grouped_kind kind) {
   return "unknown";
 }
 
+// The kernels for d's kind and dtypes, compared as the raw ints the caller stored (this also
+// serves unchecked descs: dg_grouped_gemm_config_count / _name).
 std::vector<const GroupedInstance*> candidates(const dg_grouped_desc& d, int device_arch) {
   std::vector<const GroupedInstance*> out;
+  const int kind = raw_enum(d.kind), in = raw_enum(d.in_dtype), o = raw_enum(d.out_dtype);
   for (const GroupedInstance& inst : kInstances)
-    if (inst.arch == device_arch && inst.in == d.in_dtype && inst.out == d.out_dtype &&
-        inst.kind == d.kind)
+    if (device_arch > 0 && inst.arch == device_arch && inst.in == in && inst.out == o && inst.kind == kind)
       out.push_back(&inst);
   return out;
 }
 
-bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+constexpr int64_t kInt32Limit = int64_t(1) << 31;
+
+// A dtype as the caller stored it, for messages.
+std::string dtype_str(int raw) {
+  return raw >= DG_F32 && raw <= DG_I32 ? dtype_name(static_cast<dg_dtype>(raw)) : cat("dtype ", raw);
+}
+
+std::string shape_str(const dg_grouped_shape& s) {
+  if (s.ndim < 0 || s.ndim > 3) return cat("a ", s.ndim, "-D tensor");
+  std::string out = "(";
+  for (int i = 0; i < s.ndim; ++i) out += cat(i ? ", " : "", s.size[i]);
+  return out + (s.ndim == 1 ? ",)" : ")");
+}
+
+// `name` (the `role` operand) has `ndim` dimensions of the given sizes; `expected` spells them.
+dg_status check_shape(const dg_grouped_shape& s, const char* name, const char* role,
+                      std::initializer_list<int64_t> sizes, const std::string& expected) {
+  bool same = s.ndim == static_cast<int>(sizes.size());
+  for (size_t i = 0; same && i < sizes.size(); ++i) same = s.size[i] == sizes.begin()[i];
+  DG_REQUIRE(same, name, " (", role, ") must have shape ", expected, ", got ", shape_str(s));
+  return DG_SUCCESS;
+}
+
+// `name` holds the product of `sizes` elements of `bytes` each at `p`: its byte extent fits in
+// int64 and in the address space after p; p is `align`-byte aligned, and NULL only when there
+// is nothing to read.
+dg_status check_extent(const void* p, const char* name, std::initializer_list<int64_t> sizes,
+                       int bytes, unsigned align = 16) {
+  int64_t elements = 0, extent = 0;
+  DG_REQUIRE(checked_product(sizes, &elements) && checked_mul(elements, bytes, &extent), name,
+             " spans more than 2^63 bytes");
+  DG_REQUIRE(p != nullptr || elements == 0, name, " must not be NULL");
+  DG_REQUIRE((reinterpret_cast<uintptr_t>(p) & (align - 1)) == 0, name, " must be a ", align,
+             "-byte aligned device pointer, got ", p);
+  DG_REQUIRE(static_cast<uint64_t>(extent) <= UINTPTR_MAX - reinterpret_cast<uintptr_t>(p), name,
+             " runs past the end of the address space (", extent, " bytes from ", p, ")");
+  return DG_SUCCESS;
+}
 
 }  // namespace
 
 dg_status lower(const dg_grouped_desc* desc, GroupedProblem* p) {
   DG_REQUIRE(desc != nullptr, "desc must not be NULL");
   const dg_grouped_desc& d = *desc;
-  DG_REQUIRE(d.kind == DG_GROUPED_FORWARD || d.kind == DG_GROUPED_DGRAD || d.kind == DG_GROUPED_WGRAD,
-             "kind must be forward, dgrad or wgrad");
-  DG_REQUIRE(d.num_groups >= 1, "the number of groups must be at least 1, got ", d.num_groups);
-  DG_REQUIRE(d.offs != nullptr && (reinterpret_cast<uintptr_t>(d.offs) & 3u) == 0,
-             "offs must be a 4-byte aligned device pointer");
-  DG_REQUIRE(is_16bit_float(d.in_dtype), "inputs must be bfloat16 or float16, got ",
-             dtype_name(d.in_dtype));
-  DG_REQUIRE(d.out_dtype == d.in_dtype || d.out_dtype == DG_F32, "out dtype must be ",
-             dtype_name(d.in_dtype), " or float32, got ", dtype_name(d.out_dtype));
-  DG_REQUIRE(d.tokens >= 0 && d.tokens < (int64_t(1) << 31), "the token count must be in [0, 2^31), got ",
-             d.tokens);
-  DG_REQUIRE(d.n >= 1 && d.k >= 1 && d.n < (int64_t(1) << 31) && d.k < (int64_t(1) << 31),
-             "N and K must be in [1, 2^31), got N=", d.n, " K=", d.k);
-  const int in_elems = 16 / dtype_bytes(d.in_dtype), out_elems = 16 / dtype_bytes(d.out_dtype);
-  DG_REQUIRE(d.n % in_elems == 0 && d.k % in_elems == 0, "N=", d.n, " and K=", d.k,
-             " must be multiples of ", in_elems, " (16 bytes of ", dtype_name(d.in_dtype), ")");
-  const int64_t out_row = d.kind == DG_GROUPED_WGRAD ? d.k : d.n;
-  DG_REQUIRE(out_row % out_elems == 0, "the output row of ", out_row, " ", dtype_name(d.out_dtype),
+  const int kind = raw_enum(d.kind);
+  DG_REQUIRE(kind == DG_GROUPED_FORWARD || kind == DG_GROUPED_DGRAD || kind == DG_GROUPED_WGRAD,
+             "kind must be forward, dgrad or wgrad, got ", kind);
+  const int in = raw_enum(d.in_dtype), out = raw_enum(d.out_dtype);
+  DG_REQUIRE(in == DG_BF16 || in == DG_F16, "inputs must be bfloat16 or float16, got ",
+             dtype_str(in));
+  DG_REQUIRE(out == in || out == DG_F32, "out dtype must be ", dtype_str(in),
+             " or float32, got ", dtype_str(out));
+  const int in_bytes = dtype_bytes(d.in_dtype), out_bytes = dtype_bytes(d.out_dtype);
+  const int64_t groups = d.num_groups;
+  DG_REQUIRE(groups >= 1 && groups < kInt32Limit,
+             "offs must hold between 1 and 2^31 - 1 group ends (num_groups), got ", groups);
+  DG_RETURN_IF_ERROR(check_extent(d.offs, "offs", {groups}, 4, 4));
+
+  // The problem, read off the shapes; then every shape against it.
+  const bool wgrad = kind == DG_GROUPED_WGRAD;
+  const char* a_name = wgrad ? "dy" : "x";
+  const char* b_name = wgrad ? "x" : "w";
+  const dg_grouped_shape& as = d.a_shape;
+  const dg_grouped_shape& bs = d.b_shape;
+  DG_REQUIRE(as.ndim == 2, a_name, " (a) must be 2-D ", wgrad ? "(T, N)" : "(T, K)", ", got ",
+             shape_str(as));
+  DG_REQUIRE(bs.ndim == (wgrad ? 2 : 3), b_name, " (b) must be ",
+             wgrad ? "2-D (T, K)" : kind == DG_GROUPED_FORWARD ? "3-D (G, N, K)" : "3-D (G, K, N)",
+             ", got ", shape_str(bs));
+  const int64_t tokens = as.size[0];
+  const int64_t n = wgrad ? as.size[1] : kind == DG_GROUPED_FORWARD ? bs.size[1] : bs.size[2];
+  const int64_t k = wgrad ? bs.size[1] : as.size[1];
+  DG_REQUIRE(tokens >= 0 && tokens < kInt32Limit, a_name,
+             " must have between 0 and 2^31 - 1 rows (T; offs are int32), got ", shape_str(as));
+  DG_REQUIRE(n >= 1 && n < kInt32Limit && k >= 1 && k < kInt32Limit,
+             "N and K must be in [1, 2^31), got N=", n, " K=", k, " from ", a_name, " ",
+             shape_str(as), " and ", b_name, " ", shape_str(bs));
+  if (wgrad) {
+    DG_RETURN_IF_ERROR(check_shape(bs, "x", "b", {tokens, k},
+                                   cat("(T, K) with dy's T = ", tokens, " rows")));
+    DG_RETURN_IF_ERROR(check_shape(d.out_shape, "out", "out", {groups, n, k},
+                                   cat("(G, N, K) = (", groups, ", ", n, ", ", k,
+                                       ") (offs' groups, dy's and x's columns)")));
+  } else {
+    const bool fwd = kind == DG_GROUPED_FORWARD;
+    DG_RETURN_IF_ERROR(check_shape(bs, "w", "b", {groups, fwd ? n : k, fwd ? k : n},
+                                   cat(fwd ? "(G, N, K) = (" : "(G, K, N) = (", groups, ", ",
+                                       fwd ? "N" : cat(k), ", ", fwd ? cat(k) : "N",
+                                       ") (offs' groups, x's K columns)")));
+    DG_RETURN_IF_ERROR(check_shape(d.out_shape, "out", "out", {tokens, n},
+                                   cat("(T, N) = (", tokens, ", ", n, ") (x's rows, w's N)")));
+  }
+
+  const int in_elems = 16 / in_bytes, out_elems = 16 / out_bytes;
+  DG_REQUIRE(n % in_elems == 0 && k % in_elems == 0, "N=", n, " and K=", k,
+             " must be multiples of ", in_elems, " (16 bytes of ", dtype_str(in), ")");
+  const int64_t out_row = wgrad ? k : n;
+  DG_REQUIRE(out_row % out_elems == 0, "out rows of ", out_row, " ", dtype_str(out),
              " elements must be a multiple of 16 bytes");
-  DG_REQUIRE(aligned16(d.a) && aligned16(d.b) && aligned16(d.out),
-             "a, b and out must be 16-byte aligned device pointers");
+  if (wgrad) {
+    DG_RETURN_IF_ERROR(check_extent(d.a, "dy", {tokens, n}, in_bytes));
+    DG_RETURN_IF_ERROR(check_extent(d.b, "x", {tokens, k}, in_bytes));
+    DG_RETURN_IF_ERROR(check_extent(d.out, "out", {groups, n, k}, out_bytes));
+  } else {
+    DG_RETURN_IF_ERROR(check_extent(d.a, "x", {tokens, k}, in_bytes));
+    DG_RETURN_IF_ERROR(check_extent(d.b, "w", {groups, n, k}, in_bytes));
+    DG_RETURN_IF_ERROR(check_extent(d.out, "out", {tokens, n}, out_bytes));
+  }
   p->kind = d.kind;
-  p->groups = d.num_groups;
+  p->groups = static_cast<int>(groups);
   p->offs = d.offs;
-  p->tokens = d.tokens;
-  p->n = d.n;
-  p->k = d.k;
+  p->tokens = tokens;
+  p->n = n;
+  p->k = k;
   p->a = d.a;
   p->b = d.b;
   p->d = d.out;
@@ -97,6 +192,10 @@ dg_status plan(const dg_grouped_desc* desc, int device_arch, int sm_count, Group
                const GroupedInstance** chosen) {
   DG_RETURN_IF_ERROR(lower(desc, p));
   auto list = candidates(*desc, device_arch);
+  if (device_arch <= 0)
+    return fail(DG_ERROR_NOT_SUPPORTED,
+                cat("no usable CUDA device (device arch ", device_arch,
+                    "): distgemm's grouped kernels run on sm_90"));
   if (list.empty())
     return fail(DG_ERROR_NOT_SUPPORTED,
                 cat("no sm_", device_arch, " grouped ", kind_name(desc->kind), " kernel in this build for ",

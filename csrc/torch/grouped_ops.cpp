@@ -3,6 +3,8 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <utility>
+
 #include "torch/marshal.h"
 
 namespace distgemm::torch_binding {
@@ -10,28 +12,48 @@ namespace {
 
 enum Backend : int64_t { kCutlass = 0, kCublas = 1 };
 
+// t's sizes as the C API takes them (its ndim, and at most 3 sizes: the core refuses the rest).
+dg_grouped_shape shape_of(const at::Tensor& t) {
+  dg_grouped_shape s{};
+  s.ndim = static_cast<int>(t.dim());
+  for (int i = 0; i < s.ndim && i < 3; ++i) s.size[i] = t.size(i);
+  return s;
+}
+
+// Marshals the tensors into a dg_grouped_desc and runs it; the core checks every shape.
+// Checked here only what the desc cannot carry: devices, contiguity, offs as a flat int32
+// array, and b having a's dtype (the desc holds one input dtype).
 void run_grouped(dg_grouped_kind kind, const at::Tensor& a, const at::Tensor& b,
                  const at::Tensor& offs, const at::Tensor& out, bool accumulate, int64_t backend,
-                 int64_t config, int64_t n, int64_t k) {
-  const char* op = kind == DG_GROUPED_WGRAD ? "distgemm.grouped_mm_wgrad" : "distgemm.grouped_mm";
-  for (const at::Tensor* t : {&a, &b, &offs, &out}) {
-    TORCH_CHECK_VALUE(t->device() == a.device(), op, ": all tensors must be on ", a.device());
-    TORCH_CHECK_VALUE(t->is_contiguous(), op, ": operands must be contiguous");
+                 int64_t config) {
+  const bool wgrad = kind == DG_GROUPED_WGRAD;
+  const char* op = wgrad ? "distgemm.grouped_mm_wgrad" : "distgemm.grouped_mm";
+  const char* a_name = wgrad ? "dy" : "x";
+  const char* b_name = wgrad ? "x" : "w";
+  const std::pair<const at::Tensor*, const char*> args[] = {
+      {&a, a_name}, {&b, b_name}, {&offs, "offs"}, {&out, "out"}};
+  for (const auto& [t, name] : args) {
+    TORCH_CHECK_VALUE(t->device() == a.device(), op, ": ", name, " is on ", t->device(), " but ",
+                      a_name, " is on ", a.device());
+    TORCH_CHECK_VALUE(t->is_contiguous(), op, ": ", name, " must be contiguous");
   }
   TORCH_CHECK_VALUE(offs.scalar_type() == at::kInt && offs.dim() == 1, op,
-                    ": offs must be a 1-D int32 tensor");
+                    ": offs must be a 1-D int32 tensor, got ", offs.scalar_type(), " of shape ",
+                    offs.sizes());
+  TORCH_CHECK_VALUE(b.scalar_type() == a.scalar_type(), op, ": ", b_name, " must have ", a_name,
+                    "'s dtype ", a.scalar_type(), ", got ", b.scalar_type());
   const c10::cuda::CUDAGuard guard(a.device());
   dg_grouped_desc desc{};
   desc.kind = kind;
-  desc.num_groups = static_cast<int>(offs.numel());
+  desc.num_groups = offs.numel();
   desc.offs = offs.data_ptr<int32_t>();
-  desc.tokens = a.size(0);
-  desc.n = n;
-  desc.k = k;
   desc.a = a.data_ptr();
+  desc.a_shape = shape_of(a);
   desc.b = b.data_ptr();
+  desc.b_shape = shape_of(b);
   desc.out = out.data_ptr();
-  desc.in_dtype = to_dg_dtype(a.scalar_type(), "x");
+  desc.out_shape = shape_of(out);
+  desc.in_dtype = to_dg_dtype(a.scalar_type(), a_name);
   desc.out_dtype = to_dg_dtype(out.scalar_type(), "out");
   desc.accumulate = accumulate;
   desc.config = static_cast<int>(config);
@@ -50,15 +72,15 @@ void run_grouped(dg_grouped_kind kind, const at::Tensor& a, const at::Tensor& b,
 void grouped_mm_out(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offs,
                     const at::Tensor& out, bool accumulate, bool trans_w, int64_t backend,
                     int64_t config) {
-  TORCH_CHECK_VALUE(x.dim() == 2 && w.dim() == 3, "distgemm.grouped_mm: x must be 2-D and w 3-D");
-  const int64_t n = trans_w ? w.size(1) : w.size(2);
   run_grouped(trans_w ? DG_GROUPED_FORWARD : DG_GROUPED_DGRAD, x, w, offs, out, accumulate,
-              backend, config, n, x.size(1));
+              backend, config);
 }
 
 at::Tensor grouped_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offs,
                       at::ScalarType out_dtype, bool trans_w, int64_t backend, int64_t config) {
-  TORCH_CHECK_VALUE(x.dim() == 2 && w.dim() == 3, "distgemm.grouped_mm: x must be 2-D and w 3-D");
+  // The output's size needs x's rows and w's N; every other size is the core's to check.
+  TORCH_CHECK_VALUE(x.dim() == 2 && w.dim() == 3, "distgemm.grouped_mm: x must be 2-D and w 3-D, got ",
+                    x.sizes(), " and ", w.sizes());
   at::Tensor out = at::empty({x.size(0), trans_w ? w.size(1) : w.size(2)}, x.options().dtype(out_dtype));
   grouped_mm_out(x, w, offs, out, false, trans_w, backend, config);
   return out;
@@ -67,13 +89,14 @@ at::Tensor grouped_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor
 // dy (T, N), x (T, K); out (G, N, K) = per group dy_g^T @ x_g.
 void grouped_mm_wgrad_out(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& offs,
                           const at::Tensor& out, bool accumulate, int64_t backend, int64_t config) {
-  TORCH_CHECK_VALUE(dy.dim() == 2 && x.dim() == 2, "distgemm.grouped_mm_wgrad: dy and x must be 2-D");
-  run_grouped(DG_GROUPED_WGRAD, dy, x, offs, out, accumulate, backend, config, dy.size(1), x.size(1));
+  run_grouped(DG_GROUPED_WGRAD, dy, x, offs, out, accumulate, backend, config);
 }
 
 at::Tensor grouped_mm_wgrad(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& offs,
                             at::ScalarType out_dtype, int64_t backend, int64_t config) {
-  TORCH_CHECK_VALUE(dy.dim() == 2 && x.dim() == 2, "distgemm.grouped_mm_wgrad: dy and x must be 2-D");
+  // The output's size needs dy's and x's columns; every other size is the core's to check.
+  TORCH_CHECK_VALUE(dy.dim() == 2 && x.dim() == 2, "distgemm.grouped_mm_wgrad: dy and x must be 2-D, got ",
+                    dy.sizes(), " and ", x.sizes());
   at::Tensor out = at::empty({offs.numel(), dy.size(1), x.size(1)}, dy.options().dtype(out_dtype));
   grouped_mm_wgrad_out(dy, x, offs, out, false, backend, config);
   return out;

@@ -74,31 +74,45 @@ DG_API int dg_gemm_select_config(const dg_gemm_desc* desc, int device_arch, int 
 /* ---------------------------------------------------------------- grouped GEMM (MoE) */
 
 /* Per group g, with rows [offs[g-1], offs[g]) of the token dimension (offs[-1] = 0):
- *   DG_GROUPED_FORWARD: out[rows] (T, N) = a[rows] (T, K) @ b[g]^T,  b (G, N, K)
- *   DG_GROUPED_DGRAD:   out[rows] (T, N) = a[rows] (T, K) @ b[g],    b (G, K, N)
- *   DG_GROUPED_WGRAD:   out[g] (G, N, K) = a[rows]^T @ b[rows],      a (T, N), b (T, K)
+ *   DG_GROUPED_FORWARD: out[rows] (T, N) = a[rows] (T, K) @ b[g]^T,  a = x (T, K), b = w (G, N, K)
+ *   DG_GROUPED_DGRAD:   out[rows] (T, N) = a[rows] (T, K) @ b[g],    a = x (T, K), b = w (G, K, N)
+ *   DG_GROUPED_WGRAD:   out[g] (G, N, K) = a[rows]^T @ b[rows],      a = dy (T, N), b = x (T, K)
  * offs: G int32 cumulative row ends on the device; they never leave it. Offsets are clamped
  * to [0, T] and a decreasing offset ends its group where it starts, so no launch reads or
  * writes out of bounds. FORWARD/DGRAD leave rows past offs[G-1] untouched; WGRAD writes
  * zeros for empty groups, or leaves them untouched with accumulate.
- * accumulate: out += result (out must then hold valid data). */
+ * accumulate: out += result (out must then hold valid data).
+ *
+ * The caller passes each tensor's shape as it holds it; G is num_groups and T, N, K are read
+ * off the shapes (T and K from a for FORWARD/DGRAD; T and N from a, K from b for WGRAD), and
+ * every other size must agree with them. Errors name the tensors as above (x, w, dy, offs, out).
+ * Limits: 1 <= G < 2^31, 0 <= T < 2^31 (int32 offsets), 1 <= N, K < 2^31, N and K (and out's
+ * rows) multiples of 16 bytes, every tensor's bytes within int64 and the address space. */
+
+/* A tensor's sizes: ndim of them in size[0..ndim-1] (row-major and contiguous). A caller with a
+ * tensor of more than 3 dimensions passes its ndim (and its first 3 sizes): it is refused. */
+typedef struct dg_grouped_shape {
+  int ndim;
+  int64_t size[3];
+} dg_grouped_shape;
 
 typedef struct dg_grouped_desc {
   dg_grouped_kind kind;
-  int num_groups;
-  const int32_t* offs;
-  int64_t tokens; /* T */
-  int64_t n;
-  int64_t k;
-  const void* a;  /* contiguous, see above */
-  const void* b;  /* contiguous, see above */
-  void* out;      /* contiguous */
-  dg_dtype in_dtype;  /* a and b */
-  dg_dtype out_dtype;
+  int64_t num_groups;          /* G: the number of offsets in offs */
+  const int32_t* offs;         /* G int32 values, 4-byte aligned */
+  const void* a;               /* 16-byte aligned; NULL only if a has no elements */
+  dg_grouped_shape a_shape;    /* FORWARD/DGRAD: x (T, K); WGRAD: dy (T, N) */
+  const void* b;               /* 16-byte aligned; NULL only if b has no elements */
+  dg_grouped_shape b_shape;    /* FORWARD: w (G, N, K); DGRAD: w (G, K, N); WGRAD: x (T, K) */
+  void* out;                   /* 16-byte aligned; NULL only if out has no elements */
+  dg_grouped_shape out_shape;  /* FORWARD/DGRAD: (T, N); WGRAD: (G, N, K) */
+  dg_dtype in_dtype;           /* a and b: bfloat16 or float16 */
+  dg_dtype out_dtype;          /* in_dtype or float32 */
   int accumulate;
-  int config;     /* -1: heuristic */
+  int config;                  /* -1: heuristic */
 } dg_grouped_desc;
 
+/* The checks, then the workspace the CUTLASS kernel for desc needs on the current device. */
 DG_API dg_status dg_grouped_gemm_workspace_size(const dg_grouped_desc* desc, size_t* bytes);
 DG_API dg_status dg_grouped_gemm(const dg_grouped_desc* desc, void* workspace,
                                  size_t workspace_bytes, cudaStream_t stream);
