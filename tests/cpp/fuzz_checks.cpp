@@ -1,0 +1,396 @@
+// A deterministic random fuzzer of the C API's argument checks (built with ASan + UBSan by
+// DISTGEMM_HOST_CHECKS; run by ctest). Each iteration starts from a valid dense, grouped or
+// tensor-parallel descriptor and mutates a few fields to extreme int64/int values, NULL,
+// misaligned or end-of-address-space pointers and arbitrary enum values, then calls every
+// entry point that only checks (and, without a GPU, the launching ones, which stop at their
+// checks). It asserts that each returns a status the API defines with a message, and that
+// whatever passes the checks is in bounds by an independent oracle (128-bit arithmetic): a
+// check that lets an out-of-bounds descriptor through fails here, a crash or an overflow trips
+// the sanitizers.
+//
+//   distgemm_fuzz_checks [iterations=200000] [seed=1] [families=gemm,grouped,tp]
+#include <cuda_runtime_api.h>
+
+#include <climits>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+
+#include "c_api_helpers.h"
+#include "distgemm/distgemm.h"
+
+using namespace dgtest;
+
+namespace {
+
+using i128 = __int128;
+
+std::mt19937_64 rng;
+uint64_t below(uint64_t n) { return rng() % n; }
+bool coin(int one_in) { return below(one_in) == 0; }
+
+const int64_t kExtremes[] = {0, 1, -1, 2, 7, 8, 15, 16, 64, 127, 128,
+                             (int64_t(1) << 31) - 1, int64_t(1) << 31, (int64_t(1) << 31) + 1,
+                             int64_t(1) << 32, int64_t(1) << 40, int64_t(1) << 61,
+                             int64_t(1) << 62, INT64_MAX, INT64_MAX - 1, INT64_MAX / 2,
+                             INT64_MAX / 3, INT64_MIN, INT64_MIN + 1, -(int64_t(1) << 31)};
+
+int64_t any_int64() {
+  switch (below(4)) {
+    case 0: return kExtremes[below(std::size(kExtremes))];
+    case 1: return static_cast<int64_t>(rng());
+    case 2: return static_cast<int64_t>(below(1 << 20)) - 16;
+    default: return int64_t(1) << below(63);
+  }
+}
+
+int any_int() {
+  switch (below(3)) {
+    case 0: return static_cast<int>(kExtremes[below(std::size(kExtremes))]);
+    case 1: return static_cast<int>(rng());
+    default: return static_cast<int>(below(12)) - 2;
+  }
+}
+
+const void* any_ptr(const void* valid) {
+  switch (below(6)) {
+    case 0: return nullptr;
+    case 1: return reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(valid) + 1 + below(15));  // misaligned
+    case 2: return reinterpret_cast<const void*>(UINTPTR_MAX & ~uintptr_t{15});
+    case 3: return reinterpret_cast<const void*>((UINTPTR_MAX - (uintptr_t{1} << below(48))) & ~uintptr_t{15});
+    case 4: return reinterpret_cast<const void*>(uintptr_t{16});
+    default: return reinterpret_cast<const void*>(rng());
+  }
+}
+
+template <class Enum>
+void mutate_enum(Enum* e) {
+  set_raw(e, below(2) ? static_cast<int>(below(10)) - 1 : any_int());
+}
+
+template <class Enum>
+int raw(const Enum& e) {
+  int v;
+  std::memcpy(&v, &e, sizeof v);
+  return v;
+}
+
+long failures = 0;
+long gemm_calls = 0, gemm_passed = 0, grouped_calls = 0, grouped_passed = 0, tp_calls = 0, tp_passed = 0;
+
+void report(const char* what, const std::string& detail) {
+  if (++failures <= 20) std::fprintf(stderr, "FAIL: %s: %s\n", what, detail.c_str());
+}
+
+// The status is defined and comes with a message (for a failure).
+void expect_status(dg_status s, const char* fn) {
+  if (!is_valid_status(s)) {
+    report(fn, "returned an undefined status " + std::to_string(raw(s)));
+    return;
+  }
+  const char* msg = dg_last_error();
+  if (msg == nullptr || (s != DG_SUCCESS && *msg == '\0')) report(fn, "failed without a message");
+}
+
+// ---------------------------------------------------------------- dense GEMM
+
+dg_dtype pick(std::initializer_list<dg_dtype> ts) { return ts.begin()[below(ts.size())]; }
+
+dg_gemm_desc random_valid_gemm() {
+  const bool fp8 = coin(3);
+  const dg_dtype in = fp8 ? pick({DG_E4M3, DG_E5M2}) : pick({DG_BF16, DG_F16});
+  const dg_dtype in_b = fp8 ? (in == DG_E5M2 ? DG_E4M3 : pick({DG_E4M3, DG_E5M2})) : in;
+  const dg_dtype out = fp8 ? pick({DG_BF16, DG_F16, DG_F32}) : pick({in, DG_F32});
+  const int64_t align = fp8 ? 16 : 8;
+  const int64_t m = coin(4) ? 1 : 1 + static_cast<int64_t>(below(4096));
+  const int64_t n = align * (1 + static_cast<int64_t>(below(256)));
+  const int64_t k = align * (1 + static_cast<int64_t>(below(256)));
+  dg_gemm_desc d = gemm_desc(m, n, k, in, out);
+  d.b.dtype = in_b;
+  if (coin(4)) d.a.row_stride = k + align * static_cast<int64_t>(below(8));
+  if (!fp8 && coin(4)) {  // N-major b
+    d.b.row_stride = 1;
+    d.b.col_stride = n + align * static_cast<int64_t>(below(4));
+  }
+  if (coin(3)) {
+    const bool bias = coin(2);
+    d.c = {fake_ptr(9), out, bias ? 1 : m, n, n, 1};
+    d.beta = 1.f;
+  }
+  alignas(16) static float scales[16];
+  if (fp8 && coin(2)) {
+    d.scale_a = scales;
+    d.scale_a_len = coin(2) ? 1 : m;
+    d.scale_b = scales;
+    d.scale_b_len = coin(2) ? 1 : n;
+  }
+  d.fast_accum = static_cast<int>(below(2));
+  d.config = coin(4) ? any_int() : -1;
+  d.swizzle = coin(4) ? any_int() : 0;
+  return d;
+}
+
+void mutate_matrix(dg_matrix* m) {
+  switch (below(6)) {
+    case 0: m->data = any_ptr(m->data ? m->data : fake_ptr(10)); break;
+    case 1: mutate_enum(&m->dtype); break;
+    case 2: m->rows = any_int64(); break;
+    case 3: m->cols = any_int64(); break;
+    case 4: m->row_stride = any_int64(); break;
+    default: m->col_stride = any_int64(); break;
+  }
+}
+
+void mutate_gemm(dg_gemm_desc* d) {
+  const int count = 1 + static_cast<int>(below(3));
+  for (int i = 0; i < count; ++i) {
+    switch (below(10)) {
+      case 0: mutate_matrix(&d->a); break;
+      case 1: mutate_matrix(&d->b); break;
+      case 2: mutate_matrix(&d->c); break;
+      case 3: case 4: mutate_matrix(&d->d); break;
+      case 5: d->scale_a = static_cast<const float*>(any_ptr(fake_ptr(11))); d->scale_a_len = any_int64(); break;
+      case 6: d->scale_b = static_cast<const float*>(any_ptr(fake_ptr(11))); d->scale_b_len = any_int64(); break;
+      case 7: d->config = any_int(); d->swizzle = any_int(); break;
+      case 8: d->fast_accum = any_int(); break;
+      default: {  // one size changed consistently: shape checks pass, size checks are hit
+        const int64_t v = any_int64();
+        d->a.rows = d->d.rows = v;
+        if (coin(2)) d->a.row_stride = any_int64();
+        break;
+      }
+    }
+  }
+}
+
+bool known_dtype(int t) { return t >= DG_F32 && t <= DG_I32; }
+
+// The oracle: a matrix that passed the checks is in bounds.
+bool in_bounds(const dg_matrix& m, int64_t rows, int64_t cols, std::string* why) {
+  const uintptr_t p = reinterpret_cast<uintptr_t>(m.data);
+  const int t = raw(m.dtype);
+  if (!known_dtype(t)) return *why = "unknown dtype", false;
+  const int bytes = dtype_bytes(m.dtype);
+  if (m.rows != rows || m.cols != cols) return *why = "shape", false;
+  if (p == 0 || p % 16) return *why = "NULL or misaligned", false;
+  if (cols > 1 && m.col_stride != 1) return *why = "column stride", false;
+  if (m.row_stride < 0) return *why = "negative row stride", false;
+  if ((i128)m.row_stride * bytes > INT64_MAX) return *why = "row pitch overflows", false;
+  i128 extent = (i128)cols * bytes;
+  if (rows > 1) {
+    if (m.row_stride < cols || (m.row_stride * bytes) % 16) return *why = "row pitch", false;
+    extent += (i128)(rows - 1) * m.row_stride * bytes;
+  }
+  if (extent > INT64_MAX || (i128)p + extent > (i128)UINTPTR_MAX) return *why = "extent", false;
+  return true;
+}
+
+void check_gemm_oracle(const dg_gemm_desc& d) {
+  std::string why;
+  const int64_t m = d.a.rows, k = d.a.cols, n = d.b.rows;
+  const int64_t lim = int64_t(1) << 31;
+  if (!(m >= 1 && n >= 1 && k >= 1 && m < lim && n < lim && k < lim)) return report("gemm oracle", "M/N/K range");
+  if (!in_bounds(d.a, m, k, &why)) return report("gemm oracle a", why);
+  if (d.b.col_stride == 1) {
+    if (!in_bounds(d.b, n, k, &why)) return report("gemm oracle b", why);
+  } else {
+    dg_matrix bt{d.b.data, d.b.dtype, k, n, d.b.col_stride, 1};
+    if (d.b.row_stride != 1 || !in_bounds(bt, k, n, &why)) return report("gemm oracle b (N-major)", why);
+  }
+  if (!in_bounds(d.d, m, n, &why)) return report("gemm oracle out", why);
+  if (d.c.data && !in_bounds(d.c, d.c.rows == 1 ? 1 : m, n, &why)) return report("gemm oracle c", why);
+  if (d.scale_a && d.scale_a_len != 1 && d.scale_a_len != m) return report("gemm oracle", "scale_a_len");
+  if (d.scale_b && d.scale_b_len != 1 && d.scale_b_len != n) return report("gemm oracle", "scale_b_len");
+}
+
+void fuzz_gemm(bool launch) {
+  dg_gemm_desc d = random_valid_gemm();
+  const bool mutated = !coin(8);
+  if (mutated) mutate_gemm(&d);
+  static const int archs[] = {90, 100, 0, -1, 80, 89, 120, INT_MAX, INT_MIN};
+  const int arch = archs[below(std::size(archs))];
+  const dg_status s = dg_gemm_check(&d, arch);
+  expect_status(s, "dg_gemm_check");
+  ++gemm_calls;
+  gemm_passed += s != DG_ERROR_INVALID_ARGUMENT;
+  if (s != DG_ERROR_INVALID_ARGUMENT) check_gemm_oracle(d);
+  if (!mutated && !passes_checks(s)) report("dg_gemm_check", std::string("refused a valid desc: ") + dg_last_error());
+
+  const int sm = coin(2) ? 132 : any_int();
+  const int chosen = dg_gemm_select_config(&d, arch, sm);
+  const int count = dg_gemm_config_count(&d, arch);
+  if (count < 0 || chosen < -1 || chosen >= (count > 0 ? count : 1)) report("dg_gemm_select_config", "out of range");
+  const int config = coin(2) ? static_cast<int>(below(4)) : any_int();
+  const char* name = dg_gemm_config_name(&d, arch, config);
+  if ((name != nullptr) != (config >= 0 && config < count)) report("dg_gemm_config_name", "inconsistent with the count");
+  size_t bytes = 0;
+  expect_status(dg_gemm_workspace_size(&d, coin(16) ? nullptr : &bytes), "dg_gemm_workspace_size");
+  if (launch) expect_status(dg_gemm(&d, nullptr, 0, nullptr), "dg_gemm");
+}
+
+// ---------------------------------------------------------------- grouped GEMM
+
+dg_grouped_desc random_valid_grouped() {
+  const dg_grouped_kind kind = static_cast<dg_grouped_kind>(below(3));
+  const dg_dtype in = pick({DG_BF16, DG_F16});
+  const dg_dtype out = pick({in, DG_F32});
+  const int64_t g = coin(8) ? 1 + static_cast<int64_t>(below(1 << 20)) : 1 + static_cast<int64_t>(below(64));
+  const int64_t t = coin(8) ? 0 : static_cast<int64_t>(below(1 << 16));
+  const int64_t n = 8 * (1 + static_cast<int64_t>(below(512)));
+  const int64_t k = 8 * (1 + static_cast<int64_t>(below(512)));
+  dg_grouped_desc d = grouped_desc(kind, g, t, n, k, in, out);
+  d.accumulate = static_cast<int>(below(2));
+  d.config = coin(4) ? any_int() : -1;
+  return d;
+}
+
+void mutate_shape(dg_grouped_shape* s) {
+  if (coin(5)) s->ndim = coin(2) ? static_cast<int>(below(6)) - 1 : any_int();
+  else if (coin(3)) s->size[below(3)] = static_cast<int64_t>(static_cast<uint64_t>(s->size[below(3)]) + below(3) - 1);
+  else s->size[below(3)] = any_int64();
+}
+
+void mutate_grouped(dg_grouped_desc* d) {
+  const int count = 1 + static_cast<int>(below(3));
+  for (int i = 0; i < count; ++i) {
+    switch (below(11)) {
+      case 0: mutate_enum(&d->kind); break;
+      case 1: mutate_enum(&d->in_dtype); break;
+      case 2: mutate_enum(&d->out_dtype); break;
+      case 3: d->num_groups = any_int64(); break;
+      case 4: d->offs = static_cast<const int32_t*>(any_ptr(d->offs)); break;
+      case 5: d->a = any_ptr(fake_ptr(5)); break;
+      case 6: d->b = any_ptr(fake_ptr(6)); break;
+      case 7: d->out = const_cast<void*>(any_ptr(fake_ptr(7))); break;
+      case 8: mutate_shape(&d->a_shape); break;
+      case 9: mutate_shape(&d->b_shape); break;
+      default: mutate_shape(&d->out_shape); break;
+    }
+  }
+  if (coin(6)) {  // consistent extreme sizes: the overflow checks, not the shape checks, refuse
+    const int64_t g = any_int64(), t = any_int64(), n = any_int64(), k = any_int64();
+    const dg_grouped_desc was = *d;  // its dtypes may hold any int: copied as bytes
+    *d = grouped_desc(static_cast<dg_grouped_kind>(below(3)), g, t, n, k);
+    std::memcpy(&d->in_dtype, &was.in_dtype, sizeof d->in_dtype);
+    std::memcpy(&d->out_dtype, &was.out_dtype, sizeof d->out_dtype);
+  }
+}
+
+bool same(const dg_grouped_shape& s, std::initializer_list<int64_t> sizes) {
+  if (s.ndim != static_cast<int>(sizes.size())) return false;
+  for (size_t i = 0; i < sizes.size(); ++i)
+    if (s.size[i] != sizes.begin()[i]) return false;
+  return true;
+}
+
+bool extent_ok(const void* p, std::initializer_list<int64_t> sizes, int bytes, unsigned align) {
+  i128 e = bytes;
+  for (int64_t s : sizes) {
+    if (s < 0) return false;
+    e *= s;
+    if (e > INT64_MAX) return false;
+  }
+  const uintptr_t u = reinterpret_cast<uintptr_t>(p);
+  return (u != 0 || e == 0) && u % align == 0 && (i128)u + e <= (i128)UINTPTR_MAX;
+}
+
+void check_grouped_oracle(const dg_grouped_desc& d) {
+  const int kind = raw(d.kind), in = raw(d.in_dtype), out = raw(d.out_dtype);
+  if (kind < 0 || kind > 2) return report("grouped oracle", "kind");
+  if (!(in == DG_BF16 || in == DG_F16) || !(out == in || out == DG_F32)) return report("grouped oracle", "dtypes");
+  const int64_t lim = int64_t(1) << 31, g = d.num_groups;
+  if (g < 1 || g >= lim) return report("grouped oracle", "groups");
+  if (d.a_shape.ndim != 2) return report("grouped oracle", "a ndim");
+  const bool wgrad = kind == DG_GROUPED_WGRAD;
+  const int64_t t = d.a_shape.size[0];
+  const int64_t n = wgrad ? d.a_shape.size[1] : kind == DG_GROUPED_FORWARD ? d.b_shape.size[1] : d.b_shape.size[2];
+  const int64_t k = wgrad ? d.b_shape.size[1] : d.a_shape.size[1];
+  if (t < 0 || t >= lim || n < 1 || n >= lim || k < 1 || k >= lim || n % 8 || k % 8) return report("grouped oracle", "T/N/K");
+  const int ib = in == DG_F32 ? 4 : 2, ob = out == DG_F32 ? 4 : 2;
+  bool ok = extent_ok(d.offs, {g}, 4, 4);
+  if (wgrad) {
+    ok = ok && same(d.b_shape, {t, k}) && same(d.out_shape, {g, n, k}) && extent_ok(d.a, {t, n}, ib, 16) &&
+         extent_ok(d.b, {t, k}, ib, 16) && extent_ok(d.out, {g, n, k}, ob, 16);
+  } else {
+    const bool fwd = kind == DG_GROUPED_FORWARD;
+    ok = ok && same(d.b_shape, {g, fwd ? n : k, fwd ? k : n}) && same(d.out_shape, {t, n}) &&
+         extent_ok(d.a, {t, k}, ib, 16) && extent_ok(d.b, {g, n, k}, ib, 16) && extent_ok(d.out, {t, n}, ob, 16);
+  }
+  if (!ok) report("grouped oracle", "shapes, pointers or extents");
+}
+
+void fuzz_grouped(bool launch) {
+  dg_grouped_desc d = random_valid_grouped();
+  const bool mutated = !coin(8);
+  if (mutated) mutate_grouped(&d);
+  size_t bytes = 0;
+  const dg_status s = dg_grouped_gemm_workspace_size(&d, &bytes);
+  expect_status(s, "dg_grouped_gemm_workspace_size");
+  ++grouped_calls;
+  grouped_passed += s != DG_ERROR_INVALID_ARGUMENT;
+  if (s != DG_ERROR_INVALID_ARGUMENT) check_grouped_oracle(d);
+  if (!mutated && !passes_checks(s))
+    report("dg_grouped_gemm_workspace_size", std::string("refused a valid desc: ") + dg_last_error());
+  static const int archs[] = {90, 100, 0, -1, 80, INT_MAX, INT_MIN};
+  const int arch = archs[below(std::size(archs))];
+  const int count = dg_grouped_gemm_config_count(&d, arch);
+  const int config = coin(2) ? static_cast<int>(below(4)) : any_int();
+  const char* name = dg_grouped_gemm_config_name(&d, arch, config);
+  if (count < 0 || (name != nullptr) != (config >= 0 && config < count)) report("dg_grouped_gemm_config_name", "inconsistent");
+  expect_status(dg_grouped_gemm_cublas(&d, nullptr, nullptr), "dg_grouped_gemm_cublas");
+  if (launch) expect_status(dg_grouped_gemm(&d, nullptr, 0, nullptr), "dg_grouped_gemm");
+}
+
+// ---------------------------------------------------------------- tensor-parallel sizes
+
+void fuzz_tp() {
+  dg_tp_desc d{};
+  d.gemm = random_valid_gemm();
+  d.world = coin(2) ? 2 + static_cast<int>(below(7)) : any_int();
+  static void* workspaces[64];
+  d.peer_workspaces = workspaces;
+  d.timeout_s = 1.0;
+  if (!coin(4)) mutate_gemm(&d.gemm);
+  dg_tp_kind kind = static_cast<dg_tp_kind>(1 + below(2));
+  if (coin(8)) set_raw(&kind, static_cast<int>(below(4)));  // within the enum's range: 0..3
+  size_t bytes = 0;
+  const dg_status s = dg_tp_workspace_size(kind, &d, &bytes);
+  expect_status(s, "dg_tp_workspace_size");
+  ++tp_calls;
+  tp_passed += s == DG_SUCCESS;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const long iterations = argc > 1 ? std::strtol(argv[1], nullptr, 10) : 200000;
+  const unsigned long long seed = argc > 2 ? std::strtoull(argv[2], nullptr, 10) : 1;
+  const std::string families = argc > 3 ? argv[3] : "gemm,grouped,tp";
+  const bool gemm = families.find("gemm") != std::string::npos;
+  const bool grouped = families.find("grouped") != std::string::npos;
+  const bool tp = families.find("tp") != std::string::npos;
+  rng.seed(seed);
+  // The launching entry points stop at their checks only where no GPU can run a descriptor
+  // that passed them (its pointers are fake).
+  int devices = 0;
+  const bool launch = cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0;
+  cudaGetLastError();
+  for (long i = 0; i < iterations; ++i) {
+    switch (i % 4) {
+      case 0: case 1: if (gemm) fuzz_gemm(launch); break;
+      case 2: if (grouped) fuzz_grouped(launch); break;
+      default: if (tp) fuzz_tp(); break;
+    }
+    dg_status s;
+    set_raw(&s, static_cast<int>(below(8)));  // within the enum's range (C++)
+    if (dg_status_name(s) == nullptr) report("dg_status_name", "NULL");
+  }
+  std::printf("%ld iterations over %s (seed %llu, launching entry points %s)\n"
+              "passed the checks: gemm %ld of %ld, grouped %ld of %ld, tp %ld of %ld\n%ld failures\n",
+              iterations, families.c_str(), seed, launch ? "included" : "skipped: a GPU is present",
+              gemm_passed, gemm_calls, grouped_passed, grouped_calls, tp_passed, tp_calls, failures);
+  return failures == 0 ? 0 : 1;
+}

@@ -1,0 +1,642 @@
+// The C API's argument checks on the CPU (built with ASan + UBSan: DISTGEMM_HOST_CHECKS).
+// Every bad argument is refused with DG_ERROR_INVALID_ARGUMENT and a message naming it; valid
+// descriptors pass the checks and stop at DG_ERROR_NOT_SUPPORTED (this build has no kernels,
+// the machine may have no GPU). Nothing here needs a device.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <climits>
+#include <cstdint>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "c_api_helpers.h"
+#include "common/error_state.h"
+#include "common/per_device.h"
+#include "common/stream_pool.h"
+#include "distgemm/distgemm.h"
+
+using namespace dgtest;
+
+namespace {
+
+constexpr int64_t kBig = int64_t(1) << 31;
+
+// Refused as an invalid argument, with a message containing `needle`.
+::testing::AssertionResult refused(dg_status s, const std::string& needle) {
+  const std::string msg = dg_last_error();
+  if (s != DG_ERROR_INVALID_ARGUMENT)
+    return ::testing::AssertionFailure() << "status " << dg_status_name(s) << " (" << msg
+                                         << "), expected invalid argument mentioning '" << needle << "'";
+  if (msg.find(needle) == std::string::npos)
+    return ::testing::AssertionFailure() << "message '" << msg << "' does not mention '" << needle << "'";
+  return ::testing::AssertionSuccess();
+}
+
+::testing::AssertionResult accepted(dg_status s) {
+  if (passes_checks(s)) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << "status " << dg_status_name(s) << ": " << dg_last_error();
+}
+
+dg_status gemm_check(const dg_gemm_desc& d) { return dg_gemm_check(&d, 90); }
+
+// ---------------------------------------------------------------- status / errors
+
+TEST(Status, NamesEveryStatusAndUnknown) {
+  EXPECT_STREQ(dg_status_name(DG_SUCCESS), "success");
+  EXPECT_STREQ(dg_status_name(DG_ERROR_INVALID_ARGUMENT), "invalid argument");
+  EXPECT_STREQ(dg_status_name(DG_ERROR_NOT_SUPPORTED), "not supported");
+  EXPECT_STREQ(dg_status_name(DG_ERROR_CUDA), "CUDA error");
+  EXPECT_STREQ(dg_status_name(DG_ERROR_INTERNAL), "internal error");
+  EXPECT_STREQ(dg_status_name(DG_ERROR_TIMEOUT), "timeout");
+  dg_status unknown;
+  set_raw(&unknown, 7);  // within the enum's range, no status
+  EXPECT_STREQ(dg_status_name(unknown), "unknown status");
+}
+
+TEST(Status, LastErrorIsThreadLocal) {
+  ASSERT_TRUE(refused(dg_gemm_check(nullptr, 90), "desc must not be NULL"));
+  std::string other;
+  std::thread([&] { other = dg_last_error(); }).join();
+  EXPECT_EQ(other, "");
+  EXPECT_NE(std::string(dg_last_error()), "");
+}
+
+// ---------------------------------------------------------------- dense GEMM checks
+
+TEST(GemmCheck, ValidDescsPassTheChecks) {
+  EXPECT_TRUE(accepted(gemm_check(gemm_desc(128, 256, 64))));
+  EXPECT_TRUE(accepted(gemm_check(gemm_desc(1, 8, 8, DG_F16, DG_F32))));
+  EXPECT_TRUE(accepted(gemm_check(gemm_desc(64, 64, 16, DG_E4M3, DG_BF16))));
+  dg_gemm_desc nmajor = gemm_desc(64, 128, 64);
+  nmajor.b.row_stride = 1;
+  nmajor.b.col_stride = 128;  // (N, K) stored as its (K, N) transpose
+  EXPECT_TRUE(accepted(gemm_check(nmajor)));
+  dg_gemm_desc padded = gemm_desc(64, 64, 64);
+  padded.a.row_stride = 72;
+  padded.d.row_stride = 128;
+  EXPECT_TRUE(accepted(gemm_check(padded)));
+}
+
+TEST(GemmCheck, ValidDescWithoutKernelsIsNotSupported) {
+  const dg_gemm_desc d = gemm_desc(128, 128, 128);
+  EXPECT_EQ(dg_gemm_check(&d, 90), DG_ERROR_NOT_SUPPORTED);
+  EXPECT_EQ(dg_gemm_check(&d, 80), DG_ERROR_NOT_SUPPORTED);
+  EXPECT_NE(std::string(dg_last_error()).find("sm_90 and sm_100"), std::string::npos);
+  EXPECT_EQ(dg_gemm_check(&d, 0), DG_ERROR_NOT_SUPPORTED);
+  EXPECT_EQ(dg_gemm_check(&d, INT_MIN), DG_ERROR_NOT_SUPPORTED);
+}
+
+TEST(GemmCheck, Shapes) {
+  EXPECT_TRUE(refused(dg_gemm_check(nullptr, 90), "desc must not be NULL"));
+  dg_gemm_desc d = gemm_desc(64, 64, 64);
+  d.b.cols = 32;
+  EXPECT_TRUE(refused(gemm_check(d), "b must have shape (N, K) with K=64"));
+  d = gemm_desc(64, 64, 64);
+  d.d.rows = 63;
+  EXPECT_TRUE(refused(gemm_check(d), "out must have shape (64, 64)"));
+  d = gemm_desc(64, 64, 64);
+  d.d.cols = 65;
+  EXPECT_TRUE(refused(gemm_check(d), "out must have shape"));
+  for (int64_t bad : {int64_t{0}, int64_t{-1}, INT64_MIN}) {
+    d = gemm_desc(64, 64, 64);
+    d.a.rows = bad;
+    EXPECT_TRUE(refused(gemm_check(d), "M, N and K must be positive"));
+  }
+  d = gemm_desc(kBig, 64, 64);
+  EXPECT_TRUE(refused(gemm_check(d), "below 2^31"));
+  d = gemm_desc(64, 64, INT64_MAX);
+  EXPECT_TRUE(refused(gemm_check(d), "below 2^31"));
+}
+
+TEST(GemmCheck, Strides) {
+  dg_gemm_desc d = gemm_desc(64, 64, 64);
+  d.a.row_stride = 32;
+  EXPECT_TRUE(refused(gemm_check(d), "a row stride 32 is smaller than its 64 columns"));
+  d.a.row_stride = -64;
+  EXPECT_TRUE(refused(gemm_check(d), "a row stride -64 must be non-negative"));
+  d.a.row_stride = INT64_MIN;
+  EXPECT_TRUE(refused(gemm_check(d), "must be non-negative"));
+  d.a.row_stride = INT64_MAX;  // its byte pitch overflows
+  EXPECT_TRUE(refused(gemm_check(d), "byte pitch that fits in int64"));
+  d.a.row_stride = 68;  // 136 bytes
+  EXPECT_TRUE(refused(gemm_check(d), "not a multiple of 16 bytes"));
+  d = gemm_desc(64, 64, 64);
+  d.a.col_stride = 2;
+  EXPECT_TRUE(refused(gemm_check(d), "a must be row-major"));
+  d = gemm_desc(64, 64, 64);
+  d.b.row_stride = 2;
+  d.b.col_stride = 64;
+  EXPECT_TRUE(refused(gemm_check(d), "b must be K-major (unit column stride) or N-major"));
+  d = gemm_desc(64, 64, 64, DG_E4M3, DG_BF16);
+  d.b.row_stride = 1;
+  d.b.col_stride = 64;
+  EXPECT_TRUE(refused(gemm_check(d), "float8 b must be K-major"));
+  d = gemm_desc(64, 64, 64);
+  d.d.row_stride = -1;
+  EXPECT_TRUE(refused(gemm_check(d), "out row stride -1 must be non-negative"));
+}
+
+TEST(GemmCheck, OverflowingExtents) {
+  // (rows - 1) * pitch overflows int64 though each factor is fine.
+  dg_gemm_desc d = gemm_desc(kBig - 1, 64, 64);
+  d.a.row_stride = int64_t(1) << 40;
+  EXPECT_TRUE(refused(gemm_check(d), "a spans more than 2^63 bytes"));
+  d = gemm_desc(64, 64, 64);
+  d.d.row_stride = int64_t(1) << 62;  // pitch 2^63: overflows
+  EXPECT_TRUE(refused(gemm_check(d), "out row stride"));
+  d = gemm_desc(3, 64, 64);
+  d.a.row_stride = (int64_t(1) << 61) + 64;  // pitch fits, 2 * pitch does not
+  EXPECT_TRUE(refused(gemm_check(d), "spans more than 2^63 bytes"));
+  // In int64 but past the end of the address space.
+  d = gemm_desc(64, 64, 64);
+  d.a.data = reinterpret_cast<void*>(UINTPTR_MAX & ~uintptr_t{15});
+  EXPECT_TRUE(refused(gemm_check(d), "a runs past the end of the address space"));
+}
+
+TEST(GemmCheck, OneRowMatrices) {
+  // A 1-row matrix's row stride addresses nothing: any non-negative one is taken (PyTorch
+  // gives (1, K) views strides such as (1, 1) or (0, 1)).
+  for (int64_t stride : {int64_t{0}, int64_t{1}, int64_t{3}, int64_t{64}, int64_t(1) << 40}) {
+    dg_gemm_desc d = gemm_desc(1, 64, 64);
+    d.a.row_stride = stride;
+    d.d.row_stride = stride;
+    EXPECT_TRUE(accepted(gemm_check(d))) << "row stride " << stride;
+  }
+  // ... but never a negative one or one whose byte pitch overflows.
+  dg_gemm_desc d = gemm_desc(1, 64, 64);
+  d.a.row_stride = -1;
+  EXPECT_TRUE(refused(gemm_check(d), "a row stride -1 must be non-negative"));
+  d.a.row_stride = INT64_MAX;
+  EXPECT_TRUE(refused(gemm_check(d), "byte pitch that fits in int64"));
+  d = gemm_desc(1, 64, 64);
+  d.d.row_stride = INT64_MIN;
+  EXPECT_TRUE(refused(gemm_check(d), "out row stride"));
+  // The row itself must still fit before the end of the address space.
+  d = gemm_desc(1, 64, 64);
+  d.d.data = reinterpret_cast<void*>(UINTPTR_MAX & ~uintptr_t{15});
+  EXPECT_TRUE(refused(gemm_check(d), "out runs past the end of the address space"));
+}
+
+TEST(GemmCheck, BiasAndC) {
+  dg_gemm_desc d = gemm_desc(64, 64, 64);
+  d.c = {fake_ptr(8), DG_BF16, 1, 64, 64, 1};
+  d.beta = 1.f;
+  EXPECT_TRUE(accepted(gemm_check(d)));
+  d.c.row_stride = -5;  // a bias row: its stride is irrelevant, but never negative
+  EXPECT_TRUE(refused(gemm_check(d), "c (bias) row stride -5"));
+  d.c = {fake_ptr(8), DG_BF16, 64, 64, 64, 1};
+  EXPECT_TRUE(accepted(gemm_check(d)));
+  d.c.rows = 32;
+  EXPECT_TRUE(refused(gemm_check(d), "c must have shape (64, 64)"));
+  d.c = {fake_ptr(8), DG_F32, 64, 64, 64, 1};
+  EXPECT_TRUE(refused(gemm_check(d), "c must have the output dtype bfloat16"));
+  set_raw(&d.c.dtype, 4242);
+  EXPECT_TRUE(refused(gemm_check(d), "c has an unknown dtype (4242)"));
+}
+
+TEST(GemmCheck, Dtypes) {
+  dg_gemm_desc d = gemm_desc(64, 64, 64);
+  d.b.dtype = DG_F16;
+  EXPECT_TRUE(refused(gemm_check(d), "a and b must have the same dtype"));
+  d = gemm_desc(64, 64, 64, DG_F32, DG_F32);
+  EXPECT_TRUE(refused(gemm_check(d), "a must be bfloat16, float16, float8_e4m3fn or float8_e5m2"));
+  d = gemm_desc(64, 64, 64, DG_E5M2, DG_BF16);
+  EXPECT_TRUE(refused(gemm_check(d), "float8_e5m2 x float8_e5m2 is not supported"));
+  d = gemm_desc(64, 64, 64, DG_E4M3, DG_E4M3);
+  EXPECT_TRUE(refused(gemm_check(d), "out dtype for float8 inputs"));
+  d = gemm_desc(64, 64, 64, DG_BF16, DG_F16);
+  EXPECT_TRUE(refused(gemm_check(d), "out dtype must be bfloat16 or float32"));
+  for (int raw : {-1, 6, 7, 8, 255, INT_MAX, INT_MIN}) {
+    d = gemm_desc(64, 64, 64);
+    set_raw(&d.a.dtype, raw);
+    EXPECT_TRUE(refused(gemm_check(d), "a has an unknown dtype")) << raw;
+    d = gemm_desc(64, 64, 64);
+    set_raw(&d.b.dtype, raw);
+    EXPECT_TRUE(refused(gemm_check(d), "b has an unknown dtype")) << raw;
+    d = gemm_desc(64, 64, 64);
+    set_raw(&d.d.dtype, raw);
+    EXPECT_TRUE(refused(gemm_check(d), "out has an unknown dtype")) << raw;
+  }
+}
+
+TEST(GemmCheck, Scales) {
+  alignas(16) static float scales[4];
+  dg_gemm_desc d = gemm_desc(64, 32, 64);
+  d.scale_a = scales;
+  d.scale_a_len = 1;
+  EXPECT_TRUE(refused(gemm_check(d), "scale_a / scale_b apply to float8 inputs only"));
+  d = gemm_desc(64, 32, 64, DG_E4M3, DG_BF16);
+  d.scale_a = scales;
+  d.scale_a_len = 64;
+  d.scale_b = scales;
+  d.scale_b_len = 32;
+  EXPECT_TRUE(accepted(gemm_check(d)));
+  d.scale_a_len = 32;
+  EXPECT_TRUE(refused(gemm_check(d), "scale_a must hold 1 or M=64 values, got 32"));
+  d.scale_a_len = 1;
+  d.scale_b_len = -1;
+  EXPECT_TRUE(refused(gemm_check(d), "scale_b must hold 1 or N=32 values"));
+  d.scale_b_len = 1;
+  d.scale_b = scales + 1;
+  EXPECT_TRUE(refused(gemm_check(d), "scale_b must be 16-byte aligned"));
+}
+
+TEST(GemmCheck, PointersAndAlignment) {
+  dg_gemm_desc d = gemm_desc(64, 64, 64);
+  d.a.data = nullptr;
+  EXPECT_TRUE(refused(gemm_check(d), "a data pointer must not be NULL"));
+  d = gemm_desc(64, 64, 64);
+  d.b.data = static_cast<char*>(fake_ptr(2)) + 2;
+  EXPECT_TRUE(refused(gemm_check(d), "b data pointer must be 16-byte aligned"));
+  d = gemm_desc(64, 64, 64);
+  d.d.data = nullptr;
+  EXPECT_TRUE(refused(gemm_check(d), "out data pointer must not be NULL"));
+  d = gemm_desc(64, 64, 60);  // 120 bytes of bf16 per row
+  EXPECT_TRUE(refused(gemm_check(d), "must be a multiple of 8 elements (16 bytes)"));
+  d = gemm_desc(64, 64, 24, DG_E4M3, DG_BF16);  // 24 bytes of fp8 per row
+  EXPECT_TRUE(refused(gemm_check(d), "multiple of 16 elements"));
+}
+
+TEST(GemmQueries, UnsupportedArchsAndBadDescsGiveMinusOne) {
+  const dg_gemm_desc d = gemm_desc(256, 256, 256);
+  for (int arch : {0, -1, 70, 80, 89, 120, INT_MAX, INT_MIN}) {
+    EXPECT_EQ(dg_gemm_select_config(&d, arch, 132), -1) << arch;
+    EXPECT_EQ(dg_gemm_config_count(&d, arch), 0) << arch;
+    EXPECT_EQ(dg_gemm_config_name(&d, arch, 0), nullptr) << arch;
+  }
+  // No kernels in this build: no config on the supported archs either, and no crash.
+  for (int arch : {90, 100}) {
+    EXPECT_EQ(dg_gemm_select_config(&d, arch, 132), -1);
+    EXPECT_EQ(dg_gemm_select_config(&d, arch, 0), -1);
+    EXPECT_EQ(dg_gemm_select_config(&d, arch, INT_MIN), -1);
+    EXPECT_EQ(dg_gemm_config_name(&d, arch, -1), nullptr);
+    EXPECT_EQ(dg_gemm_config_name(&d, arch, INT_MAX), nullptr);
+  }
+  EXPECT_EQ(dg_gemm_select_config(nullptr, 90, 132), -1);
+  EXPECT_EQ(dg_gemm_config_count(nullptr, 90), 0);
+  EXPECT_EQ(dg_gemm_config_name(nullptr, 90, 0), nullptr);
+  dg_gemm_desc bad = d;
+  set_raw(&bad.a.dtype, -7);
+  EXPECT_EQ(dg_gemm_config_count(&bad, 90), 0);
+  EXPECT_EQ(dg_gemm_select_config(&bad, 90, 132), -1);
+}
+
+TEST(GemmRun, ChecksComeFirstAndNothingRunsWithoutADevice) {
+  size_t bytes = 123;
+  const dg_gemm_desc d = gemm_desc(64, 64, 64);
+  EXPECT_TRUE(refused(dg_gemm_workspace_size(&d, nullptr), "bytes must not be NULL"));
+  EXPECT_TRUE(refused(dg_gemm_workspace_size(nullptr, &bytes), "desc must not be NULL"));
+  dg_gemm_desc bad = d;
+  bad.a.row_stride = -1;
+  EXPECT_TRUE(refused(dg_gemm_workspace_size(&bad, &bytes), "a row stride -1"));
+  EXPECT_TRUE(refused(dg_gemm(&bad, nullptr, 0, nullptr), "a row stride -1"));
+  EXPECT_TRUE(refused(dg_gemm(nullptr, nullptr, 0, nullptr), "desc must not be NULL"));
+  EXPECT_EQ(bytes, 123u);
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    cudaGetLastError();
+    EXPECT_EQ(dg_gemm_workspace_size(&d, &bytes), DG_ERROR_NOT_SUPPORTED);
+    EXPECT_EQ(dg_gemm(&d, nullptr, 0, nullptr), DG_ERROR_NOT_SUPPORTED);
+  }
+}
+
+// ---------------------------------------------------------------- grouped GEMM checks
+
+dg_status grouped_check(const dg_grouped_desc& d) {
+  size_t bytes = 0;
+  return dg_grouped_gemm_workspace_size(&d, &bytes);
+}
+
+TEST(GroupedCheck, ValidDescsPassTheChecks) {
+  for (dg_grouped_kind kind : {DG_GROUPED_FORWARD, DG_GROUPED_DGRAD, DG_GROUPED_WGRAD}) {
+    EXPECT_TRUE(accepted(grouped_check(grouped_desc(kind, 8, 1000, 256, 128)))) << kind;
+    EXPECT_TRUE(accepted(grouped_check(grouped_desc(kind, 1, 0, 8, 8, DG_F16, DG_F32)))) << kind;
+    EXPECT_TRUE(accepted(grouped_check(grouped_desc(kind, 300000, 4096, 64, 64)))) << kind;
+  }
+  // No tokens: a and the (T, N) output hold no elements and may be NULL.
+  dg_grouped_desc d = grouped_desc(DG_GROUPED_FORWARD, 4, 0, 64, 64);
+  d.a = nullptr;
+  d.out = nullptr;
+  EXPECT_TRUE(accepted(grouped_check(d)));
+  d = grouped_desc(DG_GROUPED_WGRAD, 4, 0, 64, 64);
+  d.a = nullptr;
+  d.b = nullptr;
+  EXPECT_TRUE(accepted(grouped_check(d)));
+}
+
+TEST(GroupedCheck, NamesTheMismatchedTensor) {
+  // w with fewer groups than offs
+  dg_grouped_desc d = grouped_desc(DG_GROUPED_FORWARD, 8, 100, 64, 32);
+  d.b_shape = shape3(7, 64, 32);
+  EXPECT_TRUE(refused(grouped_check(d), "w (b) must have shape (G, N, K) = (8, N, 32)"));
+  // x and w with different K
+  d = grouped_desc(DG_GROUPED_FORWARD, 8, 100, 64, 32);
+  d.b_shape = shape3(8, 64, 40);
+  EXPECT_TRUE(refused(grouped_check(d), "w (b) must have shape"));
+  d = grouped_desc(DG_GROUPED_DGRAD, 8, 100, 64, 32);
+  d.b_shape = shape3(8, 64, 64);  // (G, K, N) expected, K = 32
+  EXPECT_TRUE(refused(grouped_check(d), "w (b) must have shape (G, K, N) = (8, 32, N)"));
+  // out with too few rows / the wrong N
+  d = grouped_desc(DG_GROUPED_FORWARD, 8, 100, 64, 32);
+  d.out_shape = shape2(99, 64);
+  EXPECT_TRUE(refused(grouped_check(d), "out (out) must have shape (T, N) = (100, 64)"));
+  d.out_shape = shape3(100, 64, 1);
+  EXPECT_TRUE(refused(grouped_check(d), "out (out) must have shape"));
+  // dy and x with different token counts
+  d = grouped_desc(DG_GROUPED_WGRAD, 8, 100, 64, 32);
+  d.b_shape = shape2(99, 32);
+  EXPECT_TRUE(refused(grouped_check(d), "x (b) must have shape (T, K) with dy's T = 100 rows"));
+  // wgrad out with other groups
+  d = grouped_desc(DG_GROUPED_WGRAD, 8, 100, 64, 32);
+  d.out_shape = shape3(9, 64, 32);
+  EXPECT_TRUE(refused(grouped_check(d), "out (out) must have shape (G, N, K) = (8, 64, 32)"));
+  // dimensions
+  d = grouped_desc(DG_GROUPED_FORWARD, 8, 100, 64, 32);
+  d.b_shape = shape2(64, 32);
+  EXPECT_TRUE(refused(grouped_check(d), "w (b) must be 3-D (G, N, K), got (64, 32)"));
+  d = grouped_desc(DG_GROUPED_FORWARD, 8, 100, 64, 32);
+  d.a_shape = shape3(1, 100, 32);
+  EXPECT_TRUE(refused(grouped_check(d), "x (a) must be 2-D (T, K)"));
+  d = grouped_desc(DG_GROUPED_WGRAD, 8, 100, 64, 32);
+  d.a_shape.ndim = 4;
+  EXPECT_TRUE(refused(grouped_check(d), "dy (a) must be 2-D (T, N), got a 4-D tensor"));
+  for (int ndim : {-1, 0, 1, INT_MIN, INT_MAX}) {
+    d = grouped_desc(DG_GROUPED_WGRAD, 8, 100, 64, 32);
+    d.out_shape.ndim = ndim;
+    EXPECT_TRUE(refused(grouped_check(d), "out (out) must have shape")) << ndim;
+  }
+}
+
+TEST(GroupedCheck, Sizes) {
+  dg_grouped_desc d = grouped_desc(DG_GROUPED_FORWARD, 8, kBig, 64, 32);
+  EXPECT_TRUE(refused(grouped_check(d), "x must have between 0 and 2^31 - 1 rows"));
+  d = grouped_desc(DG_GROUPED_FORWARD, 8, -1, 64, 32);
+  EXPECT_TRUE(refused(grouped_check(d), "x must have between 0 and 2^31 - 1 rows"));
+  d = grouped_desc(DG_GROUPED_FORWARD, 8, 100, 0, 32);
+  EXPECT_TRUE(refused(grouped_check(d), "N and K must be in [1, 2^31)"));
+  d = grouped_desc(DG_GROUPED_WGRAD, 8, 100, 64, INT64_MIN);
+  EXPECT_TRUE(refused(grouped_check(d), "N and K must be in [1, 2^31)"));
+  d = grouped_desc(DG_GROUPED_FORWARD, 8, 100, 60, 32);
+  EXPECT_TRUE(refused(grouped_check(d), "N=60 and K=32 must be multiples of 8"));
+  // Each size fits, the bytes do not: G * N * K * 2 > 2^63.
+  d = grouped_desc(DG_GROUPED_FORWARD, kBig - 1, 100, int64_t(1) << 30, int64_t(1) << 30);
+  EXPECT_TRUE(refused(grouped_check(d), "w spans more than 2^63 bytes"));
+  d = grouped_desc(DG_GROUPED_WGRAD, kBig - 1, 100, int64_t(1) << 30, int64_t(1) << 30, DG_BF16, DG_F32);
+  EXPECT_TRUE(refused(grouped_check(d), "out spans more than 2^63 bytes"));
+  // In int64 but past the end of the address space.
+  d = grouped_desc(DG_GROUPED_FORWARD, 8, 100, 64, 32);
+  d.b = reinterpret_cast<void*>(UINTPTR_MAX & ~uintptr_t{15});
+  EXPECT_TRUE(refused(grouped_check(d), "w runs past the end of the address space"));
+}
+
+TEST(GroupedCheck, Groups) {
+  for (int64_t g : {int64_t{0}, int64_t{-1}, kBig, INT64_MAX, INT64_MIN}) {
+    dg_grouped_desc d = grouped_desc(DG_GROUPED_WGRAD, 8, 100, 64, 32);
+    d.num_groups = g;
+    EXPECT_TRUE(refused(grouped_check(d), "offs must hold between 1 and 2^31 - 1 group ends")) << g;
+  }
+  dg_grouped_desc d = grouped_desc(DG_GROUPED_FORWARD, kBig - 1, 100, 8, 8);
+  EXPECT_TRUE(accepted(grouped_check(d)));  // the builder kernel grid-strides over any G
+  d = grouped_desc(DG_GROUPED_FORWARD, 8, 100, 64, 32);
+  d.offs = nullptr;
+  EXPECT_TRUE(refused(grouped_check(d), "offs must not be NULL"));
+  d.offs = reinterpret_cast<const int32_t*>(static_cast<char*>(fake_ptr(4)) + 2);
+  EXPECT_TRUE(refused(grouped_check(d), "offs must be a 4-byte aligned device pointer"));
+  d.offs = reinterpret_cast<const int32_t*>(static_cast<char*>(fake_ptr(4)) + 4);
+  EXPECT_TRUE(accepted(grouped_check(d)));  // a slice of an int32 tensor
+}
+
+TEST(GroupedCheck, PointersKindsDtypes) {
+  dg_grouped_desc d = grouped_desc(DG_GROUPED_FORWARD, 8, 100, 64, 32);
+  d.a = nullptr;
+  EXPECT_TRUE(refused(grouped_check(d), "x must not be NULL"));
+  d = grouped_desc(DG_GROUPED_WGRAD, 8, 100, 64, 32);
+  d.b = static_cast<char*>(fake_ptr(6)) + 8;
+  EXPECT_TRUE(refused(grouped_check(d), "x must be a 16-byte aligned device pointer"));
+  d = grouped_desc(DG_GROUPED_WGRAD, 8, 100, 64, 32);
+  d.out = nullptr;
+  EXPECT_TRUE(refused(grouped_check(d), "out must not be NULL"));
+  for (int raw : {-1, 3, 4, 1000, INT_MIN}) {
+    d = grouped_desc(DG_GROUPED_FORWARD, 8, 100, 64, 32);
+    set_raw(&d.kind, raw);
+    EXPECT_TRUE(refused(grouped_check(d), "kind must be forward, dgrad or wgrad")) << raw;
+    EXPECT_EQ(dg_grouped_gemm_config_count(&d, 90), 0);
+  }
+  d = grouped_desc(DG_GROUPED_FORWARD, 8, 100, 64, 32, DG_E4M3, DG_BF16);
+  EXPECT_TRUE(refused(grouped_check(d), "inputs must be bfloat16 or float16, got float8_e4m3fn"));
+  d = grouped_desc(DG_GROUPED_FORWARD, 8, 100, 64, 32);
+  set_raw(&d.in_dtype, 99);
+  EXPECT_TRUE(refused(grouped_check(d), "inputs must be bfloat16 or float16, got dtype 99"));
+  d = grouped_desc(DG_GROUPED_FORWARD, 8, 100, 64, 32, DG_BF16, DG_F16);
+  EXPECT_TRUE(refused(grouped_check(d), "out dtype must be bfloat16 or float32, got float16"));
+  d = grouped_desc(DG_GROUPED_FORWARD, 8, 100, 64, 32);
+  set_raw(&d.out_dtype, -3);
+  EXPECT_TRUE(refused(grouped_check(d), "got dtype -3"));
+}
+
+TEST(GroupedQueries, EntryPointsCheckFirst) {
+  size_t bytes = 0;
+  const dg_grouped_desc good = grouped_desc(DG_GROUPED_FORWARD, 8, 100, 64, 32);
+  EXPECT_TRUE(refused(dg_grouped_gemm_workspace_size(&good, nullptr), "bytes must not be NULL"));
+  EXPECT_TRUE(refused(dg_grouped_gemm_workspace_size(nullptr, &bytes), "desc must not be NULL"));
+  EXPECT_TRUE(refused(dg_grouped_gemm(nullptr, nullptr, 0, nullptr), "desc must not be NULL"));
+  EXPECT_TRUE(refused(dg_grouped_gemm_cublas(nullptr, nullptr, nullptr), "desc must not be NULL"));
+  EXPECT_TRUE(refused(dg_grouped_gemm_cublas(&good, nullptr, nullptr), "host_offs must not be NULL"));
+  dg_grouped_desc bad = good;
+  bad.out_shape = shape2(1, 64);
+  EXPECT_TRUE(refused(dg_grouped_gemm(&bad, nullptr, 0, nullptr), "out (out) must have shape"));
+  const int32_t host_offs[8] = {};
+  EXPECT_TRUE(refused(dg_grouped_gemm_cublas(&bad, host_offs, nullptr), "out (out) must have shape"));
+  EXPECT_EQ(dg_grouped_gemm_config_count(nullptr, 90), 0);
+  EXPECT_EQ(dg_grouped_gemm_config_name(nullptr, 90, 0), nullptr);
+  for (int arch : {0, -1, 80, 90, 100, INT_MAX})
+    EXPECT_EQ(dg_grouped_gemm_config_name(&good, arch, 0), nullptr);
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    cudaGetLastError();
+    EXPECT_EQ(dg_grouped_gemm(&good, nullptr, 0, nullptr), DG_ERROR_NOT_SUPPORTED);
+    EXPECT_NE(std::string(dg_last_error()).find("no usable CUDA device"), std::string::npos);
+    EXPECT_NE(dg_grouped_gemm_cublas(&good, host_offs, nullptr), DG_SUCCESS);
+  }
+}
+
+// ---------------------------------------------------------------- tensor-parallel sizes
+
+dg_tp_desc tp_desc(int world, int64_t m, int64_t n, int64_t k) {
+  dg_tp_desc d{};
+  d.gemm = gemm_desc(m, n, k);
+  d.world = world;
+  d.timeout_s = 1.0;
+  return d;
+}
+
+TEST(TpWorkspace, RefusesBadArguments) {
+  size_t bytes = 0;
+  dg_tp_desc d = tp_desc(2, 128, 256, 64);
+  EXPECT_TRUE(refused(dg_tp_workspace_size(DG_TP_ALL_GATHER_GEMM, nullptr, &bytes), "must not be NULL"));
+  EXPECT_TRUE(refused(dg_tp_workspace_size(DG_TP_ALL_GATHER_GEMM, &d, nullptr), "must not be NULL"));
+  for (int raw : {0, 3}) {
+    dg_tp_kind kind;
+    set_raw(&kind, raw);
+    EXPECT_TRUE(refused(dg_tp_workspace_size(kind, &d, &bytes), "kind")) << raw;
+  }
+  for (int world : {1, 0, -1, 65, INT_MAX, INT_MIN}) {
+    d.world = world;
+    EXPECT_TRUE(refused(dg_tp_workspace_size(DG_TP_ALL_GATHER_GEMM, &d, &bytes), "world")) << world;
+    EXPECT_TRUE(refused(dg_tp_workspace_size(DG_TP_GEMM_REDUCE_SCATTER, &d, &bytes), "world")) << world;
+  }
+}
+
+TEST(TpWorkspace, ValidSizesGrowWithTheShape) {
+  size_t small = 0, large = 0;
+  dg_tp_desc d = tp_desc(2, 128, 256, 64);
+  ASSERT_EQ(dg_tp_workspace_size(DG_TP_ALL_GATHER_GEMM, &d, &small), DG_SUCCESS) << dg_last_error();
+  d = tp_desc(8, 128, 256, 64);
+  ASSERT_EQ(dg_tp_workspace_size(DG_TP_ALL_GATHER_GEMM, &d, &large), DG_SUCCESS) << dg_last_error();
+  EXPECT_GT(large, small);
+  ASSERT_EQ(dg_tp_workspace_size(DG_TP_GEMM_REDUCE_SCATTER, &d, &small), DG_SUCCESS) << dg_last_error();
+  EXPECT_GT(small, size_t{32} << 20);  // includes the cuBLASLt scratch
+}
+
+// DISABLED until dg_tp_workspace_size (csrc/dist/tp_call.cpp, tp_layout.h) checks its size
+// arithmetic: today rows * world and m * k overflow int64 there (UBSan reports it). Run with
+// --gtest_also_run_disabled_tests; drop the prefix once it refuses these.
+TEST(TpWorkspace, DISABLED_RefusesOverflowingSizes) {
+  size_t bytes = 0;
+  for (int64_t rows : {INT64_MAX, INT64_MAX / 2, int64_t(1) << 40, int64_t{-1}, INT64_MIN}) {
+    dg_tp_desc d = tp_desc(8, 128, 256, 64);
+    d.gemm.a.rows = rows;
+    d.gemm.d.rows = rows;
+    const dg_status ag = dg_tp_workspace_size(DG_TP_ALL_GATHER_GEMM, &d, &bytes);
+    EXPECT_EQ(ag, DG_ERROR_INVALID_ARGUMENT) << rows << ": " << dg_last_error();
+    const dg_status rs = dg_tp_workspace_size(DG_TP_GEMM_REDUCE_SCATTER, &d, &bytes);
+    EXPECT_EQ(rs, DG_ERROR_INVALID_ARGUMENT) << rows << ": " << dg_last_error();
+  }
+  dg_tp_desc d = tp_desc(64, kBig - 1, kBig - 1, kBig - 1);  // 64 * 2^31 * 2^31 * 2 bytes
+  EXPECT_EQ(dg_tp_workspace_size(DG_TP_ALL_GATHER_GEMM, &d, &bytes), DG_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(dg_tp_workspace_size(DG_TP_GEMM_REDUCE_SCATTER, &d, &bytes), DG_ERROR_INVALID_ARGUMENT);
+}
+
+TEST(TpErrorWord, OutOfRangeDevicesFailCleanly) {
+  for (int device : {-1, 64, 1000, INT_MIN}) {
+    EXPECT_EQ(dg_tp_error(device), 0) << device;
+    EXPECT_NE(dg_tp_clear_error(device), DG_SUCCESS) << device;
+  }
+}
+
+// ---------------------------------------------------------------- per-device values
+
+// A fake device context: `devices` devices, a per-thread current device, counters.
+struct FakeDevices {
+  static inline int devices = 4;
+  static inline thread_local int current_device = 0;
+  static inline std::atomic<int> selects{0};
+  static bool current(int* device, std::string* why) {
+    if (devices == 0) {
+      *why = "no device";
+      return false;
+    }
+    *device = current_device;
+    return true;
+  }
+  static bool select(int device, std::string* why) {
+    if (device >= devices) {
+      *why = "invalid device ordinal";
+      return false;
+    }
+    ++selects;
+    current_device = device;
+    return true;
+  }
+  static int begin_create() { return 7; }
+  static void end_create(int state, bool) { EXPECT_EQ(state, 7); }
+};
+
+TEST(PerDevice, CreatesOnTheTargetDeviceAndRestoresTheCurrentOne) {
+  static distgemm::PerDevice<int, FakeDevices> values;  // static: its values live for the process
+  FakeDevices::current_device = 1;
+  int created_on = -1;
+  int* v = values.get(3, "the value", [&](int d, int* out) {
+    created_on = FakeDevices::current_device;
+    *out = 100 + d;
+    return DG_SUCCESS;
+  });
+  ASSERT_NE(v, nullptr);
+  EXPECT_EQ(*v, 103);
+  EXPECT_EQ(created_on, 3);
+  EXPECT_EQ(FakeDevices::current_device, 1);
+  // Cached: the second call neither creates nor selects.
+  const int selects = FakeDevices::selects;
+  EXPECT_EQ(values.get(3, "the value", [](int, int*) { ADD_FAILURE() << "created twice"; return DG_SUCCESS; }), v);
+  EXPECT_EQ(FakeDevices::selects, selects);
+}
+
+TEST(PerDevice, FailuresAreNotCached) {
+  static distgemm::PerDevice<int, FakeDevices> values;  // static: its values live for the process
+  int attempts = 0;
+  auto flaky = [&](int, int* out) {
+    if (++attempts == 1) return distgemm::fail(DG_ERROR_CUDA, "first attempt fails (graph capture)");
+    *out = 42;
+    return DG_SUCCESS;
+  };
+  EXPECT_EQ(values.get(0, "the value", flaky), nullptr);
+  EXPECT_NE(std::string(dg_last_error()).find("first attempt fails"), std::string::npos);
+  EXPECT_EQ(values.peek(0), nullptr);
+  int* v = values.get(0, "the value", flaky);
+  ASSERT_NE(v, nullptr);
+  EXPECT_EQ(*v, 42);
+  EXPECT_EQ(attempts, 2);
+}
+
+TEST(PerDevice, RefusesDevicesOutOfRange) {
+  static distgemm::PerDevice<int, FakeDevices> values;  // static: its values live for the process
+  auto never = [](int, int*) { ADD_FAILURE() << "created"; return DG_SUCCESS; };
+  for (int device : {-1, distgemm::kMaxDevices, INT_MAX, INT_MIN}) {
+    EXPECT_EQ(values.get(device, "the value", never), nullptr);
+    EXPECT_TRUE(refused(DG_ERROR_INVALID_ARGUMENT, "out of range"));
+    EXPECT_EQ(values.peek(device), nullptr);
+  }
+  // In range of the table but not a device the runtime knows.
+  EXPECT_EQ(values.get(FakeDevices::devices, "the value", never), nullptr);
+  EXPECT_NE(std::string(dg_last_error()).find("cannot select the device: invalid device ordinal"),
+            std::string::npos);
+  FakeDevices::devices = 0;
+  EXPECT_EQ(values.get(0, "the value", never), nullptr);
+  FakeDevices::devices = 4;
+}
+
+TEST(PerDevice, ConcurrentFirstCallsCreateOnce) {
+  static distgemm::PerDevice<int, FakeDevices> values;  // static: its values live for the process
+  std::atomic<int> creations{0};
+  std::vector<std::thread> threads;
+  std::vector<int*> seen(8, nullptr);
+  for (int i = 0; i < 8; ++i)
+    threads.emplace_back([&, i] {
+      seen[i] = values.get(2, "the value", [&](int, int* out) {
+        ++creations;
+        *out = 7;
+        return DG_SUCCESS;
+      });
+    });
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(creations, 1);
+  for (int* p : seen) EXPECT_EQ(p, seen[0]);
+}
+
+TEST(PerDevice, CoreCachesFailCleanlyWithoutADevice) {
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) == cudaSuccess && devices > 0) GTEST_SKIP() << "a GPU is present";
+  cudaGetLastError();
+  for (int device : {0, 1, 63}) {
+    EXPECT_EQ(distgemm::error_state(device), nullptr);
+    EXPECT_NE(std::string(dg_last_error()).find("cannot select the device"), std::string::npos);
+    EXPECT_EQ(distgemm::stream_pool(device), nullptr);
+  }
+  EXPECT_EQ(distgemm::error_state(64), nullptr);
+  EXPECT_NE(std::string(dg_last_error()).find("out of range"), std::string::npos);
+  EXPECT_EQ(distgemm::stream_pool(-1), nullptr);
+}
+
+}  // namespace
