@@ -221,3 +221,116 @@ def test_grouped_linear_matches_linear_loop(fuse_wgrad):
     else:
         assert_close(layer.weight.grad, wgrad)
     assert_close(layer.bias.grad, torch.stack([lin.bias.grad for lin in refs]))
+
+
+# ---------------------------------------------------------------- the registered ops, called directly
+
+def _op_case(name):
+    """(op, args, argument the error must name) for the registered ops with mismatched shapes."""
+    g, t, n, k = 4, 64, 32, 16
+    bf = dict(device=DEV, dtype=torch.bfloat16)
+    x, w, dy = torch.randn(t, k, **bf), torch.randn(g, n, k, **bf), torch.randn(t, n, **bf)
+    offs = make_offs([16] * g)
+    out = torch.zeros(t, n, **bf)
+    dw = torch.zeros(g, n, k, device=DEV)
+    fwd = lambda **kw: (ops.grouped_mm_out, dict(dict(x=x, w=w, offs=offs, out=out, accumulate=False,
+                                                      trans_w=True), **kw))
+    wgrad = lambda **kw: (ops.grouped_mm_wgrad_out, dict(dict(dy=dy, x=x, offs=offs, out=dw, accumulate=False),
+                                                         **kw))
+    cases = {
+        "w_fewer_groups_than_offs": (*fwd(w=torch.randn(g - 1, n, k, **bf)), "w"),
+        "w_more_groups_than_offs": (*fwd(w=torch.randn(g + 1, n, k, **bf)), "w"),
+        "out_too_few_rows": (*fwd(out=torch.zeros(t - 1, n, **bf)), "out"),
+        "out_wrong_n": (*fwd(out=torch.zeros(t, n + 8, **bf)), "out"),
+        "out_3d": (*fwd(out=torch.zeros(1, t, n, **bf)), "out"),
+        "x_and_w_different_k": (*fwd(w=torch.randn(g, n, k + 8, **bf)), "w"),
+        "w_2d": (*fwd(w=torch.randn(n, k, **bf)), "w"),
+        "x_3d": (*fwd(x=torch.randn(1, t, k, **bf)), "x"),
+        "dgrad_w_not_transposed": (*fwd(w=torch.randn(g, n, k, **bf), trans_w=False), "w"),
+        "w_other_dtype": (*fwd(w=w.half()), "w"),
+        "offs_empty": (*fwd(offs=offs[:0]), "offs"),
+        "offs_int64": (*fwd(offs=offs.long()), "offs"),
+        "out_not_contiguous": (*fwd(out=torch.zeros(n, t, **bf).T), "out"),
+        "wgrad_dy_x_different_tokens": (*wgrad(x=torch.randn(t - 16, k, **bf)), "x"),
+        "wgrad_out_fewer_groups": (*wgrad(out=torch.zeros(g - 1, n, k, device=DEV)), "out"),
+        "wgrad_out_wrong_nk": (*wgrad(out=torch.zeros(g, k, n, device=DEV)), "out"),
+        "wgrad_out_2d": (*wgrad(out=torch.zeros(n, k, device=DEV)), "out"),
+        "wgrad_dy_3d": (*wgrad(dy=torch.randn(1, t, n, **bf)), "dy"),
+    }
+    return cases[name]
+
+
+_OP_CASES = ["w_fewer_groups_than_offs", "w_more_groups_than_offs", "out_too_few_rows", "out_wrong_n", "out_3d",
+             "x_and_w_different_k", "w_2d", "x_3d", "dgrad_w_not_transposed", "w_other_dtype", "offs_empty",
+             "offs_int64", "out_not_contiguous", "wgrad_dy_x_different_tokens", "wgrad_out_fewer_groups",
+             "wgrad_out_wrong_nk", "wgrad_out_2d", "wgrad_dy_3d"]
+
+
+@pytest.mark.parametrize("backend", [0, 1], ids=["cutlass", "cublas"])
+@pytest.mark.parametrize("case", _OP_CASES)
+def test_registered_ops_refuse_mismatched_shapes(case, backend):
+    op, args, name = _op_case(case)
+    before = args["out"].clone()
+    with pytest.raises(ValueError, match=rf"\b{name}\b"):
+        op(*args.values(), backend)
+    torch.cuda.synchronize()
+    assert torch.equal(args["out"], before), "a refused call wrote its output"
+
+
+@pytest.mark.parametrize("backend", [0, 1], ids=["cutlass", "cublas"])
+def test_registered_allocating_ops_refuse_mismatched_shapes(backend):
+    g, t, n, k = 4, 64, 32, 16
+    bf = dict(device=DEV, dtype=torch.bfloat16)
+    offs = make_offs([16] * g)
+    x = torch.randn(t, k, **bf)
+    with pytest.raises(ValueError, match=r"\bw\b"):
+        ops.grouped_mm(x, torch.randn(g - 1, n, k, **bf), offs, torch.bfloat16, True, backend)
+    with pytest.raises(ValueError, match=r"\bw\b"):
+        ops.grouped_mm(x, torch.randn(g, n, k + 8, **bf), offs, torch.bfloat16, True, backend)
+    with pytest.raises(ValueError, match=r"\bw\b"):
+        ops.grouped_mm(x, torch.randn(n, k, **bf), offs, torch.bfloat16, True, backend)
+    with pytest.raises(ValueError, match=r"\bx\b"):
+        ops.grouped_mm_wgrad(torch.randn(t, n, **bf), torch.randn(t + 8, k, **bf), offs, torch.float32, backend)
+    with pytest.raises(ValueError, match=r"\boffs\b"):
+        ops.grouped_mm_wgrad(torch.randn(t, n, **bf), x, offs[:0], torch.float32, backend)
+
+
+def test_more_groups_than_one_builder_grid():
+    """G = 300000 > 1024 blocks x 256 threads of the argument builder: every group's arguments
+    are built (grid-stride), the few non-empty groups checked against a reference, the empty
+    ones left alone (forward/dgrad) or zeroed (wgrad)."""
+    g, n, k = 300_000, 32, 64
+    live = {0: 100, 1: 37, 150_000: 64, 262_143: 200, 262_144: 129, 262_145: 1, 299_999: 300}
+    counts = torch.zeros(g, dtype=torch.int64)
+    for e, c in live.items():
+        counts[e] = c
+    offs = counts.cumsum(0).to(torch.int32).to(DEV)
+    t = int(counts.sum())
+    bf = dict(device=DEV, dtype=torch.bfloat16)
+    x, dy = torch.randn(t, k, **bf), torch.randn(t, n, **bf)
+    w = torch.empty(g, n, k, **bf)
+    w.normal_(std=0.1)
+    rows = {}
+    s = 0
+    for e in sorted(live):
+        rows[e] = (s, s + live[e])
+        s += live[e]
+
+    y = ops.grouped_mm(x, w, offs, torch.float32, True, 0)
+    dx = ops.grouped_mm(dy, w, offs, torch.float32, False, 0)
+    for e, (a, b) in rows.items():
+        assert_close(y[a:b], x[a:b].double() @ w[e].double().T)
+        assert_close(dx[a:b], dy[a:b].double() @ w[e].double())
+
+    dw = torch.full((g, n, k), 7.0, device=DEV)
+    ops.grouped_mm_wgrad_out(dy, x, offs, dw, False, 0)
+    for e, (a, b) in rows.items():
+        assert_close(dw[e], dy[a:b].double().T @ x[a:b].double())
+    empty = torch.ones(g, dtype=torch.bool, device=DEV)
+    empty[list(live)] = False
+    assert not (dw != 0).any(dim=(1, 2))[empty].any(), "an empty group of the 300000 was not zeroed"
+    main_grad = torch.ones(g, n, k, device=DEV)
+    ops.grouped_mm_wgrad_out(dy, x, offs, main_grad, True, 0)
+    assert not (main_grad != 1).any(dim=(1, 2))[empty].any(), "accumulate touched an empty group"
+    for e, (a, b) in rows.items():
+        assert_close(main_grad[e], 1 + dy[a:b].double().T @ x[a:b].double())
