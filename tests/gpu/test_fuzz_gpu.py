@@ -1,0 +1,437 @@
+"""Property tests (hypothesis) of every single-GPU op against the FP64 reference.
+
+distgemm.gemm: bf16/fp16 (out: same or fp32) and float8 (e4m3, e4m3 x e5m2, with per-tensor,
+row-wise or no scales, fast accumulation on and off), M/N/K from 1 to 4096 incl. odd sizes,
+alpha/beta, c full / bias / (1, N) / expanded, operands transposed, pitched, strided,
+broadcast or at misaligned offsets. distgemm.grouped_mm: forward (trans_w=True) and dgrad
+(trans_w=False), G 1..64, random routing with zero-token experts and unrouted tail rows,
+T 0..4096, out= with accumulate on and off, out_dtype fp32, every grouped backend.
+distgemm.grouped_mm_wgrad: fp32 / 16-bit out, new or given out, accumulate.
+
+Every operand lives in a larger buffer of NaN sentinels (tests/fuzz_helpers.py): the
+buffers must be unchanged afterwards (inputs and their surroundings; for out= the bytes
+around the view and the rows the op must not write), and a read past an input shows up as
+NaN. Results: the tolerances of tests/reference.py norm-wise plus an element-wise bound.
+
+DISTGEMM_FUZZ_EXAMPLES cases per op (default 60), derandomized; DISTGEMM_FUZZ_TIME_S caps
+each op's wall time; DISTGEMM_FUZZ_REPORT=<path> appends one JSON line per op. Mismatches
+are collected (no shrinking, so a failing run stays bounded) and fail the test at the end
+with the first failing cases.
+"""
+
+import os
+
+import pytest
+import torch
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+import distgemm  # noqa: E402
+from tests.fuzz_helpers import (Bound, Placed, Tally, accumulation_eps, canary_report, compare,  # noqa: E402
+                                compare_segments, env_set, fuzz_examples, fuzz_time_cap, is_cuda_fatal, place, place_out,
+                                same_values, sentinel_fill)
+from tests.reference import ref_gemm  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+DEV = os.environ.get("DISTGEMM_FUZZ_DEVICE", "cuda")  # "cpu": harness check through the reference path
+EXAMPLES = fuzz_examples(60)
+
+FUZZ = settings(max_examples=EXAMPLES, derandomize=True, deadline=None, database=None, print_blob=False,
+                phases=[Phase.explicit, Phase.generate],
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                       HealthCheck.filter_too_much, HealthCheck.large_base_example])
+
+SPECIAL = [1, 2, 3, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 191, 255, 256, 257, 511,
+           512, 513, 1000, 1023, 1024, 1025, 2047, 2048, 2049, 3000, 4095, 4096]
+DIM = st.one_of(st.sampled_from(SPECIAL), st.integers(1, 64), st.integers(1, 600), st.integers(1, 4096))
+F8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+KINDS = {"bf16": (torch.bfloat16, torch.bfloat16), "fp16": (torch.float16, torch.float16),
+         "e4m3": (F8["e4m3"], F8["e4m3"]), "e4m3xe5m2": (F8["e4m3"], F8["e5m2"]),
+         "e5m2xe4m3": (F8["e5m2"], F8["e4m3"])}
+LAYOUTS = ["contig", "contig", "pitched", "transposed", "col_strided", "row_strided", "misaligned"]
+ALPHAS = [1.0, 1.0, 0.5, -1.0, 2.0, 0.0, -0.375, 1.75]
+BETAS = [1.0, 0.5, -1.0, 0.0, 2.0, -0.25]
+
+
+def _run_case(tally: Tally, case: dict, body) -> None:
+    """Runs one case: problems, exceptions and canary hits go to the tally."""
+    if tally.should_skip():
+        return
+    try:
+        problems, refused = body(case)
+        tally.record(case, problems, refused=refused)
+    except Exception as e:  # a valid input must not raise
+        if is_cuda_fatal(e):
+            tally.fatal = f"{type(e).__name__}: {str(e)[:300]}"
+        tally.record(case, [f"exception {type(e).__name__}: {str(e)[:300]}"], exception=True)
+
+
+def _gen(seed: int):
+    return torch.Generator(device=DEV).manual_seed(seed)
+
+
+def _values(shape, dtype, gen, scale=1.0):
+    x = torch.randn(*shape, generator=gen, device=DEV) * scale
+    if dtype in F8.values():
+        x = x.clamp(-240, 240)
+    return x.to(dtype)
+
+
+def _layout(name: str, pad: int):
+    """(layout, pad, offset elements) for tests.fuzz_helpers.place."""
+    if name == "misaligned":
+        return "contig", 0, 1
+    return name, pad, 0
+
+
+# ---------------------------------------------------------------- distgemm.gemm
+
+
+@st.composite
+def gemm_cases(draw):
+    kind = draw(st.sampled_from(["bf16", "bf16", "fp16", "fp16", "e4m3", "e4m3", "e4m3xe5m2", "e5m2xe4m3"]))
+    a_dtype, _ = KINDS[kind]
+    fp8 = a_dtype in F8.values()
+    outs = [None, torch.bfloat16, torch.float16, torch.float32] if fp8 else [None, a_dtype, torch.float32]
+    case = dict(kind=kind, m=draw(DIM), n=draw(DIM), k=draw(DIM), out_dtype=draw(st.sampled_from(outs)),
+                a_layout=draw(st.sampled_from(LAYOUTS + ["bcast"])), b_layout=draw(st.sampled_from(LAYOUTS)),
+                pad=draw(st.sampled_from([1, 3, 8, 16, 24])), alpha=draw(st.sampled_from(ALPHAS)),
+                c=draw(st.sampled_from(["none", "none", "full", "bias", "bias_2d", "expanded"])),
+                c_layout=draw(st.sampled_from(["contig", "pitched", "transposed", "misaligned"])),
+                c_dtype=draw(st.sampled_from(["out", "out", "other"])), beta=draw(st.sampled_from(BETAS)),
+                seed=draw(st.integers(0, 2 ** 31 - 1)))
+    if fp8:
+        case.update(scale_a=draw(st.sampled_from(["none", "tensor", "tensor_1", "row", "row_col", "row_view"])),
+                    scale_b=draw(st.sampled_from(["none", "tensor", "tensor_1", "row", "row_col", "row_view"])),
+                    fast_accum=draw(st.booleans()))
+    return case
+
+
+def _scale(kind: str, length: int, gen):
+    """(placed scale or None): 'tensor' a 0-d value, 'tensor_1' shape (1,), 'row' (L,),
+    'row_col' (L, 1), 'row_view' (L,) at a 4-byte (misaligned) offset of its buffer."""
+    if kind == "none":
+        return None
+    n = 1 if kind.startswith("tensor") else length
+    values = torch.rand(n, generator=gen, device=DEV) + 0.5
+    if kind == "tensor":
+        return place(values.reshape(()))
+    if kind == "row_col":
+        return place(values.reshape(n, 1))
+    return place(values, offset=1 if kind == "row_view" else 0)
+
+
+def check_gemm(case):
+    a_dtype, b_dtype = KINDS[case["kind"]]
+    fp8 = a_dtype in F8.values()
+    m, n, k = case["m"], case["n"], case["k"]
+    gen = _gen(case["seed"])
+    out_dtype = case["out_dtype"] or (a_dtype if not fp8 else torch.bfloat16)
+    a_vals = _values((m, k), a_dtype, gen)
+    if case["a_layout"] == "bcast":
+        a_vals = a_vals[:1].expand(m, k)
+        a = place(a_vals, "bcast")
+    else:
+        a = place(a_vals, *_layout(case["a_layout"], case["pad"]))
+    b = place(_values((n, k), b_dtype, gen, 1.0 if fp8 else 0.5), *_layout(case["b_layout"], case["pad"]))
+    c = None
+    c_dtype = out_dtype
+    if case["c_dtype"] == "other":
+        c_dtype = torch.float32 if out_dtype != torch.float32 else (torch.bfloat16 if not fp8 else torch.float16)
+    if case["c"] == "full":
+        c = place(_values((m, n), c_dtype, gen), *_layout(case["c_layout"], case["pad"]))
+    elif case["c"] in ("bias", "bias_2d", "expanded"):
+        bias = _values((n,), c_dtype, gen)
+        if case["c"] == "bias":
+            c = place(bias, offset=1 if case["c_layout"] == "misaligned" else 0)
+        elif case["c"] == "bias_2d":
+            c = place(bias.reshape(1, n))
+        else:
+            c = place(bias.reshape(1, n).expand(m, n), "bcast")
+    sa = _scale(case.get("scale_a", "none"), m, gen) if fp8 else None
+    sb = _scale(case.get("scale_b", "none"), n, gen) if fp8 else None
+    fast = case.get("fast_accum", False)
+    alpha, beta = case["alpha"], case["beta"]
+
+    def v(p):
+        return None if p is None else p.view
+
+    out = distgemm.gemm(a.view, b.view, v(c), alpha=alpha, beta=beta, out_dtype=case["out_dtype"],
+                        scale_a=v(sa), scale_b=v(sb), use_fast_accum=fast)
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+    problems = canary_report({"a": a, "b": b, "c": c, "scale_a": sa, "scale_b": sb})
+    if tuple(out.shape) != (m, n) or out.dtype != out_dtype:
+        return problems + [f"out: shape {tuple(out.shape)} {out.dtype}, expected ({m}, {n}) {out_dtype}"], False
+    if not out.is_contiguous():
+        problems.append("out: not contiguous")
+    cc = None if c is None else c.view.expand(m, n)
+    sav, sbv = v(sa), v(sb)
+    ref = ref_gemm(a.view, b.view, cc, alpha, beta, sav, sbv)
+    bound = Bound(ref)
+    bound.add_products(ref_gemm(a.view.double().abs(), b.view.double().abs(), None, abs(alpha), 0.0,
+                                None if sav is None else sav.abs(), None if sbv is None else sbv.abs()))
+    if cc is not None:
+        bound.add_rounded(beta * cc.double())
+    problems += compare(out, ref, bound, a_dtype, accumulation_eps(a_dtype, k, fast), fast)
+    return problems, False
+
+
+def test_gemm_fuzz():
+    tally = Tally("gemm", EXAMPLES, fuzz_time_cap())
+
+    @FUZZ
+    @given(gemm_cases())
+    def run(case):
+        _run_case(tally, case, check_gemm)
+
+    run()
+    tally.finish()
+
+
+# ---------------------------------------------------------------- grouped routing
+
+
+def _counts(case, tokens: int, groups: int) -> list:
+    """Rows per expert: zero-token experts, skewed or uniform weights, `tail` rows unrouted."""
+    g = torch.Generator().manual_seed(case["seed"] + 1)
+    routed = max(0, tokens - case["tail"])
+    live = torch.rand(groups, generator=g) >= case["zero_frac"]
+    if routed and not bool(live.any()):
+        live[int(torch.randint(groups, (1,), generator=g))] = True
+    if case["skew"] == "zipf":
+        weights = 1.0 / torch.arange(1, groups + 1, dtype=torch.float64) ** 1.2
+        weights = weights[torch.randperm(groups, generator=g)]
+    elif case["skew"] == "one":
+        weights = torch.zeros(groups, dtype=torch.float64)
+        weights[int(torch.nonzero(live)[0]) if bool(live.any()) else 0] = 1.0
+    else:
+        weights = torch.rand(groups, generator=g, dtype=torch.float64)
+    weights = weights * live
+    if routed == 0 or float(weights.sum()) == 0.0:
+        return [0] * groups
+    counts = (weights / weights.sum() * routed).floor().long()
+    counts[int(weights.argmax())] += routed - int(counts.sum())
+    return counts.tolist()
+
+
+def _offs(counts) -> Placed:
+    ends = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32).to(DEV)
+    return place(ends)
+
+
+def _rows_with_tail(rows: int, cols: int, routed: int, dtype, gen, layout: str):
+    """A (rows, cols) input whose rows past `routed` hold NaN sentinels (no group owns them)."""
+    values = _values((rows, cols), dtype, gen)
+    if rows > routed:
+        values[routed:] = sentinel_fill((rows - routed) * cols, dtype, DEV).view(rows - routed, cols)
+    if layout == "noncontig":
+        return place(values, "pitched", 8)
+    return place(values, offset=8 if layout == "offset16" else 0)
+
+
+BACKENDS = ["auto"] * 6 + ["cublas", "torch"]
+# N, K: multiples of 8 (what the grouped kernels take); now and then not, where the op must
+# either compute the right result or refuse cleanly (ValueError / NotImplementedError / RuntimeError).
+GROUPED_DIM = st.one_of(st.integers(1, 96).map(lambda i: 8 * i), st.sampled_from([8, 16, 64, 128, 264, 1024, 2048]))
+
+
+@st.composite
+def grouped_cases(draw, wgrad: bool):
+    dtype = draw(st.sampled_from(["bf16", "fp16"]))
+    case = dict(dtype=dtype, groups=draw(st.one_of(st.integers(1, 8), st.integers(1, 64), st.just(64))),
+                tokens=draw(st.one_of(st.integers(1, 64), st.integers(0, 4096), st.integers(0, 4096),
+                                     st.sampled_from([0, 1, 4096]))),
+                n=draw(GROUPED_DIM), k=draw(GROUPED_DIM),
+                unaligned=draw(st.sampled_from([False] * 19 + [True])),
+                zero_frac=draw(st.sampled_from([0.0, 0.0, 0.25, 0.5, 0.9, 1.0])),
+                tail=draw(st.sampled_from([0, 0, 0, 1, 7, 100, 5000])),
+                skew=draw(st.sampled_from(["uniform", "zipf", "one"])),
+                out_mode=draw(st.sampled_from(["new", "out", "out_acc"])),
+                out_fp32=draw(st.booleans()), pass_out_dtype=draw(st.booleans()),
+                x_layout=draw(st.sampled_from(["contig", "contig", "offset16", "noncontig"])),
+                w_layout=draw(st.sampled_from(["contig", "contig", "noncontig"])),
+                out_offset=draw(st.sampled_from([0, 16, 48, 512])),
+                backend=draw(st.sampled_from(BACKENDS)), seed=draw(st.integers(0, 2 ** 31 - 1)))
+    if not wgrad:
+        case["trans_w"] = draw(st.booleans())
+    if case["unaligned"]:
+        case["n"] = max(1, case["n"] - draw(st.integers(1, 7)))
+        case["k"] = max(1, case["k"] - draw(st.integers(0, 7)))
+    if case["groups"] * case["n"] * case["k"] > 64 * 1024 * 1024:  # keep one case under ~1 GB
+        case["k"] = max(8, (64 * 1024 * 1024 // (case["groups"] * case["n"])) // 8 * 8)
+    return case
+
+
+def _refused(case, exc: Exception) -> bool:
+    return case["unaligned"] and isinstance(exc, (ValueError, NotImplementedError, RuntimeError)) \
+        and not is_cuda_fatal(exc)
+
+
+# ---------------------------------------------------------------- distgemm.grouped_mm
+
+
+def check_grouped_mm(case):
+    dtype = torch.bfloat16 if case["dtype"] == "bf16" else torch.float16
+    groups, tokens, n, k, trans_w = case["groups"], case["tokens"], case["n"], case["k"], case["trans_w"]
+    counts = _counts(case, tokens, groups)
+    routed = sum(counts)
+    gen = _gen(case["seed"])
+    x = _rows_with_tail(tokens, k, routed, dtype, gen, case["x_layout"])
+    w_shape = (groups, n, k) if trans_w else (groups, k, n)
+    w_vals = _values(w_shape, dtype, gen, 0.25)
+    w = place(w_vals, "transposed", 0) if case["w_layout"] == "noncontig" else place(w_vals)
+    offs = _offs(counts)
+    out_dtype = torch.float32 if case["out_fp32"] else dtype
+    acc = case["out_mode"] == "out_acc"
+    out, init = None, None
+    kwargs = {"trans_w": trans_w}
+    if case["out_mode"] != "new":
+        out = place_out((tokens, n), out_dtype, DEV, _values((tokens, n), out_dtype, gen) if acc else None,
+                        case["out_offset"])
+        init = out.view.clone()  # accumulate: random values; else the sentinel (must be overwritten)
+        kwargs.update(out=out.view, accumulate=acc)
+        if case["pass_out_dtype"]:
+            kwargs["out_dtype"] = out_dtype
+    elif case["out_fp32"] or case["pass_out_dtype"]:
+        kwargs["out_dtype"] = out_dtype
+    operands = {"x": x, "w": w, "offs": offs, "out": out}
+    with env_set({"DISTGEMM_GROUPED_BACKEND": case["backend"]}):
+        try:
+            y = distgemm.grouped_mm(x.view, w.view, offs.view, **kwargs)
+            if DEV == "cuda":
+                torch.cuda.synchronize()
+        except Exception as e:
+            if _refused(case, e):
+                if DEV == "cuda":
+                    torch.cuda.synchronize()
+                return canary_report(operands, ("out",)), True
+            raise
+    problems = canary_report(operands, ("out",))
+    if out is not None:
+        if y.data_ptr() != out.view.data_ptr():
+            problems.append("out=: the result is not the given out tensor")
+        y = out.view
+    if tuple(y.shape) != (tokens, n) or y.dtype != out_dtype:
+        return problems + [f"out: shape {tuple(y.shape)} {y.dtype}, expected ({tokens}, {n}) {out_dtype}"], False
+    if out is not None and routed < tokens and not same_values(y[routed:], init[routed:]):
+        problems.append(f"out: rows past offs[-1] = {routed} were written")
+    if routed == 0:
+        return problems, False
+    ref = torch.empty(routed, n, dtype=torch.float64, device=DEV)
+    products = torch.empty_like(ref)
+    s = 0
+    for g, c in enumerate(counts):
+        if c:
+            xg, wg = x.view[s:s + c].double(), w.view[g].double()
+            wg = wg.T if trans_w else wg
+            torch.matmul(xg, wg, out=ref[s:s + c])
+            torch.matmul(xg.abs(), wg.abs(), out=products[s:s + c])
+            s += c
+    bound = Bound(ref)
+    bound.products = products
+    if acc:
+        ref += init[:routed].double()
+        bound.add_rounded(init[:routed].double())
+    segments = torch.repeat_interleave(torch.arange(groups, device=DEV),
+                                       torch.tensor(counts, device=DEV))
+    problems += compare_segments(y[:routed], ref, bound, segments, groups, dtype, accumulation_eps(dtype, k))
+    return problems, False
+
+
+def test_grouped_mm_fuzz():
+    tally = Tally("grouped_mm", EXAMPLES, fuzz_time_cap())
+
+    @FUZZ
+    @given(grouped_cases(wgrad=False))
+    def run(case):
+        _run_case(tally, case, check_grouped_mm)
+
+    run()
+    tally.finish()
+
+
+# ---------------------------------------------------------------- distgemm.grouped_mm_wgrad
+
+
+def check_grouped_mm_wgrad(case):
+    dtype = torch.bfloat16 if case["dtype"] == "bf16" else torch.float16
+    groups, tokens, n, k = case["groups"], case["tokens"], case["n"], case["k"]
+    counts = _counts(case, tokens, groups)
+    routed = sum(counts)
+    gen = _gen(case["seed"])
+    dy = _rows_with_tail(tokens, n, routed, dtype, gen, case["x_layout"])
+    x = _rows_with_tail(tokens, k, routed, dtype, gen, "noncontig" if case["w_layout"] == "noncontig" else "contig")
+    offs = _offs(counts)
+    out_dtype = torch.float32 if case["out_fp32"] else dtype
+    acc = case["out_mode"] == "out_acc"
+    out, init = None, None
+    if case["out_mode"] == "new":
+        # out_dtype left out: the default, float32
+        kwargs = {} if case["out_fp32"] and not case["pass_out_dtype"] else {"out_dtype": out_dtype}
+    else:
+        out = place_out((groups, n, k), out_dtype, DEV, _values((groups, n, k), out_dtype, gen) if acc else None,
+                        case["out_offset"])
+        init = out.view.clone()
+        # out_dtype None: follows out; or given, matching it
+        kwargs = {"out": out.view, "accumulate": acc, "out_dtype": out_dtype if case["pass_out_dtype"] else None}
+    operands = {"dy": dy, "x": x, "offs": offs, "out": out}
+    with env_set({"DISTGEMM_GROUPED_BACKEND": case["backend"]}):
+        try:
+            y = distgemm.grouped_mm_wgrad(dy.view, x.view, offs.view, **kwargs)
+            if DEV == "cuda":
+                torch.cuda.synchronize()
+        except Exception as e:
+            if _refused(case, e):
+                if DEV == "cuda":
+                    torch.cuda.synchronize()
+                return canary_report(operands, ("out",)), True
+            raise
+    problems = canary_report(operands, ("out",))
+    if out is not None:
+        if y.data_ptr() != out.view.data_ptr():
+            problems.append("out=: the result is not the given out tensor")
+        y = out.view
+    if tuple(y.shape) != (groups, n, k) or y.dtype != out_dtype:
+        return problems + [f"out: shape {tuple(y.shape)} {y.dtype}, expected ({groups}, {n}, {k}) {out_dtype}"], False
+    live = [g for g, c in enumerate(counts) if c]
+    empty = [g for g, c in enumerate(counts) if not c]
+    if empty:
+        idx = torch.tensor(empty, device=DEV)
+        if acc and not same_values(y[idx], init[idx]):
+            problems.append(f"out: experts without tokens were changed (accumulate=True), of {empty[:8]}")
+        elif not acc and bool((y[idx] != 0).any()):
+            problems.append(f"out: experts without tokens are not zero, of {empty[:8]}")
+    if not live:
+        return problems, False
+    ref = torch.empty(len(live), n, k, dtype=torch.float64, device=DEV)
+    products = torch.empty_like(ref)
+    starts = [0] + torch.tensor(counts).cumsum(0).tolist()
+    for i, g in enumerate(live):
+        dyg, xg = dy.view[starts[g]:starts[g + 1]].double(), x.view[starts[g]:starts[g + 1]].double()
+        torch.matmul(dyg.T, xg, out=ref[i])
+        torch.matmul(dyg.abs().T, xg.abs(), out=products[i])
+    idx = torch.tensor(live, device=DEV)
+    bound = Bound(ref)
+    bound.products = products
+    if acc:
+        ref += init[idx].double()
+        bound.add_rounded(init[idx].double())
+    eps = torch.tensor([accumulation_eps(dtype, counts[g]) for g in live], dtype=torch.float64,
+                       device=DEV).reshape(-1, 1, 1)
+    problems += compare_segments(y[idx], ref, bound, torch.arange(len(live), device=DEV), len(live), dtype, eps)
+    return problems, False
+
+
+def test_grouped_mm_wgrad_fuzz():
+    tally = Tally("grouped_mm_wgrad", EXAMPLES, fuzz_time_cap())
+
+    @FUZZ
+    @given(grouped_cases(wgrad=True))
+    def run(case):
+        _run_case(tally, case, check_grouped_mm_wgrad)
+
+    run()
+    tally.finish()
