@@ -117,3 +117,19 @@ def test_heuristic_prefers_small_tiles_for_small_m():
     # Unsupported combinations have no kernels rather than a wrong one.
     assert ops.gemm_configs(torch.float8_e5m2, torch.float8_e5m2, torch.bfloat16, True, 90) == []
     assert ops.gemm_select_config(64, 64, 64, torch.bfloat16, torch.bfloat16, torch.bfloat16, True, 80, 108) == -1
+
+
+@pytest.mark.parametrize("m,n,k", [(2**31, 64, 64), (64, 2**40, 64), (64, 64, 2**62), (0, 64, 64), (-1, 64, 64),
+                                   (64, 64, 60), (-(2**63), 64, 64)])
+def test_heuristic_query_refuses_what_the_checks_refuse(m, n, k):
+    # The core's size checks run first (checked int64 arithmetic): -1, never a crash or a pick.
+    bf = torch.bfloat16
+    assert ops.gemm_select_config(m, n, k, bf, bf, bf, True, 90, 132) == -1
+
+
+@pytest.mark.parametrize("sm_count", [0, -1, 1, 2**31 - 1])
+def test_heuristic_query_extreme_sizes_and_sm_counts(sm_count):
+    bf = torch.bfloat16
+    names = ops.gemm_configs(bf, bf, bf, True, 90)
+    for m, n, k in [(2**31 - 8, 2**31 - 8, 8), (1, 2**31 - 8, 2**31 - 8), (8, 8, 8)]:
+        assert 0 <= ops.gemm_select_config(m, n, k, bf, bf, bf, True, 90, sm_count) < len(names)

@@ -189,3 +189,12 @@ def test_torch_compile_traces_grouped_mm():
     f = lambda x, w, offs: distgemm.grouped_mm(x, w, offs).relu()
     compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
     assert torch.equal(compiled(x, w, offs), f(x, w, offs))
+
+
+@pytest.mark.parametrize("kind", [-1, 3, 7, 2**31 - 1])
+def test_grouped_configs_of_unknown_kinds_are_empty(kind):
+    from distgemm._library import ops
+
+    # The core compares the raw kind and dtypes before using them as enums: no kernel, no crash.
+    assert ops.grouped_configs(kind, torch.bfloat16, torch.bfloat16, 90) == []
+    assert ops.grouped_configs(0, torch.bfloat16, torch.bfloat16, -1) == []
