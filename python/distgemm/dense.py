@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -115,7 +115,8 @@ def gemm_unchecked(a, b, c, alpha, beta, out_dtype, scale_a=None, scale_b=None, 
             warn_once(f"distgemm: no CUTLASS kernels for {torch.cuda.get_device_name(a.device)}; "
                       "running the PyTorch reference")
         return reference_gemm(a, b, c, alpha, beta, out_dtype, scale_a, scale_b)
-    kernel_dtype = kernel_out_dtype(a.dtype, b.dtype, out_dtype, device_arch(a.device), fast_accum)
+    arch = device_arch(a.device)
+    kernel_dtype, fast_accum = kernel_out_dtype(a.dtype, b.dtype, out_dtype, arch, fast_accum)
     a, b, c, scale_b, n = _kernel_operands(a, b, c, kernel_dtype, scale_b)
     out = ops.gemm(a, b, c, alpha, beta, kernel_dtype, _flat(scale_a), scale_b, fast_accum)
     out = out if out.shape[1] == n else out[:, :n].contiguous()
@@ -134,17 +135,28 @@ def _compiled_combinations() -> frozenset:
 _COMPILED = _compiled_combinations()
 
 
-def kernel_out_dtype(a_dtype, b_dtype, out_dtype, arch: int, fast_accum: bool) -> torch.dtype:
-    """The output dtype to run the kernel in: out_dtype when compiled, else a wider one that
-    is (float8 combinations with fewer instances), the result then being cast."""
-    for candidate in (out_dtype, torch.float32, torch.bfloat16):
-        if (arch, a_dtype, b_dtype, candidate, fast_accum) in _COMPILED:
-            return candidate
-    return out_dtype  # nothing compiled: the op raises a clear NotImplementedError
+def kernel_out_dtype(a_dtype, b_dtype, out_dtype, arch: int,
+                     fast_accum: bool) -> Tuple[torch.dtype, bool]:
+    """The output dtype and accumulation to run the kernel in: out_dtype when compiled, else a
+    wider one that is (float8 combinations with fewer instances), the result then being cast;
+    fast accumulation is a speed hint, so a combination built only with promoted accumulation
+    runs that (more accurate)."""
+    for fast in (fast_accum, False) if fast_accum else (False,):
+        for candidate in (out_dtype, torch.float32, torch.bfloat16):
+            if (arch, a_dtype, b_dtype, candidate, fast) in _COMPILED:
+                return candidate, fast
+    return out_dtype, fast_accum  # nothing compiled: the op raises a clear NotImplementedError
 
 
 def _flat(scale: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    return None if scale is None else scale.reshape(-1).contiguous()
+    """A scale as the kernels read it: 1-D, contiguous and 16-byte aligned (a view at an odd
+    offset is copied)."""
+    if scale is None:
+        return None
+    scale = scale.reshape(-1).contiguous()
+    return scale if scale.data_ptr() % 16 == 0 else scale.clone()
+
+
 
 
 def _pad_to(x: int, elems: int) -> int:
