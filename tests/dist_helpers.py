@@ -1,6 +1,7 @@
 """Spawning ranks for the distributed tests: each test body runs in `world` fresh processes
 (one per GPU for NCCL, CPU for gloo) and any rank's exception fails the test."""
 
+import faulthandler
 import os
 import socket
 import traceback
@@ -22,6 +23,7 @@ def free_port() -> int:
 def _worker(rank, world, backend, port, fn, args, env, errors):
     os.environ.update(SAFE_ENV)
     os.environ.update(env)
+    faulthandler.enable()  # a crashing rank prints where it was
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)

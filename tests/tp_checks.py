@@ -166,21 +166,47 @@ def check_graph_compile_and_alternation(rank, world):
     check_torch_compile(rank, world)
 
 
+def _expect_disagreement(dev, call, what):
+    """A call whose ranks disagree: it raises ValueError naming the disagreement at once (when
+    it had to agree before growing the workspace) or hands back NaN and check_errors raises
+    it, on every rank; then recover() re-synchronises the group."""
+    try:
+        out = call()
+    except ValueError as e:
+        assert "the ranks disagree" in str(e), e
+    else:
+        torch.cuda.synchronize(dev)
+        assert torch.isnan(out.float()).all(), f"{what}: a disagreeing call handed back numbers"
+        try:
+            distgemm.check_errors(dev)
+        except ValueError as e:
+            assert "the ranks disagree" in str(e), e
+        else:
+            raise AssertionError(f"{what}: the disagreement was not reported")
+    distgemm.recover()
+
+
 def check_mismatched_shapes(rank, world):
     dev = device_for(rank)
     m = 64 if rank == 0 else 32
     a = full((m, 128), torch.bfloat16, dev, 400)
     b = full((256, 128), torch.bfloat16, dev, 401)
-    try:
-        distgemm.all_gather_matmul(a, b)
-    except ValueError as e:
-        assert "ranks passed different shapes" in str(e), e
-    else:
-        raise AssertionError("mismatched shapes were not reported")
-    if dist.get_backend() != "nccl":  # the split setting is the fused backend's
+    if dist.get_backend() != "nccl":  # the collectives path refuses it at once, on every rank
+        try:
+            distgemm.all_gather_matmul(a, b)
+        except ValueError as e:
+            assert "the ranks disagree" in str(e), e
+        else:
+            raise AssertionError("mismatched shapes were not reported")
         return
+    _expect_disagreement(dev, lambda: distgemm.all_gather_matmul(a, b), "rows differing on the first call")
+    # after agreeing once, other rows on one rank (2048 vs 1024 within the same workspace)
+    a = full((2048, 128), torch.bfloat16, dev, 402)
+    distgemm.all_gather_matmul(a, b)
+    _expect_disagreement(dev, lambda: distgemm.all_gather_matmul(a if rank == 0 else a[:1024], b),
+                         "rows differing on a later call")
     # a malformed split setting is refused by name before anything is enqueued (no peer waits)
-    a = full((256, 128), torch.bfloat16, dev, 402)
+    a = full((256, 128), torch.bfloat16, dev, 403)
     os.environ.update(DISTGEMM_TP_ALGO="decomposed", DISTGEMM_TP_PIECES="5")
     try:
         distgemm.all_gather_matmul(a, b)
@@ -188,9 +214,13 @@ def check_mismatched_shapes(rank, world):
         assert "DISTGEMM_TP_PIECES must be 'auto', N or Nt" in str(e), e
     else:
         raise AssertionError("DISTGEMM_TP_PIECES=5 was not refused")
-    finally:
-        del os.environ["DISTGEMM_TP_ALGO"], os.environ["DISTGEMM_TP_PIECES"]
-    distgemm.all_gather_matmul(a, b)  # and the next call runs
+    # settings that differ between the ranks: every rank names the disagreement
+    os.environ["DISTGEMM_TP_PIECES"] = "2" if rank == 0 else "3"
+    a_big = full((1024, 128), torch.bfloat16, dev, 404)
+    _expect_disagreement(dev, lambda: distgemm.all_gather_matmul(a_big, b), "DISTGEMM_TP_PIECES differing")
+    del os.environ["DISTGEMM_TP_ALGO"], os.environ["DISTGEMM_TP_PIECES"]
+    out = distgemm.all_gather_matmul(a, b)  # and the next call runs
+    assert_close(out, ref(torch.cat([a] * world), b))
 
 
 def check_cuda_graph_replay(rank, world):
@@ -238,8 +268,8 @@ def check_torch_compile(rank, world):
 
 
 def check_peer_timeout(rank, world):
-    """Rank 0 calls once more than rank 1: its GEMM must give up after DISTGEMM_TIMEOUT_S and
-    report rank 1, not hang."""
+    """Rank 0 calls once more than rank 1: its call must give up after DISTGEMM_TIMEOUT_S, hand
+    back NaN, report rank 1 as TimeoutError (and keep doing so) until both ranks recover()."""
     dev = device_for(rank)
     a = full((128, 256), torch.bfloat16, dev, 800)
     b = full((256, 256), torch.bfloat16, dev, 801)
@@ -248,21 +278,24 @@ def check_peer_timeout(rank, world):
     dist.barrier()
     if rank == 0:
         start = time.time()
-        distgemm.all_gather_matmul(a, b)
+        out = distgemm.all_gather_matmul(a, b)
         torch.cuda.synchronize(dev)
         elapsed = time.time() - start
+        assert torch.isnan(out.float()).all(), "the timed-out call handed back numbers"
         try:
             distgemm.check_errors(dev)
-        except RuntimeError as e:
+        except TimeoutError as e:
             assert "waited more than DISTGEMM_TIMEOUT_S=3 s for group rank 1" in str(e), e
         else:
             raise AssertionError("no timeout error after the peer never arrived")
         assert elapsed < 60, f"the timed-out call took {elapsed:.0f} s"
         try:
             distgemm.all_gather_matmul(a, b)  # the next call reports it too
-        except RuntimeError as e:
+        except TimeoutError as e:
             assert "waited more than" in str(e)
         else:
             raise AssertionError("the next call did not report the timeout")
-        torch.ops.distgemm.tp_clear_error(dev.index)
+    distgemm.recover()  # both ranks: the group is usable again
+    out = distgemm.all_gather_matmul(a, b)
+    assert_close(out, ref(torch.cat([a] * world), b))
     dist.barrier()

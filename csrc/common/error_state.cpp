@@ -60,9 +60,16 @@ extern "C" int dg_tp_error(int device) {
 extern "C" dg_status dg_tp_clear_error(int device) {
   ErrorState* s = error_state(device);
   if (!s) return DG_ERROR_CUDA;
-  DG_CUDA_RETURN(cudaDeviceSynchronize());
-  DG_CUDA_RETURN(cudaMemset(s->device_word, 0, sizeof(int)));
-  DG_CUDA_RETURN(cudaDeviceSynchronize());
+  // On `device`, whichever device this thread had selected (restored afterwards).
+  int previous = -1;
+  DG_CUDA_RETURN(cudaGetDevice(&previous));
+  DG_CUDA_RETURN(cudaSetDevice(device));
+  cudaError_t err = cudaDeviceSynchronize();
+  if (err == cudaSuccess) err = cudaMemset(s->device_word, 0, sizeof(int));
+  if (err == cudaSuccess) err = cudaDeviceSynchronize();
+  cudaSetDevice(previous);
+  if (err != cudaSuccess)
+    return fail(DG_ERROR_CUDA, cat("clearing the error word of device ", device, ": ", cudaGetErrorString(err)));
   *reinterpret_cast<volatile int*>(s->host_word) = 0;
   return DG_SUCCESS;
 }

@@ -1,4 +1,9 @@
 #include "common/status.h"
+#if __has_include("distgemm_build_id.h")
+#include "distgemm_build_id.h"
+#else
+#define DISTGEMM_BUILD_ID "unversioned"  // builds of the host code alone (no package)
+#endif
 #include "distgemm/distgemm.h"
 
 namespace {
@@ -24,6 +29,9 @@ extern "C" const char* dg_status_name(dg_status status) {
     case DG_ERROR_CUDA: return "CUDA error";
     case DG_ERROR_INTERNAL: return "internal error";
     case DG_ERROR_TIMEOUT: return "timeout";
+    case DG_ERROR_PEER_MISMATCH: return "ranks disagree";
   }
   return "unknown status";
 }
+
+extern "C" const char* dg_build_id(void) { return DISTGEMM_BUILD_ID; }

@@ -30,9 +30,12 @@ using namespace distgemm::dist;
 extern "C" dg_status dg_all_gather_gemm(const dg_tp_desc* desc, cudaStream_t stream) {
   Peers peers;
   DG_RETURN_IF_ERROR(check_tp(desc, &peers));
+  const int device = current_device();
+  DG_RETURN_IF_ERROR(check_no_earlier_failure(device));
   const dg_tp_desc& d = *desc;
   const dg_gemm_desc& g = d.gemm;
   const int r = d.rank, world = d.world;
+  DG_RETURN_IF_ERROR(check_exchange_size(world, g.a.rows, g.a.cols, g.a.dtype, "a (this rank's shard)"));
   const int64_t m = g.a.rows, k = g.a.cols, rows = m * world;
   const size_t elem = dtype_bytes(g.a.dtype);
   const AllGatherLayout layout(rows, k, elem);
@@ -40,7 +43,7 @@ extern "C" dg_status dg_all_gather_gemm(const dg_tp_desc* desc, cudaStream_t str
   DG_REQUIRE(g.a.col_stride == 1 && g.a.row_stride >= k, "a must be row-major, got strides (",
              g.a.row_stride, ", ", g.a.col_stride, ")");
   DG_REQUIRE(g.d.rows == rows, "out must have world * m = ", rows, " rows, got ", g.d.rows);
-  DG_REQUIRE(d.workspace_bytes >= layout.bytes, "the workspace of ", d.workspace_bytes,
+  DG_REQUIRE(d.agree_only || d.workspace_bytes >= layout.bytes, "the workspace of ", d.workspace_bytes,
              " bytes is smaller than the ", layout.bytes, " needed");
   DG_REQUIRE(!g.scale_a || g.scale_a_len == 1 || g.scale_a_len == m,
              "scale_a must hold 1 or m = ", m, " values (this rank's shard)");
@@ -73,7 +76,6 @@ extern "C" dg_status dg_all_gather_gemm(const dg_tp_desc* desc, cudaStream_t str
     }
     return chunk;
   };
-  const int device = current_device();
   const DeviceInfo& dev = device_info(device);
   // Decomposed: a peer's shard travels in pieces, each multiplied as soon as it is in, so that
   // the last GEMM waits for a piece, not a whole shard. Fused: one piece (the kernel waits per
@@ -98,12 +100,14 @@ extern "C" dg_status dg_all_gather_gemm(const dg_tp_desc* desc, cudaStream_t str
   } else {
     cut = RowPieces(m, {1, false});
   }
-  DG_RETURN_IF_ERROR(dg_gemm_check(&gathered, dev.arch));
-  SignalTargets started{};  // every peer writes into this rank's gathered buffer
-  for (int p = 0; p < world; ++p)
-    if (p != r) started.flags[started.count++] = peers.word(p, TpHeader::kConsumed, r);
+  DG_RETURN_IF_ERROR(decomposed ? dg_gemm_check(&gathered, dev.arch) : gemm::check_gemm_desc(gathered, false));
+  // What the peers must agree on: the rows and K they push, the dtype and scale mode, the plan.
+  const uint32_t dtypes = static_cast<uint32_t>(g.a.dtype) | (g.scale_a ? 1u << 8 : 0u);
+  const CallSignature sig = call_signature(DG_TP_ALL_GATHER_GEMM, d, m, k, dtypes, decomposed,
+                                           {cut.count, decomposed && split.tapered});
   CallStart call;
-  DG_RETURN_IF_ERROR(start_call(d, peers, kTagAllGather, device, stream, started, &call));
+  DG_RETURN_IF_ERROR(start_call(d, peers, kTagAllGather, device, stream, sig, &call));
+  if (d.agree_only) return check_peers(d, peers, call, stream);
   StreamPool* pool = call.pool;
   const SyncParams& sync = call.sync;
   // FP8 row scales of this shard, into rank q's gathered scales (a peer's after it began).
@@ -129,10 +133,11 @@ extern "C" dg_status dg_all_gather_gemm(const dg_tp_desc* desc, cudaStream_t str
   const int streams = 1;
   DG_RETURN_IF_ERROR(fork_streams(*pool, stream, streams));
   cudaStream_t push = pool->streams[0];
+  // Every peer must have begun this call (so it is done reading its buffer in earlier calls) with
+  // the same signature before anything is written into it.
+  DG_RETURN_IF_ERROR(check_peers(d, peers, call, push));
   for (int i = 1; i < world; ++i) {
     const int p = (r - i + world) % world;
-    // p must be done reading its buffer in earlier calls: it has begun this one.
-    DG_CUDA_RETURN(launch_wait_flag(peers.word(r, TpHeader::kConsumed, p), 0, sync, p, push));
     if (g.scale_a) DG_CUDA_RETURN(scatter_scales(p, push));
     for (int j = 0; j < cut.count; ++j) {
       DG_CUDA_RETURN(copy_rows(peers.base[p] + shard_offset, cut.row0(j), cut.rows(j), push));
@@ -185,6 +190,13 @@ extern "C" dg_status dg_all_gather_gemm(const dg_tp_desc* desc, cudaStream_t str
                                      cudaMemcpyDeviceToDevice, stream));
     }
   }
-  return join_streams(*pool, stream, streams);
+  DG_RETURN_IF_ERROR(join_streams(*pool, stream, streams));
+  // A failed call (a peer timed out or disagreed) hands back NaN, never a valid-looking result.
+  DG_CUDA_RETURN(launch_poison_on_error(g.d.data ? const_cast<void*>(g.d.data) : nullptr, rows, g.d.cols,
+                                        g.d.row_stride, static_cast<int>(dtype_bytes(g.d.dtype)), sync.error,
+                                        stream));
+  if (d.gathered_out)
+    DG_CUDA_RETURN(launch_poison_on_error(d.gathered_out, rows, k, k, static_cast<int>(elem), sync.error, stream));
+  return DG_SUCCESS;
 }
 

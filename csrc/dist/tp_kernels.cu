@@ -6,13 +6,66 @@
 namespace distgemm::dist {
 namespace {
 
-__global__ void begin_call_kernel(uint32_t* epoch, SignalTargets started) {
+__device__ __forceinline__ void store_release_sys(uint32_t* p, uint32_t v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__global__ void begin_call_kernel(uint32_t* epoch, PeerTargets peers, CallSignature sig) {
   const uint32_t value = *epoch + 1;
   *epoch = value;
+  sig.words[CallSignature::kEpoch] = value;
   // No fence: what "started" vouches for (the earlier calls' reads of this workspace) finished
-  // before this kernel began; the release keeps the flag after the epoch store.
-  for (int i = 0; i < started.count; ++i)
-    asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(started.flags[i]), "r"(value) : "memory");
+  // before this kernel began; the release orders the signature and the epoch before the flag.
+  for (int i = 0; i < peers.count; ++i) {
+    CallSignature* slot = peers.sig_slots[i] + (value & 1u) * kMaxWorld;
+    for (int w = 0; w < CallSignature::kFields; ++w)
+      reinterpret_cast<volatile uint32_t*>(slot->words)[w] = sig.words[w];
+    store_release_sys(peers.started[i], value);
+  }
+}
+
+__device__ void record_error(const SyncParams& s, int code) {
+  if (atomicCAS(s.error, 0, code) == 0 && s.error_host) {
+    *reinterpret_cast<volatile int*>(s.error_host) = code;
+    __threadfence_system();
+  }
+}
+
+__global__ void check_peers_kernel(PeerChecks peers, CallSignature own, SyncParams s) {
+  const uint32_t epoch = *s.epoch;
+  for (int i = 0; i < peers.count; ++i) {
+    const int p = peers.rank[i];
+    if (!wait_flag(peers.started[i], epoch, s, p)) return;  // timed out (recorded) or failed
+    const auto* slot = reinterpret_cast<const volatile uint32_t*>(
+        (peers.sig[i] + (epoch & 1u) * kMaxWorld)->words);
+    int reason = -1;
+    if (slot[CallSignature::kEpoch] != epoch) {
+      reason = kReasonOutOfStep;
+    } else {
+      for (int w = 1; w < CallSignature::kFields && reason < 0; ++w) {
+        if (slot[w] == own.words[w]) continue;
+        reason = w == CallSignature::kPlan ? kReasonPlan
+               : w == CallSignature::kRows || w == CallSignature::kRowsHigh ? kReasonRows
+               : w == CallSignature::kWidth ? kReasonWidth
+               : w == CallSignature::kDtypes ? kReasonDtypes
+               : kReasonWorld;
+      }
+    }
+    if (reason >= 0) {
+      record_error(s, (reason << kErrorReasonShift) | s.error_tag | (p + 1));
+      return;
+    }
+  }
+}
+
+template <class Word>
+__global__ void poison_kernel(Word* data, int64_t rows, int64_t cols, int64_t ld, Word nan,
+                              const int* error) {
+  if (*reinterpret_cast<const volatile int*>(error) == 0) return;
+  const int64_t total = rows * cols;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
+       i += gridDim.x * int64_t(blockDim.x))
+    data[(i / cols) * ld + i % cols] = nan;
 }
 
 __global__ void wait_flag_kernel(const uint32_t* flag, int32_t offset, SyncParams s, int peer) {
@@ -45,8 +98,35 @@ cudaError_t launch_scatter_scales(const float* src, int64_t count, int64_t rows,
   return cudaGetLastError();
 }
 
-cudaError_t launch_begin_call(uint32_t* epoch, const SignalTargets& started, cudaStream_t stream) {
-  begin_call_kernel<<<1, 1, 0, stream>>>(epoch, started);
+cudaError_t launch_begin_call(uint32_t* epoch, const PeerTargets& peers, const CallSignature& sig,
+                              cudaStream_t stream) {
+  begin_call_kernel<<<1, 1, 0, stream>>>(epoch, peers, sig);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_check_peers(const PeerChecks& peers, const CallSignature& own, const SyncParams& s,
+                               cudaStream_t stream) {
+  check_peers_kernel<<<1, 1, 0, stream>>>(peers, own, s);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_poison_on_error(void* data, int64_t rows, int64_t cols, int64_t ld, int elem_bytes,
+                                   const int* error, cudaStream_t stream) {
+  if (!data || rows <= 0 || cols <= 0) return cudaSuccess;
+  constexpr int kBlocks = 32, kThreads = 256;  // the common case returns at once
+  switch (elem_bytes) {
+    case 2:  // bf16 and fp16 NaN share no pattern: 0x7fff is NaN in both
+      poison_kernel<uint16_t><<<kBlocks, kThreads, 0, stream>>>(static_cast<uint16_t*>(data), rows, cols, ld,
+                                                               uint16_t{0x7fff}, error);
+      break;
+    case 4:
+      poison_kernel<uint32_t><<<kBlocks, kThreads, 0, stream>>>(static_cast<uint32_t*>(data), rows, cols, ld,
+                                                               0x7fffffffu, error);
+      break;
+    default:  // 1-byte (FP8) data: 0x7f is NaN in e4m3fn and e5m2
+      poison_kernel<uint8_t><<<kBlocks, kThreads, 0, stream>>>(static_cast<uint8_t*>(data), rows, cols, ld,
+                                                              uint8_t{0x7f}, error);
+  }
   return cudaGetLastError();
 }
 

@@ -17,11 +17,49 @@ struct SignalTargets {
   int count;
 };
 
-// The first kernel of a call: *epoch += 1 (every later kernel of the call reads the new value),
-// then the new value to every `started` flag. That tells the peers writing into this rank's
-// workspace that its earlier calls are done with it (stream order), so no call ends with a
-// signal of its own.
-cudaError_t launch_begin_call(uint32_t* epoch, const SignalTargets& started, cudaStream_t stream);
+// Error word: bits 24.. the reason (below), 16..23 the op tag, 0..15 the peer rank + 1.
+constexpr int kErrorReasonShift = 24;
+enum ErrorReason : int {
+  kReasonTimeout = 0,      // a wait on the peer ran past its bound
+  kReasonOutOfStep = 1,    // the peer is at another call (earlier calls failed on one side)
+  kReasonPlan = 2,         // op, algorithm or pieces differ (DISTGEMM_TP_* settings)
+  kReasonRows = 3,         // this rank's rows differ
+  kReasonWidth = 4,        // all-gather: K; reduce-scatter: N
+  kReasonDtypes = 5,       // dtypes or FP8 scale modes differ
+  kReasonWorld = 6,        // group sizes differ
+};
+
+// The first kernel of a call: *epoch += 1 (every later kernel of the call reads the new value);
+// then, into every peer's workspace, this call's signature (its epoch filled in) and the new
+// epoch in the peer's `started` flag (kConsumed[rank]). That tells each peer what this call is
+// and that this rank's earlier calls are done with its workspace (stream order), so no call
+// ends with a signal of its own. sig_slots[q]: peer q's kSignatures base.
+struct PeerTargets {
+  uint32_t* started[kMaxWorld];
+  CallSignature* sig_slots[kMaxWorld];  // [2] slots each, this rank's entry
+  int count;
+};
+cudaError_t launch_begin_call(uint32_t* epoch, const PeerTargets& peers, const CallSignature& sig,
+                              cudaStream_t stream);
+
+// Bounded wait until every peer p (peers[i]) has begun this call (its kConsumed flag in this
+// rank's workspace reaches the epoch), then checks the signature p published against `own`:
+// a peer at another epoch or with another signature records the reason and p in the error
+// word (so every later wait of the call gives up at once) instead of a timeout.
+struct PeerChecks {
+  const uint32_t* started[kMaxWorld];
+  const CallSignature* sig[kMaxWorld];  // [2] slots each, peer's entry in this workspace
+  int rank[kMaxWorld];
+  int count;
+};
+cudaError_t launch_check_peers(const PeerChecks& peers, const CallSignature& own, const SyncParams& s,
+                               cudaStream_t stream);
+
+// If the error word is set (this call, or an earlier one, failed), fills `rows` x `cols`
+// elements of `elem_bytes` at `data` (row pitch `ld` elements) with NaN, so that no output of a
+// failed call reads as valid.
+cudaError_t launch_poison_on_error(void* data, int64_t rows, int64_t cols, int64_t ld, int elem_bytes,
+                                   const int* error, cudaStream_t stream);
 
 // Bounded wait until *flag >= *s.epoch + offset; a timeout records s.error_tag | (peer + 1).
 cudaError_t launch_wait_flag(const uint32_t* flag, int32_t offset, const SyncParams& s, int peer,

@@ -23,9 +23,21 @@ struct TpHeader {
   static constexpr size_t kReady = kConsumed + 4 * kMaxWorld;
   // [world * kMaxPieces] piece j of the partial sums of ring slot s are in (s * pieces + j)
   static constexpr size_t kStepReady = kReady + 4 * kMaxWorld * kMaxPieces;
-  static constexpr size_t kBytes = 4096;
+  // [2][world] CallSignature of peer p's call (slot epoch & 1), written before its kConsumed
+  // flag: what every rank checks its call against (two slots: a peer may begin the next call
+  // before this rank has read the current one)
+  static constexpr size_t kSignatures = kStepReady + 4 * kMaxWorld * kMaxPieces;
+  static constexpr size_t kBytes = 8192;
 };
-static_assert(TpHeader::kStepReady + 4 * kMaxWorld * kMaxPieces <= TpHeader::kBytes, "header overflow");
+
+// What the ranks of a call must agree on, published by each rank at the start of every call
+// and compared by every peer before it reads or writes anything that depends on it.
+struct CallSignature {
+  enum Field { kEpoch, kPlan, kRows, kRowsHigh, kWidth, kDtypes, kWorld, kFields = 8 };
+  uint32_t words[kFields] = {};
+};
+static_assert(TpHeader::kSignatures + 2 * kMaxWorld * sizeof(CallSignature) <= TpHeader::kBytes,
+              "header overflow");
 
 inline size_t align_up(size_t bytes, size_t to) { return (bytes + to - 1) / to * to; }
 

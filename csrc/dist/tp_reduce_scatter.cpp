@@ -30,10 +30,13 @@ using namespace distgemm::dist;
 extern "C" dg_status dg_gemm_reduce_scatter(const dg_tp_desc* desc, cudaStream_t stream) {
   Peers peers;
   DG_RETURN_IF_ERROR(check_tp(desc, &peers));
+  const int device = current_device();
+  DG_RETURN_IF_ERROR(check_no_earlier_failure(device));
   const dg_tp_desc& d = *desc;
   const dg_gemm_desc& g = d.gemm;
   const int r = d.rank, world = d.world;
   const int prev = (r + world - 1) % world, next = (r + 1) % world;
+  DG_RETURN_IF_ERROR(check_exchange_size(world, g.d.rows, g.d.cols, g.d.dtype, "out (this rank's shard)"));
   const int64_t m = g.d.rows, n = g.d.cols;
   const size_t in_elem = dtype_bytes(g.a.dtype), out_elem = dtype_bytes(g.d.dtype);
   const ReduceScatterLayout layout(world, m, n, out_elem);
@@ -44,7 +47,7 @@ extern "C" dg_status dg_gemm_reduce_scatter(const dg_tp_desc* desc, cudaStream_t
              "c must be a bias row for GEMM + reduce-scatter (add a full C to the output shard)");
   DG_REQUIRE(!g.scale_a || g.scale_a_len == 1 || g.scale_a_len == g.a.rows,
              "scale_a must hold 1 or M = ", g.a.rows, " values");
-  DG_REQUIRE(d.workspace_bytes >= layout.bytes, "the workspace of ", d.workspace_bytes,
+  DG_REQUIRE(d.agree_only || d.workspace_bytes >= layout.bytes, "the workspace of ", d.workspace_bytes,
              " bytes is smaller than the ", layout.bytes, " needed");
 
   // Step s computes chunk (r - s - 1) mod P into slot s (the last step into out), in pieces
@@ -86,7 +89,6 @@ extern "C" dg_status dg_gemm_reduce_scatter(const dg_tp_desc* desc, cudaStream_t
   auto received_at = [&](int s, int part) -> const void* {
     return s > 0 ? peers.base[r] + slot_at(layout.received, s - 1, cut.row0(part)) : nullptr;
   };
-  const int device = current_device();
   const DeviceInfo& dev = device_info(device);
   plan_pieces();
   const char* why_not = nullptr;
@@ -98,16 +100,21 @@ extern "C" dg_status dg_gemm_reduce_scatter(const dg_tp_desc* desc, cudaStream_t
   for (int s = 0; s < world; ++s) {
     for (int part = 0; part < cut.count; ++part) {
       const dg_gemm_desc step = step_desc(s, part);
-      DG_RETURN_IF_ERROR(dg_gemm_check(&step, dev.arch));
-      // Plans made before anything is enqueued: a failure must not strand the peers.
-      if (decomposed)
+      // Planned before anything is enqueued, as it will run: a failure must not strand the peers.
+      if (decomposed) {
+        DG_RETURN_IF_ERROR(dg_gemm_check(&step, dev.arch));  // shapes and layouts
         DG_RETURN_IF_ERROR(gemm::plan_cublaslt_gemm(step, received_at(s, part), n, kGemmScratchBytes));
+      } else
+        DG_RETURN_IF_ERROR(gemm::check_gemm_desc(step, s > 0));
     }
   }
-  SignalTargets started{};  // the previous rank pushes into this rank's received slots
-  started.flags[started.count++] = peers.word(prev, TpHeader::kConsumed, r);
+  // What the peers must agree on: the rows and N of the partial sums they push, their dtype, the plan.
+  const PieceSplit& split = decomposed ? decomposed_split : fused_split;
+  const CallSignature sig = call_signature(DG_TP_GEMM_REDUCE_SCATTER, d, m, n, static_cast<uint32_t>(g.d.dtype),
+                                           decomposed, {cut.count, split.tapered});
   CallStart call;
-  DG_RETURN_IF_ERROR(start_call(d, peers, kTagReduceScatter, device, stream, started, &call));
+  DG_RETURN_IF_ERROR(start_call(d, peers, kTagReduceScatter, device, stream, sig, &call));
+  if (d.agree_only) return check_peers(d, peers, call, stream);
   StreamPool* pool = call.pool;
   const SyncParams& sync = call.sync;
   for (int s = 0; s < world; ++s) {
@@ -138,12 +145,9 @@ extern "C" dg_status dg_gemm_reduce_scatter(const dg_tp_desc* desc, cudaStream_t
       SignalTargets done{};
       done.flags[done.count++] = peers.word(next, TpHeader::kStepReady, s * cut.count + part);
       DG_RETURN_IF_ERROR(fork_streams(*pool, stream, 1));  // the push waits for this launch only
-      // Before the first push: the next rank must be done reading its received slots in earlier
-      // calls, i.e. it has begun this one.
-      if (s == 0 && part == 0) {
-        const uint32_t* next_began = peers.word(r, TpHeader::kConsumed, next);
-        DG_CUDA_RETURN(launch_wait_flag(next_began, 0, sync, next, pool->streams[0]));
-      }
+      // Before the first push: every peer must have begun this call (so the next rank is done
+      // reading its received slots in earlier calls) with the same signature.
+      if (s == 0 && part == 0) DG_RETURN_IF_ERROR(check_peers(d, peers, call, pool->streams[0]));
       DG_CUDA_RETURN(cudaMemcpyAsync(peers.base[next] + slot_at(layout.received, s, row0),
                                      peers.base[r] + slot_at(layout.slots, s, row0),
                                      static_cast<size_t>(cut.rows(part) * n) * out_elem,
@@ -151,5 +155,9 @@ extern "C" dg_status dg_gemm_reduce_scatter(const dg_tp_desc* desc, cudaStream_t
       DG_CUDA_RETURN(launch_signal(done, sync.epoch, pool->streams[0]));
     }
   }
-  return join_streams(*pool, stream, 1);
+  DG_RETURN_IF_ERROR(join_streams(*pool, stream, 1));
+  // A failed call (a peer timed out or disagreed) hands back NaN, never a valid-looking result.
+  DG_CUDA_RETURN(launch_poison_on_error(const_cast<void*>(g.d.data), m, n, g.d.row_stride,
+                                        static_cast<int>(out_elem), sync.error, stream));
+  return DG_SUCCESS;
 }

@@ -327,6 +327,16 @@ dg_status run_gemm_desc(const dg_gemm_desc& desc, const GemmExtras& extras, cuda
   return plan_and_run(desc, extras, nullptr, 0, stream);
 }
 
+dg_status check_gemm_desc(const dg_gemm_desc& desc, bool waits_for_c) {
+  const DeviceInfo& dev = device_info(current_device());
+  GemmProblem p;
+  const GemmInstance* inst = nullptr;
+  DG_RETURN_IF_ERROR(plan(&desc, dev.arch, dev.sm_count, &p, &inst, waits_for_c));
+  DG_REQUIRE(inst->workspace(p) == 0, "kernel ", inst->name, " needs a workspace, which a tensor-parallel "
+             "step does not have");
+  return DG_SUCCESS;
+}
+
 }  // namespace distgemm::gemm
 
 using namespace distgemm;

@@ -18,4 +18,9 @@ struct GemmExtras {
 // that needed one is refused with an error).
 dg_status run_gemm_desc(const dg_gemm_desc& desc, const GemmExtras& extras, cudaStream_t stream);
 
+// Checks, without launching, that run_gemm_desc would run `desc` on the current device;
+// waits_for_c: a reduce-scatter ring step that waits for its chained C operand (needs a
+// kernel that calls the scheduler's epilogue hook).
+dg_status check_gemm_desc(const dg_gemm_desc& desc, bool waits_for_c);
+
 }  // namespace distgemm::gemm

@@ -128,15 +128,11 @@ struct Sm90Grouped {
   }
 };
 
+// Group g's problem shape, pointers and strides, from the device-side offsets.
 template <class G>
-__global__ void build_grouped_arguments(typename G::Arrays arr, GroupedProblem p) {
+__device__ void fill_group_arguments(typename G::Arrays& arr, const GroupedProblem& p, int g) {
   using Element = typename G::Element;
   using ElementD = typename G::ElementD;
-  const int64_t zeros = p.n > p.k ? p.n : p.k;
-  for (int64_t i = blockIdx.x * blockDim.x + threadIdx.x; i < zeros; i += gridDim.x * blockDim.x)
-    arr.zeros[i] = Element(0);
-  const int g = blockIdx.x * blockDim.x + threadIdx.x;
-  if (g >= p.groups) return;
   auto clamp_row = [&](int64_t r) { return r < 0 ? int64_t(0) : (r > p.tokens ? p.tokens : r); };
   const int64_t start = g == 0 ? 0 : clamp_row(p.offs[g - 1]);
   int64_t end = clamp_row(p.offs[g]);
@@ -179,6 +175,19 @@ __global__ void build_grouped_arguments(typename G::Arrays arr, GroupedProblem p
   arr.stride_b[g] = sb;
   arr.stride_c[g] = sd;
   arr.stride_d[g] = sd;
+}
+
+
+template <class G>
+__global__ void build_grouped_arguments(typename G::Arrays arr, GroupedProblem p) {
+  using Element = typename G::Element;
+  const int64_t zeros = p.n > p.k ? p.n : p.k;
+  for (int64_t i = blockIdx.x * blockDim.x + threadIdx.x; i < zeros; i += gridDim.x * blockDim.x)
+    arr.zeros[i] = Element(0);
+  // Grid-stride over the groups: any G, whatever the grid size.
+  for (int64_t gi = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; gi < p.groups;
+       gi += gridDim.x * int64_t(blockDim.x))
+    fill_group_arguments<G>(arr, p, static_cast<int>(gi));
 }
 
 }  // namespace distgemm::grouped::sm90

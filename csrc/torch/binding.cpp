@@ -2,6 +2,7 @@
 #include <torch/library.h>
 
 #include "torch/marshal.h"
+#include "distgemm_build_id.h"
 
 namespace distgemm::torch_binding {
 
@@ -84,5 +85,13 @@ at::Tensor workspace(size_t bytes, const at::Device& device) {
 
 }  // namespace distgemm::torch_binding
 
+namespace {
+// The build ids of this binding and of the core library it loaded: the Python package checks
+// both against its own at import.
+std::vector<std::string> build_ids() { return {DISTGEMM_BUILD_ID, dg_build_id()}; }
+}  // namespace
+
 // Each op file adds its schemas with TORCH_LIBRARY_FRAGMENT(distgemm, m).
-TORCH_LIBRARY(distgemm, m) {}
+TORCH_LIBRARY(distgemm, m) {
+  m.def("build_ids() -> str[]", &build_ids);
+}

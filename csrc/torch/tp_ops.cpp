@@ -11,7 +11,7 @@ namespace {
 
 dg_tp_desc tp_desc(const dg_gemm_desc& gemm, int64_t rank, int64_t world,
                    const std::vector<int64_t>& workspaces, std::vector<void*>& storage,
-                   int64_t workspace_bytes, double timeout_s, int64_t algo) {
+                   int64_t workspace_bytes, double timeout_s, int64_t algo, bool agree_only) {
   storage.clear();
   for (int64_t ptr : workspaces) storage.push_back(reinterpret_cast<void*>(ptr));
   TORCH_CHECK_VALUE(static_cast<int64_t>(storage.size()) == world,
@@ -24,6 +24,7 @@ dg_tp_desc tp_desc(const dg_gemm_desc& gemm, int64_t rank, int64_t world,
   d.workspace_bytes = static_cast<size_t>(workspace_bytes);
   d.timeout_s = timeout_s;
   d.algo = static_cast<dg_tp_algo>(algo);
+  d.agree_only = agree_only;
   return d;
 }
 
@@ -32,7 +33,7 @@ std::tuple<at::Tensor, at::Tensor> tp_all_gather_gemm(
     double beta, at::ScalarType out_dtype, const c10::optional<at::Tensor>& scale_a,
     const c10::optional<at::Tensor>& scale_b, bool fast_accum, int64_t rank, int64_t world,
     const std::vector<int64_t>& workspaces, int64_t workspace_bytes, double timeout_s,
-    bool return_gathered, int64_t algo) {
+    bool return_gathered, int64_t algo, bool agree_only) {
   const char* op = "distgemm.all_gather_matmul";
   TORCH_CHECK_VALUE(a.dim() == 2 && b.dim() == 2, op, ": a and b must be 2-D");
   const c10::cuda::CUDAGuard guard(a.device());
@@ -41,7 +42,7 @@ std::tuple<at::Tensor, at::Tensor> tp_all_gather_gemm(
                                         : at::empty({0}, a.options());
   std::vector<void*> storage;
   dg_tp_desc d = tp_desc(gemm_desc(op, a, b, c, out, alpha, beta, scale_a, scale_b, fast_accum),
-                         rank, world, workspaces, storage, workspace_bytes, timeout_s, algo);
+                         rank, world, workspaces, storage, workspace_bytes, timeout_s, algo, agree_only);
   if (return_gathered) d.gathered_out = gathered.data_ptr();
   check(dg_all_gather_gemm(&d, current_stream()), op);
   return {out, gathered};
@@ -52,7 +53,7 @@ at::Tensor tp_gemm_reduce_scatter(const at::Tensor& a, const at::Tensor& b,
                                   at::ScalarType out_dtype, const c10::optional<at::Tensor>& scale_a,
                                   const c10::optional<at::Tensor>& scale_b, bool fast_accum,
                                   int64_t rank, int64_t world, const std::vector<int64_t>& workspaces,
-                                  int64_t workspace_bytes, double timeout_s, int64_t algo) {
+                                  int64_t workspace_bytes, double timeout_s, int64_t algo, bool agree_only) {
   const char* op = "distgemm.matmul_reduce_scatter";
   TORCH_CHECK_VALUE(a.dim() == 2 && b.dim() == 2, op, ": a and b must be 2-D");
   TORCH_CHECK_VALUE(a.size(0) % world == 0, op, ": a's ", a.size(0), " rows must divide by the world size ", world);
@@ -60,7 +61,7 @@ at::Tensor tp_gemm_reduce_scatter(const at::Tensor& a, const at::Tensor& b,
   at::Tensor out = at::empty({a.size(0) / world, b.size(0)}, a.options().dtype(out_dtype));
   std::vector<void*> storage;
   dg_tp_desc d = tp_desc(gemm_desc(op, a, b, bias, out, alpha, beta, scale_a, scale_b, fast_accum),
-                         rank, world, workspaces, storage, workspace_bytes, timeout_s, algo);
+                         rank, world, workspaces, storage, workspace_bytes, timeout_s, algo, agree_only);
   check(dg_gemm_reduce_scatter(&d, current_stream()), op);
   return out;
 }
@@ -91,10 +92,11 @@ TORCH_LIBRARY_FRAGMENT(distgemm, m) {
   m.def("tp_all_gather_gemm(Tensor a, Tensor b, Tensor? c, float alpha, float beta, "
         "ScalarType out_dtype, Tensor? scale_a, Tensor? scale_b, bool fast_accum, int rank, "
         "int world, int[] workspaces, int workspace_bytes, float timeout_s, bool return_gathered, "
-        "int algo) -> (Tensor, Tensor)");
+        "int algo, bool agree_only=False) -> (Tensor, Tensor)");
   m.def("tp_gemm_reduce_scatter(Tensor a, Tensor b, Tensor? bias, float alpha, float beta, "
         "ScalarType out_dtype, Tensor? scale_a, Tensor? scale_b, bool fast_accum, int rank, "
-        "int world, int[] workspaces, int workspace_bytes, float timeout_s, int algo) -> Tensor");
+        "int world, int[] workspaces, int workspace_bytes, float timeout_s, int algo, "
+        "bool agree_only=False) -> Tensor");
   m.def("tp_workspace_size(int kind, int rows, int k, int n, ScalarType in_dtype, "
         "ScalarType out_dtype, int world) -> int",
         &distgemm::torch_binding::tp_workspace_size);

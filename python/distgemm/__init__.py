@@ -3,11 +3,11 @@
 from ._library import KERNEL_ARCHS, has_kernels
 from .dense import gemm
 from .grouped import grouped_mm, grouped_mm_wgrad
-from .tp import all_gather_matmul, check_errors, dist_matmul, matmul_reduce_scatter
+from .tp import all_gather_matmul, check_errors, dist_matmul, matmul_reduce_scatter, recover
 from . import nn
 
 __all__ = [
     "gemm", "grouped_mm", "grouped_mm_wgrad", "all_gather_matmul", "matmul_reduce_scatter",
-    "dist_matmul", "check_errors", "nn", "has_kernels", "KERNEL_ARCHS",
+    "dist_matmul", "check_errors", "recover", "nn", "has_kernels", "KERNEL_ARCHS",
 ]
 __version__ = "0.1.0"

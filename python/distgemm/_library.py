@@ -18,6 +18,24 @@ if not os.path.exists(_LIB_PATH):
 torch.ops.load_library(_LIB_PATH)
 ops = torch.ops.distgemm
 
+
+def _check_build() -> None:
+    """The Python package, the binding (_C.so) and the core library must come from one build: a
+    stale library would take other arguments than the code calling it."""
+    try:
+        from ._build_info import BUILD_ID
+    except ImportError:
+        BUILD_ID = None
+    binding, core = ops.build_ids() if hasattr(ops, "build_ids") else ("(unknown: older build)", "?")
+    if not (BUILD_ID == binding == core):
+        raise ImportError(
+            f"distgemm: stale compiled library: the package at {os.path.dirname(__file__)} is build {BUILD_ID}, "
+            f"its _C.so build {binding} and libdistgemm_core.so build {core}; reinstall with "
+            "`pip install --no-build-isolation .` from the repository root")
+
+
+_check_build()
+
 # Compute capabilities (major * 10 + minor) that distgemm has kernels for.
 KERNEL_ARCHS = (90, 100)
 

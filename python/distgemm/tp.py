@@ -7,22 +7,29 @@ tile row, for the copy engine's transfers (all-gather) or for the previous rank'
 sums (reduce-scatter ring). Elsewhere (gloo, CPU tensors, other GPUs, or
 ``DISTGEMM_TP_BACKEND=collectives``) the same ops run as the group's collectives plus a GEMM.
 
-Every wait on another GPU is bounded by ``DISTGEMM_TIMEOUT_S`` (default 60 s). A timeout is
-recorded on the device and raised (naming the op and the ranks) by the next call, or by
-:func:`check_errors`.
+Every wait on another GPU is bounded by ``DISTGEMM_TIMEOUT_S`` (default 600 s, NCCL's own
+default). The ranks check on every call, on the GPU, that they run the same call (shapes,
+dtypes, settings, call count). A call whose wait times out or whose ranks disagree hands back
+NaN, and the error is raised by the next call on that device (``TimeoutError``, or
+``ValueError`` for a disagreement) or by :func:`check_errors`. From then on the group's calls
+raise until every rank calls :func:`recover`.
 """
 
 from __future__ import annotations
 
+import datetime
 import functools
+import math
 import os
-from typing import NamedTuple, Optional, Tuple
+import threading
+import zlib
+from typing import Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from ._library import device_arch, has_kernels, ops, warn_once
-from .dense import FLOAT8, check_operands, gemm_unchecked, grad_of_c, kernel_ready
+from .dense import FLOAT8, _flat, check_operands, gemm_unchecked, grad_of_c, kernel_out_dtype, kernel_ready
 
 # distgemm never uses NVLink multicast: symmetric memory must not create multicast objects.
 os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
@@ -31,23 +38,36 @@ _AG, _RS = 1, 2
 _OP_NAMES = {_AG: "distgemm.all_gather_matmul", _RS: "distgemm.matmul_reduce_scatter"}
 _BACKENDS = ("auto", "fused", "collectives")
 _ALGOS = {"auto": 0, "fused": 1, "decomposed": 2}  # dg_tp_algo
+_DEFAULT_TIMEOUT_S = 600.0  # NCCL's default: a slow but live peer is not failed sooner
+
+# Error word (see csrc/dist/tp_kernels.cuh): reason << 24 | op << 16 | (peer + 1).
+_REASONS = {
+    1: "is at another call (the ranks' call counts differ: an earlier call failed or was skipped on one side)",
+    2: "runs another op, algorithm or piece split (DISTGEMM_TP_ALGO, DISTGEMM_TP_PIECES and "
+       "DISTGEMM_RS_SPLIT_GFLOPS must match on every rank)",
+    3: "passed another number of rows",
+    4: "passed another K (all-gather) or N (reduce-scatter)",
+    5: "passed other dtypes or FP8 scale modes",
+    6: "has another group size",
+}
 
 
 def timeout_s() -> float:
-    value = os.environ.get("DISTGEMM_TIMEOUT_S", "60")
+    value = os.environ.get("DISTGEMM_TIMEOUT_S", str(_DEFAULT_TIMEOUT_S))
     try:
         seconds = float(value)
     except ValueError:
         seconds = -1.0
-    if not seconds > 0:
-        raise ValueError(f"DISTGEMM_TIMEOUT_S must be a positive number of seconds, got {value!r}")
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise ValueError(f"DISTGEMM_TIMEOUT_S must be a finite positive number of seconds, got {value!r}")
     return seconds
 
 
 def check_errors(device: Optional[torch.device] = None) -> None:
-    """Raises RuntimeError if a tensor-parallel wait on `device` (default: current) timed out.
-    Reads mapped host memory: it does not synchronize. After a timeout the group's state is
-    undefined; training should stop."""
+    """Raises if a tensor-parallel call on `device` (default: current) failed: TimeoutError when
+    a wait on a peer ran past DISTGEMM_TIMEOUT_S, ValueError when the ranks disagreed. Reads
+    mapped host memory without synchronizing: synchronize first to include calls in flight.
+    The failed call's outputs were filled with NaN; :func:`recover` re-synchronises the group."""
     if not torch.cuda.is_available():
         return
     _raise_on_error_word(torch.cuda.current_device() if device is None else torch.device(device).index)
@@ -56,49 +76,94 @@ def check_errors(device: Optional[torch.device] = None) -> None:
 def _raise_on_error_word(index: int) -> None:
     code = ops.tp_error(index)
     if code:
-        kind, peer = code >> 16, (code & 0xFFFF) - 1
-        raise RuntimeError(
-            f"{_OP_NAMES.get(kind, 'distgemm')}: rank on cuda:{index} waited more than "
-            f"DISTGEMM_TIMEOUT_S={timeout_s():g} s for group rank {peer}, which never arrived "
-            "(died, hung, or called with other shapes); outputs since then are invalid")
+        _raise_for_code(code, index)
 
 
-# ---------------------------------------------------------------- workspaces
+def _raise_for_code(code: int, index: int) -> None:
+    reason, kind, peer = code >> 24, (code >> 16) & 0xFF, (code & 0xFFFF) - 1
+    op = _OP_NAMES.get(kind, "distgemm")
+    after = ("; that call's outputs were filled with NaN, and every tensor-parallel call on this device "
+             "raises until every rank of the group calls distgemm.recover(group)")
+    if reason == 0:
+        raise TimeoutError(f"{op}: rank on cuda:{index} waited more than DISTGEMM_TIMEOUT_S={timeout_s():g} s for "
+                           f"group rank {peer}, which never arrived (died, hung, or was not in the call){after}")
+    raise ValueError(f"{op}: the ranks disagree: group rank {peer} {_REASONS.get(reason, 'differs')} "
+                     f"(seen by the rank on cuda:{index}){after}")
+
+
+# ---------------------------------------------------------------- group state and workspaces
 
 
 class _Workspace:
-    """A symmetric allocation of every rank of a group, zeroed and mapped by all of them."""
+    """A symmetric allocation of every rank of a group (the same size on all of them, so that
+    what a rank writes into a peer stays inside the peer's allocation), zeroed and mapped."""
 
-    def __init__(self, group: dist.ProcessGroup, nbytes: int, device: torch.device):
+    def __init__(self, state: "_GroupState", nbytes: int, device: torch.device):
         import torch.distributed._symmetric_memory as symm_mem
 
         self.nbytes = nbytes
+        self.captured = False  # used by a CUDA graph capture: kept alive for its replays
         self.tensor = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
         self.tensor.zero_()
-        self.handle = symm_mem.rendezvous(self.tensor, group)
+        self.handle = symm_mem.rendezvous(self.tensor, state.group)
         self.ptrs = [int(p) for p in self.handle.buffer_ptrs]
-        self.handle.barrier()  # every rank's flags are zero before anyone signals
+        torch.cuda.synchronize(device)
+        state.exchange("zeroed", "1")  # every rank's flags are zero before anyone signals
 
 
-class _GroupInfo(NamedTuple):
-    name: str
-    size: int
-    rank: int
+class _GroupState:
+    """What distgemm keeps per process group: its rank and size, whether the fused backend runs
+    on it (agreed by every rank), its workspace, and the workspaces CUDA graphs still use."""
+
+    _uses: dict = {}  # group name -> states made for it (a group recreated under its name)
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
+        self.name = group.group_name
+        self.use = _GroupState._uses[self.name] = _GroupState._uses.get(self.name, 0) + 1
+        self.size = group.size()
+        self.rank = group.rank()
+        self.fused: Optional[bool] = None
+        self.workspace: Optional[_Workspace] = None
+        self.retired: list = []       # workspaces captured by CUDA graphs
+        self.exchanges = 0
+        self.lock = threading.Lock()  # one call at a time enqueues on the workspace
+        self.last_stream = None
+
+    def exchange(self, tag: str, value: str, timeouts: float = 1.0) -> list:
+        """Every rank's `value`, through the default store, bounded by `timeouts` times
+        DISTGEMM_TIMEOUT_S; the ranks must call it in the same order (they do: set-up, growth
+        and recovery)."""
+        self.exchanges += 1
+        store = dist.distributed_c10d._get_default_store()
+        prefix = f"distgemm/{self.name}/{self.use}/{self.exchanges}/{tag}"  # never reused
+        store.set(f"{prefix}/{self.rank}", value)
+        keys = [f"{prefix}/{r}" for r in range(self.size)]
+        limit = timeouts * timeout_s()
+        try:
+            store.wait(keys, datetime.timedelta(seconds=limit))
+        except Exception as e:  # DistStoreError: a timeout, or the store is gone
+            missing = [r for r, k in enumerate(keys) if not store.check([k])]
+            raise TimeoutError(f"distgemm: ranks {missing} of group {self.name!r} did not join the {tag!r} step "
+                               f"within DISTGEMM_TIMEOUT_S={limit:g} s (died, hung, or called something "
+                               f"else): {e}") from e
+        return [store.get(k).decode() for k in keys]
 
 
-_group_infos: dict = {}    # ProcessGroup -> _GroupInfo (read once: every call needs them)
+_states: dict = {}  # ProcessGroup -> _GroupState
 
 
-def _info(group: dist.ProcessGroup) -> _GroupInfo:
-    info = _group_infos.get(group)
-    if info is None:
-        info = _group_infos[group] = _GroupInfo(group.group_name, group.size(), group.rank())
-    return info
+def _state(group: dist.ProcessGroup) -> _GroupState:
+    state = _states.get(group)
+    if state is None:
+        live = dist.distributed_c10d._world.pg_names
+        for stale in [g for g in _states if g not in live]:  # destroyed groups
+            del _states[stale]
+        state = _states[group] = _GroupState(group)
+    return state
 
 
-_workspaces: dict = {}     # (group name, kind) -> _Workspace
-_fused_ok: dict = {}       # group name -> bool, agreed by all ranks
-_shapes_checked: set = set()
+_info = _state  # name, size and rank of a group, read once
 
 
 def _backend() -> str:
@@ -121,45 +186,77 @@ def _algo() -> int:
 
 def _use_fused(group: dist.ProcessGroup, device: torch.device) -> bool:
     """The fused path needs NCCL, sm_90 kernels on every rank and peer-mappable memory; all
-    ranks decide together (a collective, once per group)."""
+    ranks decide together (a bounded exchange, once per group)."""
     if _backend() == "collectives":
         return False
-    name = _info(group).name
-    if name not in _fused_ok:
+    state = _state(group)
+    if state.fused is None:
         local = (device.type == "cuda" and dist.get_backend(group) == "nccl" and has_kernels(device)
-                 and device_arch(device) == 90 and _info(group).size <= 64)
-        flag = torch.tensor([1 if local else 0], dtype=torch.int32, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-        _fused_ok[name] = bool(flag.item())
-        if not _fused_ok[name] and _backend() == "fused":
+                 and device_arch(device) == 90 and state.size <= 64)
+        state.fused = all(v == "1" for v in state.exchange("fused", "1" if local else "0"))
+        if not state.fused and _backend() == "fused":
             warn_once("distgemm: DISTGEMM_TP_BACKEND=fused needs NCCL and sm_90 GPUs on every rank; "
                       "using collectives + GEMM")
-    return _fused_ok[name]
+    return state.fused
 
 
-def _check_same_on_all_ranks(group, op: str, key: tuple) -> None:
-    """On the first call with a shape, every rank must have passed the same one."""
-    full = (_info(group).name, op, key)
-    if full in _shapes_checked:
-        return
-    keys = [None] * group.size()
-    dist.all_gather_object(keys, key, group=group)
-    if any(k != key for k in keys):
+def _agree_collectively(group, op: str, key: tuple) -> None:
+    """The collectives path: every rank must pass the same shapes, checked on every call with
+    one small all-gather (the data collectives that follow would hang or mix up bytes)."""
+    digest = torch.tensor([zlib.crc32(repr(key).encode())], dtype=torch.int64)
+    if dist.get_backend(group) == "nccl":
+        digest = digest.to(torch.cuda.current_device())
+    parts = [torch.empty_like(digest) for _ in range(_state(group).size)]
+    dist.all_gather(parts, digest, group=group)
+    if bool(torch.stack(parts).ne(digest).any()):  # one host sync: the fallback path's price
+        keys = [None] * _state(group).size
+        dist.all_gather_object(keys, key, group=group)
         detail = "; ".join(f"rank {r}: {k}" for r, k in enumerate(keys))
-        raise ValueError(f"{op}: ranks passed different shapes or dtypes: {detail}")
-    _shapes_checked.add(full)
+        raise ValueError(f"{op}: the ranks disagree: they passed different shapes or dtypes: {detail}")
 
 
-def _workspace(group, kind: int, nbytes: int, device) -> _Workspace:
-    key = (_info(group).name, kind)
-    ws = _workspaces.get(key)
-    if ws is None or ws.nbytes < nbytes:
-        if ws is not None:  # grow: all ranks are here; let in-flight work finish first
-            torch.cuda.synchronize(device)
-            dist.barrier(group=group)
-        ws = _Workspace(group, max(nbytes, int(1.25 * (ws.nbytes if ws else 0))), device)
-        _workspaces[key] = ws
-    return ws
+def _workspace(state: _GroupState, call, nbytes: int, device) -> _Workspace:
+    """The group's workspace, at least `nbytes`. A first one is sized to the largest need of any
+    rank; a larger one is made only after the ranks agreed on this call on the GPU (`call`
+    with agree_only: the old workspace's per-call check), so a rank that passed other shapes
+    gets a clear error instead of a collective its peers never join."""
+    ws = state.workspace
+    if ws is not None and ws.nbytes >= nbytes:
+        return ws
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"distgemm: a tensor-parallel call inside CUDA graph capture needs a larger workspace "
+                           f"({nbytes} bytes, group {state.name!r}): run it once before capturing")
+    if ws is not None:
+        call(ws, True)
+        torch.cuda.synchronize(device)
+        _raise_on_error_word(device.index)
+        if ws.captured:
+            state.retired.append(ws)
+    needs = [int(v) for v in state.exchange("size", str(nbytes))]
+    size = max(needs + [int(1.25 * ws.nbytes) if ws is not None else 0])
+    state.workspace = None
+    state.workspace = _Workspace(state, size, device)
+    return state.workspace
+
+
+def recover(group=None) -> None:
+    """Re-synchronises a group after a tensor-parallel error (a timeout or a disagreement):
+    every rank must call it. Waits (bounded by 3 x DISTGEMM_TIMEOUT_S) for the other ranks, lets
+    the device finish (its waits are bounded too), clears the device's error word and drops
+    the group's workspaces; the next call sets the group up afresh."""
+    group = _resolve(group)
+    state = _state(group)
+    # The ranks come from a failed call at different times: one may have seen the error at once,
+    # another only when its own wait timed out (up to a timeout later).
+    state.exchange("recover", "1", timeouts=3.0)
+    if torch.cuda.is_available():
+        device = torch.cuda.current_device()
+        torch.cuda.synchronize(device)
+        ops.tp_clear_error(device)
+    state.exchange("recovered", "1")
+    state.workspace = None
+    state.fused = None
+    state.last_stream = None
 
 
 def _resolve(group) -> dist.ProcessGroup:
@@ -177,21 +274,47 @@ def _resolve(group) -> dist.ProcessGroup:
 # ---------------------------------------------------------------- fused ops (custom ops)
 
 
+def _run_on_workspace(state: _GroupState, nbytes: int, device, call):
+    """Runs `call(workspace, agree_only)` on the group's workspace, one call at a time per
+    group: a call from another stream than the previous one waits for it (the calls share the
+    workspace and its call counter)."""
+    with state.lock:
+        ws = _workspace(state, call, nbytes, device)
+        stream = torch.cuda.current_stream(device)
+        capturing = torch.cuda.is_current_stream_capturing()
+        if state.last_stream is not None and state.last_stream != stream and not capturing:
+            stream.wait_stream(state.last_stream)
+        if capturing:
+            ws.captured = True
+        state.last_stream = stream
+        return call(ws, False)
+
+
 def _fused_all_gather_matmul(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, group,
                              return_gathered):
-    _, world, rank = _info(group)
+    state = _state(group)
+    world, rank = state.size, state.rank
     nbytes = _workspace_bytes(_AG, a.shape[0], a.shape[1], b.shape[0], a.dtype, out_dtype, world)
-    ws = _workspace(group, _AG, nbytes, a.device)
-    return ops.tp_all_gather_gemm(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, rank,
-                                  world, ws.ptrs, ws.nbytes, timeout_s(), return_gathered, _algo())
+    timeout, algo = timeout_s(), _algo()
+
+    def call(ws, agree_only):
+        return ops.tp_all_gather_gemm(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, rank,
+                                      world, ws.ptrs, ws.nbytes, timeout, return_gathered, algo, agree_only)
+
+    return _run_on_workspace(state, nbytes, a.device, call)
 
 
 def _fused_matmul_reduce_scatter(a, b, bias, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, group):
-    _, world, rank = _info(group)
+    state = _state(group)
+    world, rank = state.size, state.rank
     nbytes = _workspace_bytes(_RS, a.shape[0] // world, a.shape[1], b.shape[0], a.dtype, out_dtype, world)
-    ws = _workspace(group, _RS, nbytes, a.device)
-    return ops.tp_gemm_reduce_scatter(a, b, bias, alpha, beta, out_dtype, scale_a, scale_b, fast_accum,
-                                      rank, world, ws.ptrs, ws.nbytes, timeout_s(), _algo())
+    timeout, algo = timeout_s(), _algo()
+
+    def call(ws, agree_only):
+        return ops.tp_gemm_reduce_scatter(a, b, bias, alpha, beta, out_dtype, scale_a, scale_b, fast_accum,
+                                          rank, world, ws.ptrs, ws.nbytes, timeout, algo, agree_only)
+
+    return _run_on_workspace(state, nbytes, a.device, call)
 
 
 @functools.lru_cache(maxsize=256)
@@ -287,6 +410,30 @@ def _check_tp(op, a, b, c, out_dtype, scale_a, scale_b, c_rows: int):
     return out_dtype
 
 
+@functools.lru_cache(maxsize=None)
+def _has_cooperative(arch, a_dtype, b_dtype, out_dtype, fast_accum) -> bool:
+    """The fused reduce-scatter's ring steps wait for their C operand in the epilogue, which only
+    the cooperative kernels run."""
+    return any(name.startswith("coop") for name in ops.gemm_configs(a_dtype, b_dtype, out_dtype, True, arch,
+                                                                     fast_accum))
+
+
+def _fused_operands(a, b, out_dtype, fast_accum, kind=_AG):
+    """(b, fast_accum) as the fused ops' GEMMs take them, or None when they cannot run these
+    dtypes and sizes. Decided from dtypes and sizes alone, which the ranks share: a layout the
+    kernels cannot read is copied, never a reason for one rank to take another path than its
+    peers (it would wait for them in vain)."""
+    if a.shape[1] * a.element_size() % 16 or b.shape[0] * out_dtype.itemsize % 16:
+        return None
+    arch = device_arch(a.device)
+    kernel_dtype, fast = kernel_out_dtype(a.dtype, b.dtype, out_dtype, arch, fast_accum)
+    if kernel_dtype != out_dtype:
+        return None
+    if kind == _RS and a.dtype in FLOAT8 and not _has_cooperative(arch, a.dtype, b.dtype, out_dtype, fast):
+        return None
+    return (b if kernel_ready(a, b, out_dtype) else b.contiguous()), fast
+
+
 def _all_gather_matmul(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, group,
                        return_gathered):
     """Forward of all_gather_matmul without autograd; returns (out, gathered or None)."""
@@ -306,14 +453,16 @@ def _all_gather_matmul_eager(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, 
         return out, (a if return_gathered else None)
     if a.is_cuda:
         _raise_on_error_word(a.get_device())
-    _check_same_on_all_ranks(group, _OP_NAMES[_AG], (tuple(a.shape), tuple(b.shape), str(a.dtype),
-                                                     str(out_dtype), scale_a is not None))
     a = a.contiguous()
-    if _use_fused(group, a.device) and kernel_ready(a, b, out_dtype):
+    fused = _use_fused(group, a.device) and _fused_operands(a, b, out_dtype, fast_accum)
+    if fused:
+        b, fast = fused
         bias_or_c, beta = _scaled_bias(c, beta, out_dtype)
-        out, gathered = _fused_all_gather_matmul(a, b, bias_or_c, alpha, beta, out_dtype, scale_a, scale_b,
-                                                 fast_accum, group, return_gathered)
+        out, gathered = _fused_all_gather_matmul(a, b, bias_or_c, alpha, beta, out_dtype, _flat(scale_a),
+                                                 _flat(scale_b), fast, group, return_gathered)
         return out, (gathered if return_gathered else None)
+    _agree_collectively(group, _OP_NAMES[_AG], (tuple(a.shape), str(a.dtype), str(out_dtype),
+                                                scale_a is not None and scale_a.numel() > 1))
     gathered = _all_gather(a, group)
     out = gemm_unchecked(gathered, b, c, alpha, beta, out_dtype,
                          _gathered_scale_a(scale_a, a.shape[0], group), scale_b, fast_accum)
@@ -335,14 +484,15 @@ def _matmul_reduce_scatter_eager(a, b, c, alpha, beta, out_dtype, scale_a, scale
         _raise_on_error_word(a.get_device())
     full_c = c is not None and c.dim() == 2 and c.shape[0] != 1
     bias = None if c is None or full_c else c.reshape(-1)
-    _check_same_on_all_ranks(group, _OP_NAMES[_RS], (tuple(a.shape), tuple(b.shape), str(a.dtype),
-                                                     str(out_dtype), scale_a is not None))
     a = a.contiguous()
-    if _use_fused(group, a.device) and kernel_ready(a, b, out_dtype):
+    fused = _use_fused(group, a.device) and _fused_operands(a, b, out_dtype, fast_accum, _RS)
+    if fused:
+        b, fast = fused
         scaled, bias_beta = _scaled_bias(bias, beta, out_dtype)
-        out = _fused_matmul_reduce_scatter(a, b, scaled, alpha, bias_beta, out_dtype, scale_a, scale_b,
-                                           fast_accum, group)
+        out = _fused_matmul_reduce_scatter(a, b, scaled, alpha, bias_beta, out_dtype, _flat(scale_a),
+                                           _flat(scale_b), fast, group)
     else:
+        _agree_collectively(group, _OP_NAMES[_RS], (a.shape[0], b.shape[0], str(out_dtype)))
         partial = gemm_unchecked(a, b, None, alpha, 0.0, torch.float32, scale_a, scale_b, fast_accum)
         out = _reduce_scatter(partial, group)
         if bias is not None:

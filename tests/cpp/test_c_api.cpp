@@ -500,10 +500,8 @@ TEST(TpWorkspace, ValidSizesGrowWithTheShape) {
   EXPECT_GT(small, size_t{32} << 20);  // includes the cuBLASLt scratch
 }
 
-// DISABLED until dg_tp_workspace_size (csrc/dist/tp_call.cpp, tp_layout.h) checks its size
-// arithmetic: today rows * world and m * k overflow int64 there (UBSan reports it). Run with
-// --gtest_also_run_disabled_tests; drop the prefix once it refuses these.
-TEST(TpWorkspace, DISABLED_RefusesOverflowingSizes) {
+// Sizes whose layout arithmetic would overflow int64 (or that are empty) are refused by name.
+TEST(TpWorkspace, RefusesOverflowingSizes) {
   size_t bytes = 0;
   for (int64_t rows : {INT64_MAX, INT64_MAX / 2, int64_t(1) << 40, int64_t{-1}, INT64_MIN}) {
     dg_tp_desc d = tp_desc(8, 128, 256, 64);

@@ -37,7 +37,7 @@ def test_algo_environment_maps_to_the_c_api(monkeypatch, value, code):
 
 
 def test_workspace_sizes_follow_the_layout():
-    """Host arithmetic of the symmetric workspaces (no device needed): a 4 KiB flag header, the
+    """Host arithmetic of the symmetric workspaces (no device needed): an 8 KiB flag header, the
     exchanged data, and the decomposed algorithm's 32 MiB cuBLASLt scratch."""
     import torch
 
@@ -46,7 +46,7 @@ def test_workspace_sizes_follow_the_layout():
     def up(x, to):
         return (x + to - 1) // to * to
 
-    scratch, header = 32 << 20, 4096
+    scratch, header = 32 << 20, 8192
     for world, rows, k, n in ((2, 2048, 4096, 3072), (4, 333, 512, 1032), (8, 1, 64, 264)):
         # all-gather: gathered operand (world * rows, K) bf16, then world * rows FP32 scales
         gathered = header + world * rows * k * 2

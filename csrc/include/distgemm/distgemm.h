@@ -55,6 +55,8 @@ typedef struct dg_gemm_desc {
 
 DG_API const char* dg_last_error(void);
 DG_API const char* dg_status_name(dg_status status);
+/* The id of the build this library comes from (bindings built with it must match). */
+DG_API const char* dg_build_id(void);
 
 /* Checks a GEMM without touching device memory (data pointers are only checked for being
  * non-NULL and aligned). Returns DG_SUCCESS when dg_gemm would run it on a device_arch GPU.
@@ -165,15 +167,29 @@ typedef struct dg_tp_desc {
   double timeout_s;
   void* gathered_out;           /* all-gather only: optional (world*m, K) copy of gathered a */
   dg_tp_algo algo;
+  /* Nonzero: only the per-call agreement (below) runs, on `stream`, and nothing is read or
+   * written but the workspace header (which may then be smaller than this call needs): what a
+   * caller runs on its current workspaces before it makes larger ones for this call. */
+  int agree_only;
 } dg_tp_desc;
 
+/* Every call begins by publishing its signature (op, rows, K or N, dtypes, algorithm and pieces,
+ * call count) to every peer; before it writes into a peer or reads what one wrote, each rank
+ * waits (bounded) for every peer to begin the same call and compares. A timeout or a
+ * disagreement sets the device's error word (dg_tp_error), the call's outputs are filled with
+ * NaN, and every later call on that device returns DG_ERROR_TIMEOUT or DG_ERROR_PEER_MISMATCH
+ * until dg_tp_clear_error has run on every rank and the workspaces were zeroed again (the ranks'
+ * call counters are then out of step). The workspaces of all ranks must be the same size, so
+ * that what a rank with other shapes writes stays inside its peers' allocations. */
 DG_API dg_status dg_tp_workspace_size(dg_tp_kind kind, const dg_tp_desc* desc, size_t* bytes);
 DG_API dg_status dg_all_gather_gemm(const dg_tp_desc* desc, cudaStream_t stream);
 DG_API dg_status dg_gemm_reduce_scatter(const dg_tp_desc* desc, cudaStream_t stream);
 
-/* The tensor-parallel error word of `device`: 0, or (kind << 16) | (peer rank + 1) once a wait
- * on that peer timed out. Read from mapped host memory, without synchronizing the device.
- * dg_tp_clear_error synchronizes the device and resets it. */
+/* The tensor-parallel error word of `device`: 0, or (reason << 24) | (kind << 16) | (peer rank + 1)
+ * once a call failed: reason 0 a wait on that peer timed out; 1 the peer is at another call;
+ * 2 another op, algorithm or piece split; 3 other rows; 4 another K (all-gather) or N
+ * (reduce-scatter); 5 other dtypes or scale modes; 6 another group size. Read from mapped host
+ * memory, without synchronizing the device. dg_tp_clear_error synchronizes `device` and resets it. */
 DG_API int dg_tp_error(int device);
 DG_API dg_status dg_tp_clear_error(int device);
 

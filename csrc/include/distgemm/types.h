@@ -16,6 +16,8 @@ typedef enum dg_status {
   DG_ERROR_CUDA = 3,             /* a CUDA runtime call failed */
   DG_ERROR_INTERNAL = 4,         /* a CUTLASS kernel refused a checked problem */
   DG_ERROR_TIMEOUT = 5,          /* a wait on another GPU ran past its bound */
+  DG_ERROR_PEER_MISMATCH = 6,    /* the ranks of a tensor-parallel call disagree (shapes, dtypes,
+                                    settings or call counts) */
 } dg_status;
 
 typedef enum dg_dtype {

@@ -60,8 +60,7 @@ def tensor_parallel(rank: int, world: int) -> dict:
                                              lambda: distgemm.all_gather_matmul(a_ag, b_ag)))
         res[f"rs_{name}"] = host_us(with_env("DISTGEMM_TP_ALGO", name,
                                              lambda: distgemm.matmul_reduce_scatter(a_rs, b_rs)))
-        ag = tp._workspaces[(dist.group.WORLD.group_name, tp._AG)]
-        rs = tp._workspaces[(dist.group.WORLD.group_name, tp._RS)]
+        ag = rs = tp._state(dist.group.WORLD).workspace  # one workspace serves both ops
         res[f"ops_ag_{name}"] = host_us(lambda: ops.tp_all_gather_gemm(
             a_ag, b_ag, None, 1.0, 0.0, bf, None, None, False, rank, world, ag.ptrs, ag.nbytes, 60.0, False, algo))
         res[f"ops_rs_{name}"] = host_us(lambda: ops.tp_gemm_reduce_scatter(

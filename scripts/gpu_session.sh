@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Developer helper for the device machine: build (or install a carried wheel), then run the
+# steps named in $STEPS, logs under $OUT. Not part of the package.
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export CUTLASS_DIR="${CUTLASS_DIR:-$PWD/.cutlass}" DISTGEMM_CUDA_ARCHS=90a CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)"
+OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
+t0=$(date +%s)
+stamp() { echo "[$(( $(date +%s) - t0 )) s] $*" | tee -a "$OUT/steps.log"; }
+if python3 -c "import distgemm" 2>/dev/null && [ -z "${REBUILD:-}" ]; then
+  stamp "distgemm already installed"
+elif ls .whl/distgemm-*.whl >/dev/null 2>&1 && [ -z "${REBUILD:-}" ]; then
+  python3 -m pip install -q --no-deps --no-index --force-reinstall .whl/distgemm-*.whl; stamp "carried wheel installed"
+else
+  rm -rf /tmp/wh; ( time python3 -m pip wheel --no-build-isolation --no-deps -w /tmp/wh -v . ) > "$OUT/build.log" 2>&1 \
+    || { tail -60 "$OUT/build.log"; exit 1; }
+  python3 -m pip install -q --no-deps --force-reinstall /tmp/wh/distgemm-*.whl
+  cp /tmp/wh/distgemm-*.whl "$OUT/" ; ls -la /tmp/wh; stamp "built"
+fi
+for step in ${STEPS:-}; do
+  case "$step" in
+    segv1) timeout 120 cuda-gdb -batch -ex run -ex bt --args python3 -c "import torch, distgemm; print(torch.ops.distgemm.gemm_select_config(64, 64, 64, torch.bfloat16, torch.bfloat16, torch.bfloat16, True, 80, 108))" > "$OUT/segv1.log" 2>&1 ;;
+    cpu|gpu|multigpu) timeout "${T:-400}" python3 -m pytest -q -ra -p no:cacheprovider "tests/$step" > "$OUT/tests_$step.log" 2>&1; tail -5 "$OUT/tests_$step.log" ;;
+    all) timeout "${T:-540}" python3 -m pytest -q -ra -p no:cacheprovider > "$OUT/tests_all.log" 2>&1; tail -8 "$OUT/tests_all.log" ;;
+    *) stamp "unknown step $step" ;;
+  esac
+  stamp "step $step rc=$?"
+done
