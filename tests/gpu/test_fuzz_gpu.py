@@ -5,13 +5,17 @@ row-wise or no scales, fast accumulation on and off), M/N/K from 1 to 4096 incl.
 alpha/beta, c full / bias / (1, N) / expanded, operands transposed, pitched, strided,
 broadcast or at misaligned offsets. distgemm.grouped_mm: forward (trans_w=True) and dgrad
 (trans_w=False), G 1..64, random routing with zero-token experts and unrouted tail rows,
-T 0..4096, out= with accumulate on and off, out_dtype fp32, every grouped backend.
+T 0..4096, out= with accumulate on and off, out_dtype fp32, every grouped backend (mostly
+auto; DISTGEMM_FUZZ_GROUPED_BACKENDS lists the others, default "cublas,torch"); N and K
+multiples of 8, and 1 case in 20 not (then a clean refusal is accepted and counted).
 distgemm.grouped_mm_wgrad: fp32 / 16-bit out, new or given out, accumulate.
 
 Every operand lives in a larger buffer of NaN sentinels (tests/fuzz_helpers.py): the
 buffers must be unchanged afterwards (inputs and their surroundings; for out= the bytes
 around the view and the rows the op must not write), and a read past an input shows up as
-NaN. Results: the tolerances of tests/reference.py norm-wise plus an element-wise bound.
+NaN. Results: the tolerances of tests/reference.py norm-wise (per expert for the grouped
+ops) plus an element-wise bound; FP8 inputs enter the reference dequantized, c in the
+output dtype it is converted to.
 
 DISTGEMM_FUZZ_EXAMPLES cases per op (default 60), derandomized; DISTGEMM_FUZZ_TIME_S caps
 each op's wall time; DISTGEMM_FUZZ_REPORT=<path> appends one JSON line per op. Mismatches
@@ -167,7 +171,8 @@ def check_gemm(case):
         return problems + [f"out: shape {tuple(out.shape)} {out.dtype}, expected ({m}, {n}) {out_dtype}"], False
     if not out.is_contiguous():
         problems.append("out: not contiguous")
-    cc = None if c is None else c.view.expand(m, n)
+    # c enters in the output dtype (the op converts it), as FP8 inputs enter dequantized
+    cc = None if c is None else c.view.expand(m, n).to(out_dtype)
     sav, sbv = v(sa), v(sb)
     ref = ref_gemm(a.view, b.view, cc, alpha, beta, sav, sbv)
     bound = Bound(ref)
@@ -232,7 +237,10 @@ def _rows_with_tail(rows: int, cols: int, routed: int, dtype, gen, layout: str):
     return place(values, offset=8 if layout == "offset16" else 0)
 
 
-BACKENDS = ["auto"] * 6 + ["cublas", "torch"]
+# DISTGEMM_GROUPED_BACKEND per case: mostly auto; the others as listed in
+# DISTGEMM_FUZZ_GROUPED_BACKENDS (default "cublas,torch"; empty: auto only)
+BACKENDS = ["auto"] * 6 + [b for b in os.environ.get("DISTGEMM_FUZZ_GROUPED_BACKENDS", "cublas,torch").split(",")
+                           if b.strip()]
 # N, K: multiples of 8 (what the grouped kernels take); now and then not, where the op must
 # either compute the right result or refuse cleanly (ValueError / NotImplementedError / RuntimeError).
 GROUPED_DIM = st.one_of(st.integers(1, 96).map(lambda i: 8 * i), st.sampled_from([8, 16, 64, 128, 264, 1024, 2048]))
