@@ -292,6 +292,7 @@ def killed_peer(ctx: RankCtx, mode: str, op: str):
     victim, t = 1, timeout_s()
     limit = t + SLACK_S
     prob = Problem(ctx, op, 512 if op == "ag" else 1024)
+    ctx.sync()  # set-up exchanges are bounded by DISTGEMM_TIMEOUT_S: start together
     warm = _warm(ctx, [prob])
     name = f"killed_peer_{mode}_{op}"
     if not ctx.sync():
@@ -329,6 +330,7 @@ def peer_raises_then_recover(ctx: RankCtx, op: str):
     t = timeout_s()
     limit = t + SLACK_S
     prob = Problem(ctx, op, 512 if op == "ag" else 1024)
+    ctx.sync()
     warm = _warm(ctx, [prob])
     ctx.sync()
     name = f"peer_raises_before_call_{op}"
@@ -353,6 +355,7 @@ def peer_raises_then_recover(ctx: RankCtx, op: str):
     problems = [] if rec["error"] is None else [f"recover() raised {rec['error']}: {rec['message'][:300]}"]
     seconds = rec["seconds"]
     if not problems:
+        ctx.sync()
         for i, fresh in enumerate([Problem(ctx, "ag", 384, seed=7), Problem(ctx, "rs", 768, seed=8)]):
             info = attempt(ctx, fresh)
             seconds += info["seconds"]
@@ -370,6 +373,7 @@ def _disagreement(ctx: RankCtx, name: str, warm_problems, mine: Problem, agreein
     if broken:
         ctx.record(name, False, f"not run: {broken[0]}", 0.0)
         return
+    ctx.sync(limit + 30)
     warm = _warm(ctx, warm_problems, env_agree)
     ctx.sync(limit + 30)
     info = attempt(ctx, mine, env_mine)
@@ -445,6 +449,7 @@ def side_stream(ctx: RankCtx):
         side = torch.cuda.Stream(device=dev)
         # round 1: both ranks on a side stream, shapes never seen (set-up on the side stream)
         ag, rs = Problem(ctx, "ag", 320, seed=11), Problem(ctx, "rs", 640, seed=12)
+        ctx.sync()
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
             outs = [(ag, ag.call()), (rs, rs.call())]
@@ -508,6 +513,7 @@ def graph_after_growth(ctx: RankCtx):
             return ref_ag, ref_rs
 
         load(0)
+        ctx.sync()
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):  # warm-up outside the capture
             distgemm.all_gather_matmul(a, b)
@@ -535,6 +541,7 @@ def graph_after_growth(ctx: RankCtx):
 
         replay(1, "replay before the growth")
         big_ag, big_rs = Problem(ctx, "ag", 4096, k=4096, n=1024, seed=50), Problem(ctx, "rs", 8192, k=2048, n=2048, seed=51)
+        ctx.sync()
         problems += [f"growth call: {p}" for p in _check_all(ctx, [(big_ag, big_ag.call()), (big_rs, big_rs.call())])]
         del big_ag, big_rs
         torch.cuda.empty_cache()
@@ -566,6 +573,7 @@ def correct_cases(ctx: RankCtx):
     """Cases that must simply give right results; each recovers the group if it failed, so
     that the next one still runs."""
     for case in (side_stream, two_groups, graph_after_growth):
+        ctx.sync()
         case(ctx)
         ctx.sync(timeout_s() + SLACK_S + 30)
         try:
