@@ -20,6 +20,7 @@ one deadline and marks what did not arrive by then as a hang.
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import os
 import queue as queue_mod
 import sys
@@ -75,6 +76,7 @@ class RankCtx:
 def _worker(rank, world, port, body, args, env, queue, side, backend):
     os.environ.update(SAFE_ENV)
     os.environ.update(env)
+    faulthandler.enable()  # a crashing rank prints where it was
     try:
         nccl = backend == "nccl"
         if nccl:
