@@ -117,6 +117,10 @@ def gemm_unchecked(a, b, c, alpha, beta, out_dtype, scale_a=None, scale_b=None, 
         return reference_gemm(a, b, c, alpha, beta, out_dtype, scale_a, scale_b)
     arch = device_arch(a.device)
     kernel_dtype, fast_accum = kernel_out_dtype(a.dtype, b.dtype, out_dtype, arch, fast_accum)
+    if kernel_dtype is None:
+        warn_once(f"distgemm: no kernel in this build for {a.dtype} x {b.dtype} -> {out_dtype} (nor float32 "
+                  "out); running the PyTorch reference")
+        return reference_gemm(a, b, c, alpha, beta, out_dtype, scale_a, scale_b)
     a, b, c, scale_b, n = _kernel_operands(a, b, c, kernel_dtype, scale_b)
     out = ops.gemm(a, b, c, alpha, beta, kernel_dtype, _flat(scale_a), scale_b, fast_accum)
     out = out if out.shape[1] == n else out[:, :n].contiguous()
@@ -136,16 +140,17 @@ _COMPILED = _compiled_combinations()
 
 
 def kernel_out_dtype(a_dtype, b_dtype, out_dtype, arch: int,
-                     fast_accum: bool) -> Tuple[torch.dtype, bool]:
-    """The output dtype and accumulation to run the kernel in: out_dtype when compiled, else a
-    wider one that is (float8 combinations with fewer instances), the result then being cast;
-    fast accumulation is a speed hint, so a combination built only with promoted accumulation
-    runs that (more accurate)."""
+                     fast_accum: bool) -> Tuple[Optional[torch.dtype], bool]:
+    """The output dtype and accumulation to run the kernel in: out_dtype when compiled, else
+    float32 (float8 combinations with fewer instances), the result then being cast; None when
+    neither is built (a narrower type in between would lose precision). Fast accumulation is a
+    speed hint, so a combination built only with promoted accumulation runs that (more
+    accurate)."""
     for fast in (fast_accum, False) if fast_accum else (False,):
-        for candidate in (out_dtype, torch.float32, torch.bfloat16):
+        for candidate in (out_dtype, torch.float32):
             if (arch, a_dtype, b_dtype, candidate, fast) in _COMPILED:
                 return candidate, fast
-    return out_dtype, fast_accum  # nothing compiled: the op raises a clear NotImplementedError
+    return None, fast_accum
 
 
 def _flat(scale: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
