@@ -30,6 +30,11 @@ cublasHandle_t* cublas_handles(int device, StreamPool& pool) {
     for (int i = 0; i < kStreams && st == CUBLAS_STATUS_SUCCESS; ++i) {
       st = cublasCreate(&(*out)[i]);
       if (st == CUBLAS_STATUS_SUCCESS) st = cublasSetStream((*out)[i], pool.streams[i]);
+      // A split-K reduction in bf16/fp16 rounds the partial sums (the GPU fuzz saw 1-ulp
+      // errors in bf16 wgrad accumulation): reduce in FP32 as the CUTLASS kernels do.
+      if (st == CUBLAS_STATUS_SUCCESS)
+        st = cublasSetMathMode((*out)[i], static_cast<cublasMath_t>(
+                                              CUBLAS_DEFAULT_MATH | CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION));
     }
     if (st == CUBLAS_STATUS_SUCCESS) return DG_SUCCESS;
     for (cublasHandle_t& handle : *out)

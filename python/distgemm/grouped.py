@@ -81,7 +81,8 @@ _COMPILED = frozenset((kind, i, o) for kind in (0, 1, 2) for i in FLOAT16 for o 
                       if ops.grouped_configs(kind, i, o, 90))
 
 
-def _backend(op: str, device, n: int, k: int, in_dtype, out_dtype, kind: int) -> str:
+def _backend(op: str, device, n: int, k: int, in_dtype, out_dtype, kind: int,
+             accumulate: bool = False) -> str:
     """The backend for this call: the requested one when it applies, else the best that
     does (warning once, with the reason)."""
     requested = os.environ.get("DISTGEMM_GROUPED_BACKEND", "auto").lower()
@@ -99,6 +100,9 @@ def _backend(op: str, device, n: int, k: int, in_dtype, out_dtype, kind: int) ->
             reasons["cutlass"] = f"no grouped kernel is built for {in_dtype} -> {out_dtype}"
         if device_arch(device) < 90 or out_dtype != torch.bfloat16:
             reasons["torch"] = "torch._grouped_mm needs sm_90+ and gives bfloat16 output only"
+        elif accumulate:
+            reasons["torch"] = ("accumulate=True (torch._grouped_mm rounds the product to bfloat16 before "
+                                "the addition)")
     order = ("cutlass", "torch", "cublas") if requested == "auto" else (requested, "cutlass", "torch", "cublas")
     for name in order:
         if name not in reasons:
@@ -162,7 +166,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *,
     out_dtype = _out_dtype(op, x.dtype, out_dtype, out)
     _check_out(op, out, (x.shape[0], n), out_dtype, x.device, accumulate)
 
-    backend = _backend(op, x.device, n, k, x.dtype, out_dtype, 0 if trans_w else 1)
+    backend = _backend(op, x.device, n, k, x.dtype, out_dtype, 0 if trans_w else 1, accumulate)
     if backend in ("cutlass", "cublas"):
         code = _CUTLASS if backend == "cutlass" else _CUBLAS
         x, w = x.contiguous(), w.contiguous()
@@ -174,7 +178,9 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *,
         y = torch._grouped_mm(x, w.transpose(-2, -1) if trans_w else w, offs=offs, out_dtype=out_dtype)
         if out is None:
             return y
-        return out.add_(y) if accumulate else out.copy_(y)
+        # Rows past offs[-1] stay as they were (known on the device only: no host sync).
+        grouped = torch.arange(x.shape[0], device=x.device) < offs[-1].clamp(0, x.shape[0])
+        return out.copy_(torch.where(grouped.unsqueeze(1), y, out))
     if out is None and x.device.type == "cpu":
         return ops.grouped_mm(x, w, offs, out_dtype, trans_w)  # the op's CPU kernel, with autograd
     if out is None:
@@ -202,7 +208,7 @@ def grouped_mm_wgrad(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, *,
     out_dtype = _out_dtype(op, x.dtype, out_dtype, out)
     _check_out(op, out, (groups, n, k), out_dtype, x.device, accumulate)
 
-    backend = _backend(op, x.device, n, k, x.dtype, out_dtype, 2)
+    backend = _backend(op, x.device, n, k, x.dtype, out_dtype, 2, accumulate)
     if backend in ("cutlass", "cublas"):
         code = _CUTLASS if backend == "cutlass" else _CUBLAS
         dy, x = dy.contiguous(), x.contiguous()
@@ -212,9 +218,7 @@ def grouped_mm_wgrad(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, *,
         return out
     if backend == "torch":
         y = torch._grouped_mm(dy.T, x, offs=offs, out_dtype=out_dtype)
-        if out is None:
-            return y
-        return out.add_(y) if accumulate else out.copy_(y)
+        return y if out is None else out.copy_(y)  # accumulate never takes this backend
     if out is None and x.device.type == "cpu":
         return ops.grouped_mm_wgrad(dy, x, offs, out_dtype)
     if out is None:
