@@ -137,6 +137,9 @@ def _compiled_combinations() -> frozenset:
 
 
 _COMPILED = _compiled_combinations()
+# (arch, dtype, out) of the 16-bit kernels that read b N-major (its transpose view) in place.
+_N_MAJOR = frozenset((arch, t, out) for arch in (90, 100) for t in FLOAT16 for out in FLOAT16 + (torch.float32,)
+                     if ops.gemm_configs(t, t, out, False, arch, False))
 
 
 def kernel_out_dtype(a_dtype, b_dtype, out_dtype, arch: int,
@@ -183,7 +186,7 @@ def _kernel_operands(a, b, c, out_dtype, scale_b):
         b = F.pad(b, (0, k_pad))
     if not _k_major(a):
         a = a.contiguous()
-    if not (_k_major(b) or (b.dtype in FLOAT16 and _n_major(b))):
+    if not (_k_major(b) or _n_major_readable(a, b, out_dtype)):
         b = b.contiguous()
     if c is not None:
         c = c.to(out_dtype)
@@ -206,8 +209,13 @@ def kernel_ready(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> bo
     """True when the kernels read a and b in place (no copy or padding by _kernel_operands)."""
     out_bytes = out_dtype.itemsize
     return (a.shape[1] * a.element_size() % 16 == 0 and b.shape[0] * out_bytes % 16 == 0
-            and _k_major(a) and (_k_major(b) or (b.dtype in FLOAT16 and _n_major(b)
-                                                 and b.shape[0] * b.element_size() % 16 == 0)))
+            and _k_major(a) and (_k_major(b) or _n_major_readable(a, b, out_dtype)))
+
+
+def _n_major_readable(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> bool:
+    """b N-major (a transposed view) with a kernel built for that layout and output."""
+    return (b.dtype in FLOAT16 and _n_major(b) and b.shape[0] * b.element_size() % 16 == 0
+            and (device_arch(a.device), b.dtype, out_dtype) in _N_MAJOR)
 
 
 def _k_major(t: torch.Tensor) -> bool:

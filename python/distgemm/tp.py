@@ -390,11 +390,12 @@ def _gathered_scale_a(scale_a, rows: int, group) -> Optional[torch.Tensor]:
 
 def _scaled_bias(c, beta, out_dtype):
     """(c, beta) for the fused ops: a bias ((N,) or (1, N)) comes pre-multiplied by beta, with
-    beta 1 (the decomposed algorithm adds a bias unscaled); a full C keeps its beta."""
+    beta 1 (the decomposed algorithm adds a bias unscaled); a full C keeps its beta (row-major
+    and aligned, as the kernels read it)."""
     if c is None or beta == 0.0:
         return None, 0.0
     if c.dim() == 2 and c.shape[0] != 1:
-        return c.to(out_dtype), beta
+        return _aligned(c.to(out_dtype).contiguous()), beta
     return (c.reshape(-1).float() * beta).to(out_dtype), 1.0
 
 
@@ -411,27 +412,38 @@ def _check_tp(op, a, b, c, out_dtype, scale_a, scale_b, c_rows: int):
 
 
 @functools.lru_cache(maxsize=None)
-def _has_cooperative(arch, a_dtype, b_dtype, out_dtype, fast_accum) -> bool:
-    """The fused reduce-scatter's ring steps wait for their C operand in the epilogue, which only
-    the cooperative kernels run."""
-    return any(name.startswith("coop") for name in ops.gemm_configs(a_dtype, b_dtype, out_dtype, True, arch,
-                                                                     fast_accum))
+def _configs(arch, a_dtype, b_dtype, out_dtype, fast_accum) -> tuple:
+    """Names of the K-major kernels built for these dtypes."""
+    return tuple(ops.gemm_configs(a_dtype, b_dtype, out_dtype, True, arch, fast_accum))
 
 
-def _fused_operands(a, b, out_dtype, fast_accum, kind=_AG):
-    """(b, fast_accum) as the fused ops' GEMMs take them, or None when they cannot run these
-    dtypes and sizes. Decided from dtypes and sizes alone, which the ranks share: a layout the
-    kernels cannot read is copied, never a reason for one rank to take another path than its
-    peers (it would wait for them in vain)."""
+def _aligned(t):
+    """t, or a copy of it where its data is not 16-byte aligned (a view at an odd offset)."""
+    return t if t is None or t.data_ptr() % 16 == 0 else t.clone()
+
+
+def _fused_operands(a, b, out_dtype, fast_accum, kind=_AG, row_scales=False, rows_per_rank=0):
+    """(a, b, fast_accum) as the fused ops' GEMMs take them, or None when they cannot run
+    these dtypes and sizes. Decided from dtypes and sizes alone, which the ranks share: a layout
+    or an alignment the kernels cannot read is copied, never a reason for one rank to take
+    another path than its peers (it would wait for them in vain)."""
     if a.shape[1] * a.element_size() % 16 or b.shape[0] * out_dtype.itemsize % 16:
         return None
     arch = device_arch(a.device)
     kernel_dtype, fast = kernel_out_dtype(a.dtype, b.dtype, out_dtype, arch, fast_accum)
     if kernel_dtype != out_dtype:
         return None
-    if kind == _RS and a.dtype in FLOAT8 and not _has_cooperative(arch, a.dtype, b.dtype, out_dtype, fast):
+    configs = _configs(arch, a.dtype, b.dtype, out_dtype, fast)
+    # The fused reduce-scatter's ring steps wait for their C operand in the epilogue, which only
+    # the cooperative kernels run.
+    if kind == _RS and a.dtype in FLOAT8 and not any(name.startswith("coop") for name in configs):
         return None
-    return (b if kernel_ready(a, b, out_dtype) else b.contiguous()), fast
+    # Each ring step reads its rows' FP8 scales in place, 16-byte aligned only at multiples of 4 rows.
+    if kind == _RS and row_scales and rows_per_rank % 4:
+        return None
+    if not kernel_ready(a, b, out_dtype):
+        b = b.contiguous()
+    return _aligned(a), _aligned(b), fast
 
 
 def _all_gather_matmul(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, group,
@@ -456,7 +468,7 @@ def _all_gather_matmul_eager(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, 
     a = a.contiguous()
     fused = _use_fused(group, a.device) and _fused_operands(a, b, out_dtype, fast_accum)
     if fused:
-        b, fast = fused
+        a, b, fast = fused
         bias_or_c, beta = _scaled_bias(c, beta, out_dtype)
         out, gathered = _fused_all_gather_matmul(a, b, bias_or_c, alpha, beta, out_dtype, _flat(scale_a),
                                                  _flat(scale_b), fast, group, return_gathered)
@@ -485,9 +497,11 @@ def _matmul_reduce_scatter_eager(a, b, c, alpha, beta, out_dtype, scale_a, scale
     full_c = c is not None and c.dim() == 2 and c.shape[0] != 1
     bias = None if c is None or full_c else c.reshape(-1)
     a = a.contiguous()
-    fused = _use_fused(group, a.device) and _fused_operands(a, b, out_dtype, fast_accum, _RS)
+    row_scales = scale_a is not None and scale_a.numel() > 1
+    fused = _use_fused(group, a.device) and _fused_operands(a, b, out_dtype, fast_accum, _RS, row_scales,
+                                                            a.shape[0] // world)
     if fused:
-        b, fast = fused
+        a, b, fast = fused
         scaled, bias_beta = _scaled_bias(bias, beta, out_dtype)
         out = _fused_matmul_reduce_scatter(a, b, scaled, alpha, bias_beta, out_dtype, _flat(scale_a),
                                            _flat(scale_b), fast, group)
