@@ -59,7 +59,11 @@ run() {
   start=$(date +%s)
   (
     [ -n "$gpu" ] && export CUDA_VISIBLE_DEVICES="$gpu"
-    if [ "$tool" = memcheck ] || [ "$tool" = initcheck ]; then export PYTORCH_NO_CUDA_MEMORY_CACHING=1; fi
+    # Uncached allocations let memcheck/initcheck see an access past a tensor; the TP part captures
+    # CUDA graphs, which the uncached allocator refuses (captures_underway assert), so it keeps the cache.
+    if [ "$part" = single ] && { [ "$tool" = memcheck ] || [ "$tool" = initcheck ]; }; then
+      export PYTORCH_NO_CUDA_MEMORY_CACHING=1
+    fi
     # shellcheck disable=SC2046
     timeout -k 10 "$secs" "$san" $(tool_flags "$tool") --error-exitcode 1 --target-processes all \
       --print-limit 100 --log-file "$out/${tool}_${part}.%p.sanitizer.log" \

@@ -83,7 +83,7 @@ TOL = {BF16: 1e-2, FP16: 2e-3, FP32: 1e-4}
 
 def dense(dev, all_configs: bool):
     arch = device_arch(dev)
-    m, n, k = 130, 200, 264  # ragged against every tile shape
+    m, n, k = 130, 200, 272  # ragged against every tile shape (K: 16 bytes of FP8)
     combos = [(BF16, BF16, BF16, True, False), (FP16, FP16, FP16, True, False), (BF16, BF16, FP32, True, False),
               (FP16, FP16, FP32, True, False), (BF16, BF16, BF16, False, False), (FP16, FP16, FP16, False, False),
               (E4M3, E4M3, BF16, True, False), (E4M3, E4M3, BF16, True, True), (E4M3, E4M3, FP32, True, False),
@@ -164,6 +164,8 @@ def grouped(dev, all_configs: bool):
             expected = _grouped_ref(x, w, counts, trans_w)
             for out_dt in (dtype, FP32):
                 names = ops.grouped_configs(kind, dtype, out_dt, arch)
+                if not names:  # not built: the public API takes another backend (tested elsewhere)
+                    continue
                 for cfg in (list(range(len(names))) if all_configs else [-1]):
                     what = f"grouped kind={kind} {dtype}->{out_dt} config={names[cfg] if cfg >= 0 else 'auto'}"
                     guarded(what, lambda: check(what, ops.grouped_mm(x, w, offs, out_dt, trans_w, 0, cfg)[:routed],
@@ -176,6 +178,8 @@ def grouped(dev, all_configs: bool):
         expected = _wgrad_ref(dy, x, counts)
         for out_dt in (FP32, dtype):
             names = ops.grouped_configs(2, dtype, out_dt, arch)
+            if not names:  # not built: the public API takes another backend (tested elsewhere)
+                continue
             for cfg in (list(range(len(names))) if all_configs else [-1]):
                 what = f"wgrad {dtype}->{out_dt} config={names[cfg] if cfg >= 0 else 'auto'}"
                 guarded(what, lambda: check(what, ops.grouped_mm_wgrad(dy, x, offs, out_dt, 0, cfg), expected,
