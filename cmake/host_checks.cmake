@@ -12,23 +12,7 @@ enable_testing()
 
 set(DISTGEMM_SANITIZE -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer)
 
-add_library(distgemm_host_checks STATIC
-  csrc/common/status.cpp
-  csrc/common/dtype.cpp
-  csrc/common/device.cpp
-  csrc/common/tile_heuristic.cpp
-  csrc/common/stream_pool.cpp
-  csrc/common/error_state.cpp
-  csrc/gemm/gemm_api.cpp
-  csrc/gemm/cublaslt_gemm.cpp
-  csrc/grouped/grouped_api.cpp
-  csrc/grouped/grouped_cublas.cpp
-  csrc/dist/tp_call.cpp
-  csrc/dist/tp_heuristics.cpp
-  csrc/dist/tp_all_gather.cpp
-  csrc/dist/tp_reduce_scatter.cpp
-  csrc/dist/tp_kernels.cu  # the TP flag kernels (no CUTLASS), not instrumented: nvcc code
-)
+add_library(distgemm_host_checks STATIC ${core_host_srcs})  # the TP flag kernels: nvcc code, not instrumented
 # One PTX target is enough to link the few TP flag kernels; nothing runs them here.
 set_source_files_properties(csrc/dist/tp_kernels.cu PROPERTIES
   COMPILE_OPTIONS "-gencode=arch=compute_90,code=compute_90")
