@@ -273,6 +273,30 @@ def grouped_cases(draw, wgrad: bool):
     return case
 
 
+def _run_grouped_case(op, args, kwargs, case, operands, out, shape, out_dtype):
+    """Runs a grouped op under the case's backend: (result, problems, refused); the result is
+    None when the op refused (as the case allows) or returned the wrong shape or dtype."""
+    with env_set({"DISTGEMM_GROUPED_BACKEND": case["backend"]}):
+        try:
+            y = op(*args, **kwargs)
+            if DEV == "cuda":
+                torch.cuda.synchronize()
+        except Exception as e:
+            if _refused(case, e):
+                if DEV == "cuda":
+                    torch.cuda.synchronize()
+                return None, canary_report(operands, ("out",)), True
+            raise
+    problems = canary_report(operands, ("out",))
+    if out is not None:
+        if y.data_ptr() != out.view.data_ptr():
+            problems.append("out=: the result is not the given out tensor")
+        y = out.view
+    if tuple(y.shape) != shape or y.dtype != out_dtype:
+        return None, problems + [f"out: shape {tuple(y.shape)} {y.dtype}, expected {shape} {out_dtype}"], False
+    return y, problems, False
+
+
 def _refused(case, exc: Exception) -> bool:
     return case["unaligned"] and isinstance(exc, (ValueError, NotImplementedError, RuntimeError)) \
         and not is_cuda_fatal(exc)
@@ -306,24 +330,10 @@ def check_grouped_mm(case):
     elif case["out_fp32"] or case["pass_out_dtype"]:
         kwargs["out_dtype"] = out_dtype
     operands = {"x": x, "w": w, "offs": offs, "out": out}
-    with env_set({"DISTGEMM_GROUPED_BACKEND": case["backend"]}):
-        try:
-            y = distgemm.grouped_mm(x.view, w.view, offs.view, **kwargs)
-            if DEV == "cuda":
-                torch.cuda.synchronize()
-        except Exception as e:
-            if _refused(case, e):
-                if DEV == "cuda":
-                    torch.cuda.synchronize()
-                return canary_report(operands, ("out",)), True
-            raise
-    problems = canary_report(operands, ("out",))
-    if out is not None:
-        if y.data_ptr() != out.view.data_ptr():
-            problems.append("out=: the result is not the given out tensor")
-        y = out.view
-    if tuple(y.shape) != (tokens, n) or y.dtype != out_dtype:
-        return problems + [f"out: shape {tuple(y.shape)} {y.dtype}, expected ({tokens}, {n}) {out_dtype}"], False
+    y, problems, refused = _run_grouped_case(distgemm.grouped_mm, (x.view, w.view, offs.view), kwargs, case,
+                                             operands, out, (tokens, n), out_dtype)
+    if refused or y is None:
+        return problems, refused
     if out is not None and routed < tokens and not same_values(y[routed:], init[routed:]):
         problems.append(f"out: rows past offs[-1] = {routed} were written")
     if routed == 0:
@@ -386,24 +396,10 @@ def check_grouped_mm_wgrad(case):
         # out_dtype None: follows out; or given, matching it
         kwargs = {"out": out.view, "accumulate": acc, "out_dtype": out_dtype if case["pass_out_dtype"] else None}
     operands = {"dy": dy, "x": x, "offs": offs, "out": out}
-    with env_set({"DISTGEMM_GROUPED_BACKEND": case["backend"]}):
-        try:
-            y = distgemm.grouped_mm_wgrad(dy.view, x.view, offs.view, **kwargs)
-            if DEV == "cuda":
-                torch.cuda.synchronize()
-        except Exception as e:
-            if _refused(case, e):
-                if DEV == "cuda":
-                    torch.cuda.synchronize()
-                return canary_report(operands, ("out",)), True
-            raise
-    problems = canary_report(operands, ("out",))
-    if out is not None:
-        if y.data_ptr() != out.view.data_ptr():
-            problems.append("out=: the result is not the given out tensor")
-        y = out.view
-    if tuple(y.shape) != (groups, n, k) or y.dtype != out_dtype:
-        return problems + [f"out: shape {tuple(y.shape)} {y.dtype}, expected ({groups}, {n}, {k}) {out_dtype}"], False
+    y, problems, refused = _run_grouped_case(distgemm.grouped_mm_wgrad, (dy.view, x.view, offs.view), kwargs,
+                                             case, operands, out, (groups, n, k), out_dtype)
+    if refused or y is None:
+        return problems, refused
     live = [g for g, c in enumerate(counts) if c]
     empty = [g for g, c in enumerate(counts) if not c]
     if empty:
