@@ -73,7 +73,8 @@ void check(dg_status status, const char* op) {
   if (status == DG_SUCCESS) return;
   const std::string msg = std::string(op) + ": " + dg_last_error();
   switch (status) {
-    case DG_ERROR_INVALID_ARGUMENT: TORCH_CHECK_VALUE(false, msg);
+    case DG_ERROR_INVALID_ARGUMENT:
+    case DG_ERROR_PEER_MISMATCH: TORCH_CHECK_VALUE(false, msg);
     case DG_ERROR_NOT_SUPPORTED: TORCH_CHECK_NOT_IMPLEMENTED(false, msg);
     default: TORCH_CHECK(false, msg, " (", dg_status_name(status), ")");
   }

@@ -22,8 +22,9 @@ dg_gemm_desc gemm_desc(const char* op, const at::Tensor& a, const at::Tensor& b,
                        double beta, const c10::optional<at::Tensor>& scale_a,
                        const c10::optional<at::Tensor>& scale_b, bool fast_accum);
 
-// Raises the Python exception matching `status` (ValueError, NotImplementedError,
-// TimeoutError or RuntimeError) with the core's message, prefixed by `op`.
+// Raises the Python exception matching `status` (ValueError for bad arguments and ranks that
+// disagree, NotImplementedError, else RuntimeError naming the status, e.g. "(timeout)", which
+// distgemm.tp turns into TimeoutError) with the core's message, prefixed by `op`.
 void check(dg_status status, const char* op);
 
 // A device workspace of `bytes` from the caching allocator (graph-safe); empty if 0.

@@ -287,7 +287,12 @@ def _run_on_workspace(state: _GroupState, nbytes: int, device, call):
         if capturing:
             ws.captured = True
         state.last_stream = stream
-        return call(ws, False)
+        try:
+            return call(ws, False)
+        except RuntimeError as e:  # the core's DG_ERROR_TIMEOUT (an earlier call timed out)
+            if "(timeout)" in str(e):
+                raise TimeoutError(str(e)) from e
+            raise
 
 
 def _fused_all_gather_matmul(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, group,
