@@ -130,7 +130,8 @@ dg_status use_decomposed(const dg_tp_desc& d, const char* why_not, bool auto_fus
   return DG_SUCCESS;
 }
 
-dg_status check_exchange_size(int world, int64_t rows, int64_t cols, dg_dtype dtype, const char* what) {
+dg_status check_exchange_size(int world, int64_t rows, int64_t cols, const dg_dtype& dtype,
+                              const char* what) {
   const int code = raw_enum(dtype);
   DG_REQUIRE(code >= DG_F32 && code <= DG_E5M2, what, " has an unknown dtype (", code, ")");
   DG_REQUIRE(rows >= 1 && cols >= 1, what, " must have at least one row and column, got (", rows, ", ", cols,

@@ -39,8 +39,10 @@ struct Peers {
 };
 
 // Refuses a shard of (rows, cols) `dtype` that is empty or whose exchange over `world` ranks
-// would not fit the workspace arithmetic (no int64 overflow anywhere in the layouts).
-dg_status check_exchange_size(int world, int64_t rows, int64_t cols, dg_dtype dtype, const char* what);
+// would not fit the workspace arithmetic (no int64 overflow anywhere in the layouts). `dtype`
+// by reference: it is read as a raw int until checked (a C caller may store any value).
+dg_status check_exchange_size(int world, int64_t rows, int64_t cols, const dg_dtype& dtype,
+                              const char* what);
 
 // Checks what every op needs of `d` (world, rank, workspaces, timeout) and maps the workspaces.
 dg_status check_tp(const dg_tp_desc* d, Peers* peers);
