@@ -17,7 +17,7 @@ add_library(distgemm_host_checks STATIC ${core_host_srcs})  # the TP flag kernel
 set_source_files_properties(csrc/dist/tp_kernels.cu PROPERTIES
   COMPILE_OPTIONS "-gencode=arch=compute_90,code=compute_90")
 target_include_directories(distgemm_host_checks
-  PUBLIC "${CMAKE_SOURCE_DIR}/csrc/include" "${CMAKE_SOURCE_DIR}/csrc")
+  PUBLIC "${CMAKE_SOURCE_DIR}/csrc/include" "${DISTGEMM_GENERATED_INCLUDE}" "${CMAKE_SOURCE_DIR}/csrc")
 target_link_libraries(distgemm_host_checks PUBLIC CUDA::cudart CUDA::cublas CUDA::cublasLt)
 target_compile_options(distgemm_host_checks PUBLIC
   $<$<COMPILE_LANGUAGE:CXX>:${DISTGEMM_SANITIZE} -O1 -g -Wall -Wextra -Wno-unused-parameter>)

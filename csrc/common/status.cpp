@@ -35,3 +35,5 @@ extern "C" const char* dg_status_name(dg_status status) {
 }
 
 extern "C" const char* dg_build_id(void) { return DISTGEMM_BUILD_ID; }
+
+extern "C" const char* dg_get_version(void) { return DG_VERSION_STRING; }

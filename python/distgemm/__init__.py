@@ -1,6 +1,6 @@
 """distgemm: CUTLASS GEMMs for tensor-parallel and Mixture-of-Experts training in PyTorch."""
 
-from ._library import KERNEL_ARCHS, has_kernels
+from ._library import KERNEL_ARCHS, cmake_prefix_path, has_kernels
 from .dense import gemm
 from .grouped import grouped_mm, grouped_mm_wgrad
 from .tp import all_gather_matmul, check_errors, dist_matmul, matmul_reduce_scatter, recover
@@ -8,6 +8,6 @@ from . import nn
 
 __all__ = [
     "gemm", "grouped_mm", "grouped_mm_wgrad", "all_gather_matmul", "matmul_reduce_scatter",
-    "dist_matmul", "check_errors", "recover", "nn", "has_kernels", "KERNEL_ARCHS",
+    "dist_matmul", "check_errors", "recover", "nn", "has_kernels", "KERNEL_ARCHS", "cmake_prefix_path",
 ]
 __version__ = "0.1.0"

@@ -9,6 +9,9 @@ import warnings
 import torch
 
 _LIB_PATH = os.path.join(os.path.dirname(__file__), "_C.so")
+# For C++ projects: cmake -DCMAKE_PREFIX_PATH=<this> finds the installed package's
+# distgemmConfig.cmake (find_package(distgemm) -> distgemm::core).
+cmake_prefix_path = os.path.join(os.path.dirname(__file__), "lib", "cmake")
 
 if not os.path.exists(_LIB_PATH):
     raise ImportError(

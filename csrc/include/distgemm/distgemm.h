@@ -20,6 +20,7 @@ extern "C" {
 #endif
 
 #include "distgemm/types.h"
+#include "distgemm/version.h"
 
 /* A 2-D strided view: element (i, j) lives at data + i * row_stride + j * col_stride
  * (strides in elements). */
@@ -57,6 +58,8 @@ DG_API const char* dg_last_error(void);
 DG_API const char* dg_status_name(dg_status status);
 /* The id of the build this library comes from (bindings built with it must match). */
 DG_API const char* dg_build_id(void);
+/* The library's version, "major.minor.patch" (DG_VERSION_STRING of the headers it was built with). */
+DG_API const char* dg_get_version(void);
 
 /* Checks a GEMM without touching device memory (data pointers are only checked for being
  * non-NULL and aligned). Returns DG_SUCCESS when dg_gemm would run it on a device_arch GPU.
