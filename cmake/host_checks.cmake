@@ -14,7 +14,7 @@ set(DISTGEMM_SANITIZE -fsanitize=address,undefined -fno-sanitize-recover=all -fn
 
 add_library(distgemm_host_checks STATIC ${core_host_srcs})  # the TP flag kernels: nvcc code, not instrumented
 # One PTX target is enough to link the few TP flag kernels; nothing runs them here.
-set_source_files_properties(csrc/dist/tp_kernels.cu PROPERTIES
+set_source_files_properties(csrc/tp/tp_kernels.cu PROPERTIES
   COMPILE_OPTIONS "-gencode=arch=compute_90,code=compute_90")
 target_include_directories(distgemm_host_checks
   PUBLIC "${CMAKE_SOURCE_DIR}/csrc/include" "${DISTGEMM_GENERATED_INCLUDE}" "${CMAKE_SOURCE_DIR}/csrc")

@@ -17,7 +17,7 @@ if [ -n "${TESTS:-}" ]; then
   DISTGEMM_TIMEOUT_S=15 run tests "${TESTS_LIMIT:-170}" python3 -m pytest -q -ra -p no:cacheprovider $TESTS
 fi
 if [ -n "${TIMELINE:-}" ]; then
-  run timeline "${TIMELINE_LIMIT:-120}" python3 -m torch.distributed.run --nproc-per-node="$nproc_gpu" -m distgemm.bench.tp_timeline \
+  run timeline "${TIMELINE_LIMIT:-120}" python3 -m torch.distributed.run --nproc-per-node="$nproc_gpu" scripts/dev/tp_timeline.py \
     --out /tmp/timeline --only "$TIMELINE" --variants "${TIMELINE_VARIANTS:-}" ${TIMELINE_ARGS:-}
   tar czf "$res/timeline.tgz" -C /tmp timeline
 fi

@@ -40,7 +40,7 @@ _BACKENDS = ("auto", "fused", "collectives")
 _ALGOS = {"auto": 0, "fused": 1, "decomposed": 2}  # dg_tp_algo
 _DEFAULT_TIMEOUT_S = 600.0  # NCCL's default: a slow but live peer is not failed sooner
 
-# Error word (see csrc/dist/tp_kernels.cuh): reason << 24 | op << 16 | (peer + 1).
+# Error word (see csrc/tp/tp_kernels.cuh): reason << 24 | op << 16 | (peer + 1).
 _REASONS = {
     1: "is at another call (the ranks' call counts differ: an earlier call failed or was skipped on one side)",
     2: "runs another op, algorithm or piece split (DISTGEMM_TP_ALGO, DISTGEMM_TP_PIECES and "

@@ -6,7 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 
-namespace distgemm::dist {
+namespace distgemm::tp {
 
 constexpr int kMaxWorld = 64;
 // The most pieces one rank's chunk travels in (each piece: its own copy, flag and GEMM).
@@ -75,4 +75,4 @@ struct ReduceScatterLayout {
   }
 };
 
-}  // namespace distgemm::dist
+}  // namespace distgemm::tp

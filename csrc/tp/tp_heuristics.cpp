@@ -1,10 +1,10 @@
-#include "dist/tp_heuristics.h"
+#include "tp/tp_heuristics.h"
 
 #include <cstdlib>
 
 #include "common/status.h"
 
-namespace distgemm::dist {
+namespace distgemm::tp {
 namespace {
 
 // H200 x2 over NVLink: a copy-engine push under a GEMM, and a large bf16 cuBLAS GEMM.
@@ -49,4 +49,4 @@ PieceSplit ag_decomposed_split(double flops, double pushed_bytes) {
   return {1, false};
 }
 
-}  // namespace distgemm::dist
+}  // namespace distgemm::tp

@@ -1,9 +1,9 @@
 #include <algorithm>
 
 #include "common/sync.cuh"
-#include "dist/tp_kernels.cuh"
+#include "tp/tp_kernels.cuh"
 
-namespace distgemm::dist {
+namespace distgemm::tp {
 namespace {
 
 __device__ __forceinline__ void store_release_sys(uint32_t* p, uint32_t v) {
@@ -142,4 +142,4 @@ cudaError_t launch_signal(const SignalTargets& targets, const uint32_t* epoch, c
   return cudaGetLastError();
 }
 
-}  // namespace distgemm::dist
+}  // namespace distgemm::tp

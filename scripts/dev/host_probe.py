@@ -1,7 +1,7 @@
 """Where a call's host time goes: CPU microseconds to enqueue one call (the GPU kept busy, so
 enqueueing never waits on it) of the public op and of the raw torch.ops entry (no Python
 checks), per dense tile config, for the grouped GEMM and for the TP ops with each algorithm.
-``python -m distgemm.bench.host_probe`` (one GPU), or under ``torchrun --nproc-per-node=2``."""
+``python scripts/dev/host_probe.py`` (one GPU), or under ``torchrun --nproc-per-node=2``."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 import distgemm
 from distgemm._library import ops
 
-from .common import host_ms, with_env
+from distgemm.bench.common import host_ms, with_env
 
 
 def host_us(fn) -> float:

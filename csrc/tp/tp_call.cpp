@@ -1,4 +1,4 @@
-#include "dist/tp_call.h"
+#include "tp/tp_call.h"
 
 #include <algorithm>
 #include <cmath>
@@ -8,9 +8,9 @@
 #include "common/checked_math.h"
 #include "common/dtype.h"
 #include "common/status.h"
-#include "dist/tp_kernels.cuh"
+#include "tp/tp_kernels.cuh"
 
-namespace distgemm::dist {
+namespace distgemm::tp {
 
 dg_status check_tp(const dg_tp_desc* d, Peers* peers) {
   DG_REQUIRE(d != nullptr, "desc must not be NULL");
@@ -178,10 +178,10 @@ dg_status tp_pieces(PieceSplit automatic, PieceSplit* split) {
   return DG_SUCCESS;
 }
 
-}  // namespace distgemm::dist
+}  // namespace distgemm::tp
 
 using namespace distgemm;
-using namespace distgemm::dist;
+using namespace distgemm::tp;
 
 namespace {
 

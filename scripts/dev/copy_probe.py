@@ -1,6 +1,6 @@
 """How fast can a rank move a shard to / from a peer while a GEMM holds every SM?
 
-``torchrun --nproc-per-node=2 -m distgemm.bench.copy_probe``. Every rank copies at the same
+``torchrun --nproc-per-node=2 scripts/dev/copy_probe.py``. Every rank copies at the same
 time (as in an all-gather), through symmetric-memory buffers, with
 
 - ``memcpy``: plain ``cudaMemcpyAsync`` (the driver may run device-to-device copies on SMs),
@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._symmetric_memory as symm_mem
 
-from .common import median
+from distgemm.bench.common import median
 
 
 class _MemLocation(ctypes.Structure):

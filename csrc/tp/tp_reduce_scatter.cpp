@@ -16,16 +16,16 @@
 #include "common/dtype.h"
 #include "common/status.h"
 #include "common/stream_pool.h"
-#include "dist/tp_call.h"
-#include "dist/tp_heuristics.h"
-#include "dist/tp_kernels.cuh"
-#include "dist/tp_layout.h"
+#include "tp/tp_call.h"
+#include "tp/tp_heuristics.h"
+#include "tp/tp_kernels.cuh"
+#include "tp/tp_layout.h"
 #include "distgemm/distgemm.h"
 #include "gemm/cublaslt_gemm.h"
 #include "gemm/gemm_internal.h"
 
 using namespace distgemm;
-using namespace distgemm::dist;
+using namespace distgemm::tp;
 
 extern "C" dg_status dg_gemm_reduce_scatter(const dg_tp_desc* desc, cudaStream_t stream) {
   Peers peers;

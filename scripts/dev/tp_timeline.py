@@ -1,5 +1,5 @@
 """Where the time of a tensor-parallel call goes, one process per GPU (``torchrun
---nproc-per-node=P -m distgemm.bench.tp_timeline --only 'attn-out t4096'``): a few calls of
+--nproc-per-node=P scripts/dev/tp_timeline.py --only 'attn-out t4096'``): a few calls of
 ours are profiled (CUPTI through torch.profiler) and every kernel and copy of the window is
 written per rank to DIR/timeline_<label>_<variant>_rank<r>.json; rank 0 prints, per shape and
 variant, the window per call and how much of it each stream spent in GEMMs, copies, waits and
@@ -17,8 +17,8 @@ import torch.distributed as dist
 
 import distgemm
 
-from .common import parse_variants, with_envs
-from .tp_suite import graphed, shapes, shard_operands
+from distgemm.bench.common import parse_variants, with_envs
+from distgemm.bench.tp_suite import graphed, shapes, shard_operands
 
 
 def _kind(event: dict) -> str:

@@ -5,10 +5,10 @@
 
 #include <cstdint>
 
-#include "dist/tp_call.h"
+#include "tp/tp_call.h"
 #include "distgemm/distgemm.h"
 
-namespace distgemm::dist {
+namespace distgemm::tp {
 
 // Whether `auto` runs a bf16/fp16 GEMM + reduce-scatter of `flops` (per rank) fused: below
 // ~50 GFLOP the decomposed ring's extra launches cost more than cuBLAS's kernels gain.
@@ -29,4 +29,4 @@ PieceSplit rs_decomposed_split(double flops, double pushed_bytes, int64_t step_r
 // that the first peer GEMM starts before the whole shard is in.
 PieceSplit ag_decomposed_split(double flops, double pushed_bytes);
 
-}  // namespace distgemm::dist
+}  // namespace distgemm::tp

@@ -8,11 +8,11 @@
 #include "common/error_state.h"
 #include "common/stream_pool.h"
 #include "common/sync.h"
-#include "dist/tp_kernels.cuh"
-#include "dist/tp_layout.h"
+#include "tp/tp_kernels.cuh"
+#include "tp/tp_layout.h"
 #include "distgemm/distgemm.h"
 
-namespace distgemm::dist {
+namespace distgemm::tp {
 
 constexpr int kTagAllGather = DG_TP_ALL_GATHER_GEMM << kErrorPeerBits;
 constexpr int kTagReduceScatter = DG_TP_GEMM_REDUCE_SCATTER << kErrorPeerBits;
@@ -93,4 +93,4 @@ struct RowPieces {
 // "Nt", tapered, N in [1, kMaxPieces]). Every rank must see the same value.
 dg_status tp_pieces(PieceSplit automatic, PieceSplit* split);
 
-}  // namespace distgemm::dist
+}  // namespace distgemm::tp

@@ -7,9 +7,9 @@
 #include <cstdint>
 
 #include "common/sync.h"
-#include "dist/tp_layout.h"
+#include "tp/tp_layout.h"
 
-namespace distgemm::dist {
+namespace distgemm::tp {
 
 // The flags `signal` writes: each gets *epoch (release, system scope).
 struct SignalTargets {
@@ -77,4 +77,4 @@ struct ScaleTargets {
 cudaError_t launch_scatter_scales(const float* src, int64_t count, int64_t rows,
                                   const ScaleTargets& targets, cudaStream_t stream);
 
-}  // namespace distgemm::dist
+}  // namespace distgemm::tp
