@@ -6,6 +6,7 @@
 #include <string_view>
 
 #include "common/checked_math.h"
+#include "common/device.h"
 #include "common/dtype.h"
 #include "common/status.h"
 #include "tp/tp_kernels.cuh"
@@ -27,7 +28,8 @@ dg_status check_tp(const dg_tp_desc* d, Peers* peers) {
                "the workspace of rank ", r, " must be a 256-byte aligned device pointer");
     peers->base[r] = static_cast<char*>(d->peer_workspaces[r]);
   }
-  return DG_SUCCESS;
+  peers->device = current_device();
+  return check_no_earlier_failure(peers->device);
 }
 
 namespace {

@@ -26,9 +26,10 @@ struct PieceSplit {
   bool tapered = false;
 };
 
-// Every rank's workspace as mapped in this process.
+// Every rank's workspace as mapped in this process, and the device this call runs on.
 struct Peers {
   char* base[kMaxWorld] = {};
+  int device = -1;
   uint32_t* word(int rank, size_t offset, int index = 0) const {
     return reinterpret_cast<uint32_t*>(base[rank] + offset) + index;
   }
@@ -44,7 +45,8 @@ struct Peers {
 dg_status check_exchange_size(int world, int64_t rows, int64_t cols, const dg_dtype& dtype,
                               const char* what);
 
-// Checks what every op needs of `d` (world, rank, workspaces, timeout) and maps the workspaces.
+// Checks what every op needs of `d` (world, rank, workspaces, timeout), maps the workspaces,
+// binds the current device and refuses the call while an earlier one's failure stands.
 dg_status check_tp(const dg_tp_desc* d, Peers* peers);
 
 // Refuses a call while the device's error word is set (an earlier call timed out or its ranks

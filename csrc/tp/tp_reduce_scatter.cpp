@@ -30,8 +30,7 @@ using namespace distgemm::tp;
 extern "C" dg_status dg_gemm_reduce_scatter(const dg_tp_desc* desc, cudaStream_t stream) {
   Peers peers;
   DG_RETURN_IF_ERROR(check_tp(desc, &peers));
-  const int device = current_device();
-  DG_RETURN_IF_ERROR(check_no_earlier_failure(device));
+  const int device = peers.device;
   const dg_tp_desc& d = *desc;
   const dg_gemm_desc& g = d.gemm;
   const int r = d.rank, world = d.world;
