@@ -156,13 +156,14 @@ def kernel_out_dtype(a_dtype, b_dtype, out_dtype, arch: int,
     return None, fast_accum
 
 
+def aligned16(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """t, or a copy of it where its data is not 16-byte aligned (a view at an odd offset)."""
+    return t if t is None or t.data_ptr() % 16 == 0 else t.clone()
+
+
 def _flat(scale: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """A scale as the kernels read it: 1-D, contiguous and 16-byte aligned (a view at an odd
-    offset is copied)."""
-    if scale is None:
-        return None
-    scale = scale.reshape(-1).contiguous()
-    return scale if scale.data_ptr() % 16 == 0 else scale.clone()
+    """A scale as the kernels read it: 1-D, contiguous and 16-byte aligned."""
+    return None if scale is None else aligned16(scale.reshape(-1).contiguous())
 
 
 

@@ -29,7 +29,8 @@ import torch
 import torch.distributed as dist
 
 from ._library import device_arch, has_kernels, ops, warn_once
-from .dense import FLOAT8, _flat, check_operands, gemm_unchecked, grad_of_c, kernel_out_dtype, kernel_ready
+from .dense import (FLOAT8, _flat, aligned16, check_operands, gemm_unchecked, grad_of_c, kernel_out_dtype,
+                    kernel_ready)
 
 # distgemm never uses NVLink multicast: symmetric memory must not create multicast objects.
 os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
@@ -161,9 +162,6 @@ def _state(group: dist.ProcessGroup) -> _GroupState:
             del _states[stale]
         state = _states[group] = _GroupState(group)
     return state
-
-
-_info = _state  # name, size and rank of a group, read once
 
 
 def _backend() -> str:
@@ -400,7 +398,7 @@ def _scaled_bias(c, beta, out_dtype):
     if c is None or beta == 0.0:
         return None, 0.0
     if c.dim() == 2 and c.shape[0] != 1:
-        return _aligned(c.to(out_dtype).contiguous()), beta
+        return aligned16(c.to(out_dtype).contiguous()), beta
     return (c.reshape(-1).float() * beta).to(out_dtype), 1.0
 
 
@@ -420,11 +418,6 @@ def _check_tp(op, a, b, c, out_dtype, scale_a, scale_b, c_rows: int):
 def _configs(arch, a_dtype, b_dtype, out_dtype, fast_accum) -> tuple:
     """Names of the K-major kernels built for these dtypes."""
     return tuple(ops.gemm_configs(a_dtype, b_dtype, out_dtype, True, arch, fast_accum))
-
-
-def _aligned(t):
-    """t, or a copy of it where its data is not 16-byte aligned (a view at an odd offset)."""
-    return t if t is None or t.data_ptr() % 16 == 0 else t.clone()
 
 
 def _fused_operands(a, b, out_dtype, fast_accum, kind=_AG, row_scales=False, rows_per_rank=0):
@@ -448,15 +441,15 @@ def _fused_operands(a, b, out_dtype, fast_accum, kind=_AG, row_scales=False, row
         return None
     if not kernel_ready(a, b, out_dtype):
         b = b.contiguous()
-    return _aligned(a), _aligned(b), fast
+    return aligned16(a), aligned16(b), fast
 
 
 def _all_gather_matmul(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, group,
                        return_gathered):
     """Forward of all_gather_matmul without autograd; returns (out, gathered or None)."""
-    if _info(group).size > 1 and torch.compiler.is_compiling():
+    if _state(group).size > 1 and torch.compiler.is_compiling():
         out, gathered = _all_gather_matmul_op(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum,
-                                              _info(group).name, return_gathered)
+                                              _state(group).name, return_gathered)
         return out, (gathered if return_gathered else None)
     return _all_gather_matmul_eager(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, group,
                                     return_gathered)
@@ -464,7 +457,7 @@ def _all_gather_matmul(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_a
 
 def _all_gather_matmul_eager(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, group,
                              return_gathered):
-    world = _info(group).size
+    world = _state(group).size
     if world == 1:
         out = gemm_unchecked(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum)
         return out, (a if return_gathered else None)
@@ -487,14 +480,14 @@ def _all_gather_matmul_eager(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, 
 
 
 def _matmul_reduce_scatter(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, group):
-    if _info(group).size > 1 and torch.compiler.is_compiling():
+    if _state(group).size > 1 and torch.compiler.is_compiling():
         return _matmul_reduce_scatter_op(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum,
-                                         _info(group).name)
+                                         _state(group).name)
     return _matmul_reduce_scatter_eager(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, group)
 
 
 def _matmul_reduce_scatter_eager(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, group):
-    world = _info(group).size
+    world = _state(group).size
     if world == 1:
         return gemm_unchecked(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum)
     if a.is_cuda:
@@ -594,7 +587,7 @@ def all_gather_matmul(a: torch.Tensor, b: torch.Tensor, *, group=None, c: Option
     """
     op = _OP_NAMES[_AG]
     group = _resolve(group)
-    out_dtype = _check_tp(op, a, b, c, out_dtype, scale_a, scale_b, a.shape[0] * _info(group).size)
+    out_dtype = _check_tp(op, a, b, c, out_dtype, scale_a, scale_b, a.shape[0] * _state(group).size)
     if _needs_grad(a, b, c):
         if a.dtype in FLOAT8:
             raise NotImplementedError(f"{op}: autograd through float8 inputs is not supported")
@@ -618,7 +611,7 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, *, group=None, c: Op
     """
     op = _OP_NAMES[_RS]
     group = _resolve(group)
-    world = _info(group).size
+    world = _state(group).size
     if isinstance(a, torch.Tensor) and a.dim() == 2 and a.shape[0] % world:
         raise ValueError(f"{op}: a's {a.shape[0]} rows must divide evenly by the group size {world}")
     out_dtype = _check_tp(op, a, b, c, out_dtype, scale_a, scale_b, a.shape[0] // world)
