@@ -443,140 +443,131 @@ def _check_all(ctx, pairs) -> list:
     return problems
 
 
-def side_stream(ctx: RankCtx):
-    start = time.monotonic()
+def side_stream(ctx: RankCtx) -> list:
     problems = []
-    try:
-        dev = ctx.dev
-        side = torch.cuda.Stream(device=dev)
-        # round 1: both ranks on a side stream, shapes never seen (set-up on the side stream)
-        ag, rs = Problem(ctx, "ag", 320, seed=11), Problem(ctx, "rs", 640, seed=12)
-        ctx.sync()
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            outs = [(ag, ag.call()), (rs, rs.call())]
-        torch.cuda.current_stream(dev).wait_stream(side)
-        problems += [f"both on side streams: {p}" for p in _check_all(ctx, outs)]
-        # round 2: rank 0 on its side stream, rank 1 on the default stream
-        ag, rs = Problem(ctx, "ag", 320, seed=13), Problem(ctx, "rs", 640, seed=14)
-        stream = side if ctx.rank == 0 else torch.cuda.current_stream(dev)
-        stream.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(stream):
-            outs = [(ag, ag.call()), (rs, rs.call())]
-        torch.cuda.current_stream(dev).wait_stream(stream)
-        problems += [f"side vs default stream: {p}" for p in _check_all(ctx, outs)]
-    except Exception as e:
-        problems.append(f"raised {type(e).__name__}: {str(e)[:300]}")
-    ctx.record("side_stream", not problems, "correct" if not problems else "; ".join(problems),
-               time.monotonic() - start)
+    dev = ctx.dev
+    side = torch.cuda.Stream(device=dev)
+    # round 1: both ranks on a side stream, shapes never seen (set-up on the side stream)
+    ag, rs = Problem(ctx, "ag", 320, seed=11), Problem(ctx, "rs", 640, seed=12)
+    ctx.sync()
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):
+        outs = [(ag, ag.call()), (rs, rs.call())]
+    torch.cuda.current_stream(dev).wait_stream(side)
+    problems += [f"both on side streams: {p}" for p in _check_all(ctx, outs)]
+    # round 2: rank 0 on its side stream, rank 1 on the default stream
+    ag, rs = Problem(ctx, "ag", 320, seed=13), Problem(ctx, "rs", 640, seed=14)
+    stream = side if ctx.rank == 0 else torch.cuda.current_stream(dev)
+    stream.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(stream):
+        outs = [(ag, ag.call()), (rs, rs.call())]
+    torch.cuda.current_stream(dev).wait_stream(stream)
+    problems += [f"side vs default stream: {p}" for p in _check_all(ctx, outs)]
+    return problems
 
 
-def two_groups(ctx: RankCtx):
-    start = time.monotonic()
+def two_groups(ctx: RankCtx) -> list:
     problems = []
-    try:
-        g1, g2 = dist.new_group(list(range(ctx.world))), dist.new_group(list(range(ctx.world)))
-        for rnd in range(3):
-            calls = [Problem(ctx, "ag", 256 + 64 * rnd, seed=20 + 4 * rnd, group=g1),
-                     Problem(ctx, "rs", 512 + 128 * rnd, seed=21 + 4 * rnd, group=g2),
-                     Problem(ctx, "ag", 192 + 32 * rnd, n=768, seed=22 + 4 * rnd, group=g2),
-                     Problem(ctx, "rs", 384 + 64 * rnd, n=768, seed=23 + 4 * rnd, group=g1)]
-            outs = [(p, p.call()) for p in calls]  # interleaved, nothing synchronized in between
-            problems += [f"round {rnd}: {p}" for p in _check_all(ctx, outs)]
-    except Exception as e:
-        problems.append(f"raised {type(e).__name__}: {str(e)[:300]}")
-    ctx.record("two_groups", not problems, "correct" if not problems else "; ".join(problems),
-               time.monotonic() - start)
+    g1, g2 = dist.new_group(list(range(ctx.world))), dist.new_group(list(range(ctx.world)))
+    for rnd in range(3):
+        calls = [Problem(ctx, "ag", 256 + 64 * rnd, seed=20 + 4 * rnd, group=g1),
+                 Problem(ctx, "rs", 512 + 128 * rnd, seed=21 + 4 * rnd, group=g2),
+                 Problem(ctx, "ag", 192 + 32 * rnd, n=768, seed=22 + 4 * rnd, group=g2),
+                 Problem(ctx, "rs", 384 + 64 * rnd, n=768, seed=23 + 4 * rnd, group=g1)]
+        outs = [(p, p.call()) for p in calls]  # interleaved, nothing synchronized in between
+        problems += [f"round {rnd}: {p}" for p in _check_all(ctx, outs)]
+    return problems
 
 
-def graph_after_growth(ctx: RankCtx):
+def graph_after_growth(ctx: RankCtx) -> list:
     """Capture AG + RS at a small shape, grow both workspaces with an eager call at a large
     shape, replay: the replay must be right, and neither the canary tensors allocated after
     the growth (where freed memory would be handed out again) nor anything else may be hit."""
-    start = time.monotonic()
     problems = []
-    try:
-        dev, w, r = ctx.dev, ctx.world, ctx.rank
-        m, k, n = 256, 256, 512
-        a = torch.empty(m, k, dtype=torch.bfloat16, device=dev)
-        a_rs = torch.empty(m * w, k, dtype=torch.bfloat16, device=dev)
-        b = _full((n, k), torch.bfloat16, dev, 30 + r, 0.1)
-        b_rs = _full((n, k), torch.bfloat16, dev, 40 + r, 0.1)
-        side = torch.cuda.Stream(device=dev)
+    dev, w, r = ctx.dev, ctx.world, ctx.rank
+    m, k, n = 256, 256, 512
+    a = torch.empty(m, k, dtype=torch.bfloat16, device=dev)
+    a_rs = torch.empty(m * w, k, dtype=torch.bfloat16, device=dev)
+    b = _full((n, k), torch.bfloat16, dev, 30 + r, 0.1)
+    b_rs = _full((n, k), torch.bfloat16, dev, 40 + r, 0.1)
+    side = torch.cuda.Stream(device=dev)
 
-        def load(step):
-            a_full = _full((m * w, k), torch.bfloat16, dev, 500 + step)
-            rs_parts = [_full((m * w, k), torch.bfloat16, dev, 600 + 10 * step + q) for q in range(w)]
-            a.copy_(a_full[r * m:(r + 1) * m])
-            a_rs.copy_(rs_parts[r])
-            b_all = [_full((n, k), torch.bfloat16, dev, 40 + q, 0.1) for q in range(w)]
-            ref_ag = a_full.double() @ b.double().T
-            ref_rs = sum(x.double() @ y.double().T for x, y in zip(rs_parts, b_all))[r * m:(r + 1) * m]
-            return ref_ag, ref_rs
+    def load(step):
+        a_full = _full((m * w, k), torch.bfloat16, dev, 500 + step)
+        rs_parts = [_full((m * w, k), torch.bfloat16, dev, 600 + 10 * step + q) for q in range(w)]
+        a.copy_(a_full[r * m:(r + 1) * m])
+        a_rs.copy_(rs_parts[r])
+        b_all = [_full((n, k), torch.bfloat16, dev, 40 + q, 0.1) for q in range(w)]
+        ref_ag = a_full.double() @ b.double().T
+        ref_rs = sum(x.double() @ y.double().T for x, y in zip(rs_parts, b_all))[r * m:(r + 1) * m]
+        return ref_ag, ref_rs
 
-        load(0)
+    load(0)
+    ctx.sync()
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):  # warm-up outside the capture
+        distgemm.all_gather_matmul(a, b)
+        distgemm.matmul_reduce_scatter(a_rs, b_rs)
+    torch.cuda.current_stream(dev).wait_stream(side)
+    torch.cuda.synchronize(dev)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_ag = distgemm.all_gather_matmul(a, b)
+        out_rs = distgemm.matmul_reduce_scatter(a_rs, b_rs)
+
+    def replay(step, what):
+        ref_ag, ref_rs = load(step)
         ctx.sync()
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):  # warm-up outside the capture
-            distgemm.all_gather_matmul(a, b)
-            distgemm.matmul_reduce_scatter(a_rs, b_rs)
-        torch.cuda.current_stream(dev).wait_stream(side)
+        graph.replay()
         torch.cuda.synchronize(dev)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out_ag = distgemm.all_gather_matmul(a, b)
-            out_rs = distgemm.matmul_reduce_scatter(a_rs, b_rs)
+        distgemm.check_errors(dev)
+        for out, ref, name in ((out_ag, ref_ag, "all_gather_matmul"), (out_rs, ref_rs, "matmul_reduce_scatter")):
+            try:
+                err = rel_error(out, ref)
+                if err > tolerance(out.dtype):
+                    problems.append(f"{what}: {name} relative error {err:.3e}")
+            except AssertionError as e:
+                problems.append(f"{what}: {name}: {e}")
 
-        def replay(step, what):
-            ref_ag, ref_rs = load(step)
-            ctx.sync()
-            graph.replay()
-            torch.cuda.synchronize(dev)
-            distgemm.check_errors(dev)
-            for out, ref, name in ((out_ag, ref_ag, "all_gather_matmul"), (out_rs, ref_rs, "matmul_reduce_scatter")):
-                try:
-                    err = rel_error(out, ref)
-                    if err > tolerance(out.dtype):
-                        problems.append(f"{what}: {name} relative error {err:.3e}")
-                except AssertionError as e:
-                    problems.append(f"{what}: {name}: {e}")
+    replay(1, "replay before the growth")
+    big_ag, big_rs = Problem(ctx, "ag", 4096, k=4096, n=1024, seed=50), Problem(ctx, "rs", 8192, k=2048, n=2048, seed=51)
+    ctx.sync()
+    problems += [f"growth call: {p}" for p in _check_all(ctx, [(big_ag, big_ag.call()), (big_rs, big_rs.call())])]
+    del big_ag, big_rs
+    torch.cuda.empty_cache()
+    # canaries where freed memory would go: the caching allocator's blocks and, where the
+    # workspaces come from, symmetric memory
+    canaries = [torch.full((16 << 20,), 0x5A5A5A5A, dtype=torch.int32, device=dev) for _ in range(8)]
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
 
-        replay(1, "replay before the growth")
-        big_ag, big_rs = Problem(ctx, "ag", 4096, k=4096, n=1024, seed=50), Problem(ctx, "rs", 8192, k=2048, n=2048, seed=51)
-        ctx.sync()
-        problems += [f"growth call: {p}" for p in _check_all(ctx, [(big_ag, big_ag.call()), (big_rs, big_rs.call())])]
-        del big_ag, big_rs
-        torch.cuda.empty_cache()
-        # canaries where freed memory would go: the caching allocator's blocks and, where the
-        # workspaces come from, symmetric memory
-        canaries = [torch.full((16 << 20,), 0x5A5A5A5A, dtype=torch.int32, device=dev) for _ in range(8)]
-        try:
-            import torch.distributed._symmetric_memory as symm_mem
-
-            for _ in range(2):
-                s = symm_mem.empty(64 << 20, dtype=torch.uint8, device=dev)
-                s.fill_(0x5A)
-                canaries.append(s)
-        except Exception:
-            pass
-        snapshots = [c.clone() for c in canaries]
-        replay(2, "replay after the growth")
-        replay(3, "second replay after the growth")
-        hit = [i for i, (c, s) in enumerate(zip(canaries, snapshots)) if not torch.equal(c, s)]
-        if hit:
-            problems.append(f"replay wrote into memory allocated after the growth (canaries {hit})")
-    except Exception as e:
-        problems.append(f"raised {type(e).__name__}: {str(e)[:300]}")
-    ctx.record("graph_replay_after_growth", not problems, "correct" if not problems else "; ".join(problems),
-               time.monotonic() - start)
+        for _ in range(2):
+            s = symm_mem.empty(64 << 20, dtype=torch.uint8, device=dev)
+            s.fill_(0x5A)
+            canaries.append(s)
+    except Exception:
+        pass
+    snapshots = [c.clone() for c in canaries]
+    replay(2, "replay after the growth")
+    replay(3, "second replay after the growth")
+    hit = [i for i, (c, s) in enumerate(zip(canaries, snapshots)) if not torch.equal(c, s)]
+    if hit:
+        problems.append(f"replay wrote into memory allocated after the growth (canaries {hit})")
+    return problems
 
 
 def correct_cases(ctx: RankCtx):
-    """Cases that must simply give right results; each recovers the group if it failed, so
-    that the next one still runs."""
-    for case in (side_stream, two_groups, graph_after_growth):
+    """Cases that must simply give right results (each returns its problems; a raise is one);
+    each recovers the group if it failed, so that the next one still runs."""
+    for name, case in (("side_stream", side_stream), ("two_groups", two_groups),
+                       ("graph_replay_after_growth", graph_after_growth)):
         ctx.sync()
-        case(ctx)
+        start = time.monotonic()
+        try:
+            problems = case(ctx)
+        except Exception as e:
+            problems = [f"raised {type(e).__name__}: {str(e)[:300]}"]
+        ctx.record(name, not problems, "correct" if not problems else "; ".join(problems), time.monotonic() - start)
         ctx.sync(timeout_s() + SLACK_S + 30)
         try:
             torch.cuda.synchronize(ctx.dev)
