@@ -3,6 +3,9 @@
 #   DG_SM90_GEMM(DG_BF16, DG_BF16, DG_BF16, 1, coop, 128, 256, 2, 1)
 # becomes <build>/generated/sm90_bf16_gemm_<...>.cu holding one explicit instantiation.
 function(distgemm_generate_instances def_file out_var)
+  # The kernel header lives beside the .def file: csrc/<folder>/sm<arch>_<op>.cuh.
+  get_filename_component(def_dir "${def_file}" DIRECTORY)
+  get_filename_component(folder "${def_dir}" NAME)
   file(STRINGS "${def_file}" lines REGEX "^DG_SM[0-9]+_[A-Z_]+\\(")
   set(generated "")
   foreach(line IN LISTS lines)
@@ -22,7 +25,7 @@ function(distgemm_generate_instances def_file out_var)
     string(REPLACE "DG_" "" slug "${slug}")
     string(TOLOWER "${slug}" slug)
     set(file "${CMAKE_BINARY_DIR}/generated/sm${arch}_${op_lower}_${slug}.cu")
-    set(content "// Generated from ${def_file}: one kernel instance per file.\n#include \"${op_lower}/sm${arch}_${op_lower}.cuh\"\nDG_INSTANTIATE_SM${arch}_${op}(${args})\n")
+    set(content "// Generated from ${def_file}: one kernel instance per file.\n#include \"${folder}/sm${arch}_${op_lower}.cuh\"\nDG_INSTANTIATE_SM${arch}_${op}(${args})\n")
     if(EXISTS "${file}")
       file(READ "${file}" old)
     else()

@@ -2,8 +2,8 @@
 # On a GPU machine: build with every core, run the whole test suite and the benchmarks, and
 # leave logs and results in the folder given (default: ./gpu_check_out).
 #   bash scripts/gpu_check.sh OUT_DIR
-# Needs torch (CUDA 13), scikit-build-core and ninja installed, and CUTLASS 4.2 headers
-# (the nvidia-cutlass wheel, or CUTLASS_DIR). Set DISTGEMM_PREBUILT_WHEEL=path.whl to install
+# Needs torch (CUDA 13), scikit-build-core and ninja installed, and CUTLASS 4.5 headers
+# (CUTLASS_DIR on an offline machine; otherwise cmake/fetch_cutlass.py fetches them). Set DISTGEMM_PREBUILT_WHEEL=path.whl to install
 # a wheel built elsewhere instead of building.
 set -uo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"

@@ -20,24 +20,32 @@ namespace {
 
 #if defined(DISTGEMM_WITH_SM90)
 #define DG_SM90_GROUPED(IN, OUT, KIND, S, TM, TN, CM, CN)                                   \
-  {90, IN, OUT, dg_grouped_kind(KIND), Schedule(S), TM, TN, CM, CN,                         \
+  {90, IN, OUT, dg_grouped_kind(KIND), DG_SCALE_NONE, Schedule(S), TM, TN, CM, CN,          \
    #S "_" #TM "x" #TN "_c" #CM "x" #CN,                                                     \
    &Sm90GroupedKernel<IN, OUT, KIND, S, TM, TN, CM, CN>::run,                               \
    &Sm90GroupedKernel<IN, OUT, KIND, S, TM, TN, CM, CN>::workspace},
+#define DG_SM90_FP8_GROUPED(MODE, OUT, KIND, S, TM, TN, CM, CN)                             \
+  {90, DG_E4M3, OUT, dg_grouped_kind(KIND), dg_scale_mode(MODE), Schedule(S), TM, TN, CM, CN, \
+   #MODE "_" #S "_" #TM "x" #TN "_c" #CM "x" #CN,                                           \
+   &Sm90Fp8GroupedKernel<MODE, OUT, KIND, TM, TN, CM, CN>::run,                             \
+   &Sm90Fp8GroupedKernel<MODE, OUT, KIND, TM, TN, CM, CN>::workspace},
 #else
 #define DG_SM90_GROUPED(...)
+#define DG_SM90_FP8_GROUPED(...)
 #endif
 
 // The compiled kernels, then a sentinel (arch 0) that keeps the array non-empty in a build
 // without any arch (the host-checks build); kInstances is the table without it.
 const GroupedInstance kInstanceTable[] = {
 #include "grouped/grouped_instances.def"
+#include "grouped/grouped_fp8_instances.def"
 #if defined(DISTGEMM_TUNING_INSTANCES)
 #include "grouped/grouped_instances_tuning.def"
 #endif
     GroupedInstance{},
 };
 #undef DG_SM90_GROUPED
+#undef DG_SM90_FP8_GROUPED
 
 struct InstanceList {
   const GroupedInstance* begin() const { return kInstanceTable; }
@@ -59,8 +67,10 @@ const char* kind_name(dg_grouped_kind kind) {
 std::vector<const GroupedInstance*> candidates(const dg_grouped_desc& d, int device_arch) {
   std::vector<const GroupedInstance*> out;
   const int kind = raw_enum(d.kind), in = raw_enum(d.in_dtype), o = raw_enum(d.out_dtype);
+  const int mode = raw_enum(d.scale_mode);
   for (const GroupedInstance& inst : kInstances)
-    if (device_arch > 0 && inst.arch == device_arch && inst.in == in && inst.out == o && inst.kind == kind)
+    if (device_arch > 0 && inst.arch == device_arch && inst.in == in && inst.out == o &&
+        inst.kind == kind && inst.scale_mode == mode)
       out.push_back(&inst);
   return out;
 }
@@ -106,6 +116,63 @@ dg_status check_extent(const void* p, const char* name, std::initializer_list<in
 
 }  // namespace
 
+namespace {
+
+// FP8: the dtypes, kind and scale mode this build's kernels take.
+dg_status check_fp8_mode(const dg_grouped_desc& d, int in, int out) {
+  const int kind = raw_enum(d.kind), mode = raw_enum(d.scale_mode);
+  DG_REQUIRE(in == DG_E4M3, "FP8 grouped GEMMs take float8_e4m3fn inputs, got ", dtype_str(in));
+  DG_REQUIRE(mode == DG_SCALE_ROW || mode == DG_SCALE_BLOCK,
+             "scale_mode must be ROW or BLOCK for FP8 inputs, got ", mode);
+  DG_REQUIRE(kind != DG_GROUPED_DGRAD,
+             "FP8 operands are read K-major only: run a dgrad as FORWARD on w transposed to "
+             "(G, K, N) contiguous, with its block scales transposed");
+  if (kind == DG_GROUPED_WGRAD) {
+    DG_REQUIRE(mode == DG_SCALE_BLOCK, "FP8 wgrad takes BLOCK scales (per 128 tokens), got ROW");
+    DG_REQUIRE(out == DG_F32, "FP8 wgrad writes float32, got out dtype ", dtype_str(out));
+  } else {
+    DG_REQUIRE(out == DG_BF16, "FP8 grouped forward writes bfloat16, got out dtype ",
+               dtype_str(out));
+  }
+  return DG_SUCCESS;
+}
+
+// FP8: the scale tensors' shapes and extents, as dg_grouped_desc lays them out.
+dg_status check_fp8_scales(const dg_grouped_desc& d, int64_t groups, int64_t tokens, int64_t n,
+                           int64_t k, int64_t token_pitch) {
+  const int64_t kb = (k + 127) / 128, nb = (n + 127) / 128, blocks = token_pitch / 128;
+  const dg_grouped_shape &sa = d.scale_a_shape, &sb = d.scale_b_shape;
+  if (d.kind == DG_GROUPED_WGRAD) {
+    DG_RETURN_IF_ERROR(check_shape(sa, "scale_a", "dy's scales", {blocks, n},
+                                   cat("(Tp / 128, N) = (", blocks, ", ", n, ")")));
+    DG_RETURN_IF_ERROR(check_shape(sb, "scale_b", "x's scales", {blocks, k},
+                                   cat("(Tp / 128, K) = (", blocks, ", ", k, ")")));
+    DG_RETURN_IF_ERROR(check_extent(d.scale_a, "scale_a", {blocks, n}, 4, 4));
+    return check_extent(d.scale_b, "scale_b", {blocks, k}, 4, 4);
+  }
+  if (d.scale_mode == DG_SCALE_ROW) {
+    DG_RETURN_IF_ERROR(check_shape(sa, "scale_a", "x's row scales", {tokens}, cat("(T,) = (", tokens, ",)")));
+    DG_RETURN_IF_ERROR(check_shape(sb, "scale_b", "w's row scales", {groups, n},
+                                   cat("(G, N) = (", groups, ", ", n, ")")));
+    DG_RETURN_IF_ERROR(check_extent(d.scale_a, "scale_a", {tokens}, 4, 4));
+    return check_extent(d.scale_b, "scale_b", {groups, n}, 4, 4);
+  }
+  DG_RETURN_IF_ERROR(check_shape(sa, "scale_a", "x's 1 x 128 scales", {tokens, kb},
+                                 cat("(T, ceil(K / 128)) = (", tokens, ", ", kb, ")")));
+  DG_RETURN_IF_ERROR(check_shape(sb, "scale_b", "w's 128 x 128 scales", {groups, kb, nb},
+                                 cat("(G, ceil(K / 128), ceil(N / 128)) = (", groups, ", ", kb,
+                                     ", ", nb, ")")));
+  DG_REQUIRE(d.scale_a_ld >= std::max<int64_t>(tokens, 1), "scale_a_ld (the stride between x's K "
+             "blocks of scales) must be at least T = ", tokens, ", got ", d.scale_a_ld);
+  int64_t span = 0;
+  DG_REQUIRE(checked_mul(kb - 1, d.scale_a_ld, &span) && checked_add(span, tokens, &span),
+             "scale_a spans more than 2^63 elements");
+  DG_RETURN_IF_ERROR(check_extent(d.scale_a, "scale_a", {span}, 4, 4));
+  return check_extent(d.scale_b, "scale_b", {groups, kb, nb}, 4, 4);
+}
+
+}  // namespace
+
 dg_status lower(const dg_grouped_desc* desc, GroupedProblem* p) {
   DG_REQUIRE(desc != nullptr, "desc must not be NULL");
   const dg_grouped_desc& d = *desc;
@@ -113,10 +180,17 @@ dg_status lower(const dg_grouped_desc* desc, GroupedProblem* p) {
   DG_REQUIRE(kind == DG_GROUPED_FORWARD || kind == DG_GROUPED_DGRAD || kind == DG_GROUPED_WGRAD,
              "kind must be forward, dgrad or wgrad, got ", kind);
   const int in = raw_enum(d.in_dtype), out = raw_enum(d.out_dtype);
-  DG_REQUIRE(in == DG_BF16 || in == DG_F16, "inputs must be bfloat16 or float16, got ",
-             dtype_str(in));
-  DG_REQUIRE(out == in || out == DG_F32, "out dtype must be ", dtype_str(in),
-             " or float32, got ", dtype_str(out));
+  const bool fp8 = in == DG_E4M3 || in == DG_E5M2;
+  if (fp8) {
+    DG_RETURN_IF_ERROR(check_fp8_mode(d, in, out));
+  } else {
+    DG_REQUIRE(in == DG_BF16 || in == DG_F16,
+               "inputs must be bfloat16, float16 or float8_e4m3fn, got ", dtype_str(in));
+    DG_REQUIRE(out == in || out == DG_F32, "out dtype must be ", dtype_str(in),
+               " or float32, got ", dtype_str(out));
+    DG_REQUIRE(raw_enum(d.scale_mode) == DG_SCALE_NONE,
+               "scale_mode must be NONE for bfloat16/float16 inputs");
+  }
   const int in_bytes = dtype_bytes(d.in_dtype), out_bytes = dtype_bytes(d.out_dtype);
   const int64_t groups = d.num_groups;
   DG_REQUIRE(groups >= 1 && groups < kInt32Limit,
@@ -125,29 +199,47 @@ dg_status lower(const dg_grouped_desc* desc, GroupedProblem* p) {
 
   // The problem, read off the shapes; then every shape against it.
   const bool wgrad = kind == DG_GROUPED_WGRAD;
+  const bool padded = fp8 && wgrad;  // dy^T (N, Tp) and x^T (K, Tp), padded per group
   const char* a_name = wgrad ? "dy" : "x";
   const char* b_name = wgrad ? "x" : "w";
   const dg_grouped_shape& as = d.a_shape;
   const dg_grouped_shape& bs = d.b_shape;
-  DG_REQUIRE(as.ndim == 2, a_name, " (a) must be 2-D ", wgrad ? "(T, N)" : "(T, K)", ", got ",
-             shape_str(as));
+  DG_REQUIRE(as.ndim == 2, a_name, " (a) must be 2-D ",
+             padded ? "(N, Tp)" : wgrad ? "(T, N)" : "(T, K)", ", got ", shape_str(as));
   DG_REQUIRE(bs.ndim == (wgrad ? 2 : 3), b_name, " (b) must be ",
-             wgrad ? "2-D (T, K)" : kind == DG_GROUPED_FORWARD ? "3-D (G, N, K)" : "3-D (G, K, N)",
+             padded ? "2-D (K, Tp)" : wgrad ? "2-D (T, K)"
+             : kind == DG_GROUPED_FORWARD ? "3-D (G, N, K)" : "3-D (G, K, N)",
              ", got ", shape_str(bs));
-  const int64_t tokens = as.size[0];
-  const int64_t n = wgrad ? as.size[1] : kind == DG_GROUPED_FORWARD ? bs.size[1] : bs.size[2];
-  const int64_t k = wgrad ? bs.size[1] : as.size[1];
+  int64_t tokens = as.size[0], token_pitch = 0;
+  int64_t n = wgrad ? as.size[1] : kind == DG_GROUPED_FORWARD ? bs.size[1] : bs.size[2];
+  int64_t k = wgrad ? bs.size[1] : as.size[1];
+  if (padded) {
+    n = as.size[0];
+    k = bs.size[0];
+    token_pitch = as.size[1];
+    DG_REQUIRE(token_pitch % 128 == 0 && token_pitch / 128 >= groups && token_pitch < kInt32Limit,
+               "dy (a) must be (N, Tp) with Tp = 128 * (ceil(T / 128) + G), a multiple of 128 of "
+               "at least 128 G = ", 128 * groups, " (the padded layout of quantize_fp8 with offs), "
+               "got ", shape_str(as));
+    tokens = token_pitch - 128 * groups;
+  }
   DG_REQUIRE(tokens >= 0 && tokens < kInt32Limit, a_name,
              " must have between 0 and 2^31 - 1 rows (T; offs are int32), got ", shape_str(as));
   DG_REQUIRE(n >= 1 && n < kInt32Limit && k >= 1 && k < kInt32Limit,
              "N and K must be in [1, 2^31), got N=", n, " K=", k, " from ", a_name, " ",
              shape_str(as), " and ", b_name, " ", shape_str(bs));
-  if (wgrad) {
+  if (padded) {
+    DG_RETURN_IF_ERROR(check_shape(bs, "x", "b", {k, token_pitch},
+                                   cat("(K, Tp) with dy's Tp = ", token_pitch, " columns")));
+  } else if (wgrad) {
     DG_RETURN_IF_ERROR(check_shape(bs, "x", "b", {tokens, k},
                                    cat("(T, K) with dy's T = ", tokens, " rows")));
+  }
+  if (wgrad) {
     DG_RETURN_IF_ERROR(check_shape(d.out_shape, "out", "out", {groups, n, k},
                                    cat("(G, N, K) = (", groups, ", ", n, ", ", k,
-                                       ") (offs' groups, dy's and x's columns)")));
+                                       ") (offs' groups, dy's and x's ",
+                                       padded ? "rows)" : "columns)")));
   } else {
     const bool fwd = kind == DG_GROUPED_FORWARD;
     DG_RETURN_IF_ERROR(check_shape(bs, "w", "b", {groups, fwd ? n : k, fwd ? k : n},
@@ -159,12 +251,21 @@ dg_status lower(const dg_grouped_desc* desc, GroupedProblem* p) {
   }
 
   const int in_elems = 16 / in_bytes, out_elems = 16 / out_bytes;
-  DG_REQUIRE(n % in_elems == 0 && k % in_elems == 0, "N=", n, " and K=", k,
-             " must be multiples of ", in_elems, " (16 bytes of ", dtype_str(in), ")");
-  const int64_t out_row = wgrad ? k : n;
-  DG_REQUIRE(out_row % out_elems == 0, "out rows of ", out_row, " ", dtype_str(out),
-             " elements must be a multiple of 16 bytes");
-  if (wgrad) {
+  if (padded) {
+    DG_REQUIRE(k % out_elems == 0, "K=", k, " must be a multiple of ", out_elems,
+               " (16-byte rows of the float32 out)");
+  } else {
+    DG_REQUIRE(n % in_elems == 0 && k % in_elems == 0, "N=", n, " and K=", k,
+               " must be multiples of ", in_elems, " (16 bytes of ", dtype_str(in), ")");
+    const int64_t out_row = wgrad ? k : n;
+    DG_REQUIRE(out_row % out_elems == 0, "out rows of ", out_row, " ", dtype_str(out),
+               " elements must be a multiple of 16 bytes");
+  }
+  if (padded) {
+    DG_RETURN_IF_ERROR(check_extent(d.a, "dy", {n, token_pitch}, in_bytes));
+    DG_RETURN_IF_ERROR(check_extent(d.b, "x", {k, token_pitch}, in_bytes));
+    DG_RETURN_IF_ERROR(check_extent(d.out, "out", {groups, n, k}, out_bytes));
+  } else if (wgrad) {
     DG_RETURN_IF_ERROR(check_extent(d.a, "dy", {tokens, n}, in_bytes));
     DG_RETURN_IF_ERROR(check_extent(d.b, "x", {tokens, k}, in_bytes));
     DG_RETURN_IF_ERROR(check_extent(d.out, "out", {groups, n, k}, out_bytes));
@@ -173,6 +274,7 @@ dg_status lower(const dg_grouped_desc* desc, GroupedProblem* p) {
     DG_RETURN_IF_ERROR(check_extent(d.b, "w", {groups, n, k}, in_bytes));
     DG_RETURN_IF_ERROR(check_extent(d.out, "out", {tokens, n}, out_bytes));
   }
+  if (fp8) DG_RETURN_IF_ERROR(check_fp8_scales(d, groups, tokens, n, k, token_pitch));
   p->kind = d.kind;
   p->groups = static_cast<int>(groups);
   p->offs = d.offs;
@@ -183,6 +285,11 @@ dg_status lower(const dg_grouped_desc* desc, GroupedProblem* p) {
   p->b = d.b;
   p->d = d.out;
   p->accumulate = d.accumulate != 0;
+  p->scale_mode = fp8 ? d.scale_mode : DG_SCALE_NONE;
+  p->scale_a = fp8 ? d.scale_a : nullptr;
+  p->scale_b = fp8 ? d.scale_b : nullptr;
+  p->scale_a_ld = fp8 ? d.scale_a_ld : 0;
+  p->token_pitch = token_pitch;
   return DG_SUCCESS;
 }
 
@@ -204,14 +311,14 @@ dg_status plan(const dg_grouped_desc* desc, int device_arch, int sm_count, Group
     DG_REQUIRE(desc->config < static_cast<int>(list.size()), "config ", desc->config,
                " out of range: ", list.size(), " configs");
     *chosen = list[desc->config];
-  } else if (p->kind == DG_GROUPED_WGRAD) {
-    // Every group is an N x K tile grid; its depth is the group's tokens.
-    *chosen = select_cheapest(list, p->n, p->k, std::max<int64_t>(1, p->tokens / p->groups),
-                              p->groups, sm_count);
   } else {
-    // Balanced routing as the model: the mean group size, G problems.
-    *chosen = select_cheapest(list, std::max<int64_t>(1, p->tokens / p->groups), p->n, p->k,
-                              p->groups, sm_count);
+    // The cost model counts K in 16-bit elements: FP8 tensor cores do twice the work per cycle.
+    const double per_16bit = p->scale_mode == DG_SCALE_NONE ? 1.0 : 0.5;
+    const int64_t mean_rows = std::max<int64_t>(1, p->tokens / p->groups);
+    if (p->kind == DG_GROUPED_WGRAD)  // every group is an N x K tile grid, its tokens deep
+      *chosen = select_cheapest(list, p->n, p->k, per_16bit * mean_rows, p->groups, sm_count);
+    else  // balanced routing as the model: the mean group size, G problems
+      *chosen = select_cheapest(list, mean_rows, p->n, per_16bit * p->k, p->groups, sm_count);
   }
   p->sm_count = sm_count;
   return DG_SUCCESS;

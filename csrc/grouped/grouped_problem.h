@@ -20,6 +20,12 @@ struct GroupedProblem {
   const void* b = nullptr;
   void* d = nullptr;
   bool accumulate = false;
+  // FP8 (scale_mode != DG_SCALE_NONE): the scales as dg_grouped_desc documents them.
+  dg_scale_mode scale_mode = DG_SCALE_NONE;
+  const float* scale_a = nullptr;
+  const float* scale_b = nullptr;
+  int64_t scale_a_ld = 0;
+  int64_t token_pitch = 0;  // FP8 wgrad: columns of the padded, transposed dy and x
   int device = 0;
   int sm_count = 0;
   void* workspace = nullptr;
@@ -33,6 +39,7 @@ struct GroupedInstance {
   int arch;
   dg_dtype in, out;
   dg_grouped_kind kind;
+  dg_scale_mode scale_mode;
   Schedule schedule;
   int tile_m, tile_n, cluster_m, cluster_n;
   const char* name;
@@ -48,7 +55,16 @@ struct Sm90GroupedKernel {
   static size_t workspace(const GroupedProblem& problem);
 };
 
-// Spellings used in grouped_instances.def.
+// Defined in sm90_fp8_grouped.cuh, instantiated from grouped_fp8_instances.def.
+template <int Mode, dg_dtype Out, int Kind, int TileM, int TileN, int ClusterM, int ClusterN>
+struct Sm90Fp8GroupedKernel {
+  static dg_status run(const GroupedProblem& problem, cudaStream_t stream);
+  static size_t workspace(const GroupedProblem& problem);
+};
+
+// Spellings used in grouped_instances.def and grouped_fp8_instances.def.
+constexpr int row = DG_SCALE_ROW;
+constexpr int block = DG_SCALE_BLOCK;
 constexpr int fwd = DG_GROUPED_FORWARD;
 constexpr int dgrad = DG_GROUPED_DGRAD;
 constexpr int wgrad = DG_GROUPED_WGRAD;

@@ -3,6 +3,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <utility>
 
 #include "torch/marshal.h"
@@ -20,12 +21,46 @@ dg_grouped_shape shape_of(const at::Tensor& t) {
   return s;
 }
 
+// FP8 scales as the desc carries them: float32 on a's device, the shape, and (for x's 1 x 128
+// scales, (T, Kb) with T the unit stride) the stride between K blocks.
+struct Scales {
+  dg_scale_mode mode = DG_SCALE_NONE;
+  const at::Tensor* a = nullptr;
+  const at::Tensor* b = nullptr;
+};
+
+void marshal_scales(const char* op, const Scales& s, const at::Tensor& a, dg_grouped_desc* desc) {
+  if (s.mode == DG_SCALE_NONE) return;
+  const std::pair<const at::Tensor*, const char*> scales[] = {{s.a, "scale_a"}, {s.b, "scale_b"}};
+  for (const auto& [t, name] : scales) {
+    TORCH_CHECK_VALUE(t->scalar_type() == at::kFloat, op, ": ", name, " must be float32, got ",
+                      t->scalar_type());
+    TORCH_CHECK_VALUE(t->device() == a.device(), op, ": ", name, " is on ", t->device(),
+                      " but the inputs are on ", a.device());
+  }
+  desc->scale_mode = s.mode;
+  desc->scale_a = s.a->data_ptr<float>();
+  desc->scale_b = s.b->data_ptr<float>();
+  desc->scale_a_shape = shape_of(*s.a);
+  desc->scale_b_shape = shape_of(*s.b);
+  TORCH_CHECK_VALUE(s.b->is_contiguous(), op, ": scale_b must be contiguous");
+  const bool strided_a = s.mode == DG_SCALE_BLOCK && desc->kind == DG_GROUPED_FORWARD;
+  if (!strided_a) {
+    TORCH_CHECK_VALUE(s.a->is_contiguous(), op, ": scale_a must be contiguous");
+    return;
+  }
+  TORCH_CHECK_VALUE(s.a->dim() == 2 && (s.a->stride(0) == 1 || s.a->size(0) <= 1), op,
+                    ": x's 1 x 128 scales must be (T, ceil(K / 128)) with unit stride along T "
+                    "(PyTorch's BlockWise1x128 layout), got strides ", s.a->strides());
+  desc->scale_a_ld = s.a->size(1) > 1 ? s.a->stride(1) : std::max<int64_t>(s.a->size(0), 1);
+}
+
 // Marshals the tensors into a dg_grouped_desc and runs it; the core checks every shape.
 // Checked here only what the desc cannot carry: devices, contiguity, offs as a flat int32
 // array, and b having a's dtype (the desc holds one input dtype).
 void run_grouped(dg_grouped_kind kind, const at::Tensor& a, const at::Tensor& b,
                  const at::Tensor& offs, const at::Tensor& out, bool accumulate, int64_t backend,
-                 int64_t config) {
+                 int64_t config, const Scales& scales = {}) {
   const bool wgrad = kind == DG_GROUPED_WGRAD;
   const char* op = wgrad ? "distgemm.grouped_mm_wgrad" : "distgemm.grouped_mm";
   const char* a_name = wgrad ? "dy" : "x";
@@ -57,6 +92,7 @@ void run_grouped(dg_grouped_kind kind, const at::Tensor& a, const at::Tensor& b,
   desc.out_dtype = to_dg_dtype(out.scalar_type(), "out");
   desc.accumulate = accumulate;
   desc.config = static_cast<int>(config);
+  marshal_scales(op, scales, a, &desc);
   if (backend == kCublas) {
     const at::Tensor host_offs = offs.to(at::kCPU);  // the baseline's host sync
     check(dg_grouped_gemm_cublas(&desc, host_offs.data_ptr<int32_t>(), current_stream()), op);
@@ -102,10 +138,39 @@ at::Tensor grouped_mm_wgrad(const at::Tensor& dy, const at::Tensor& x, const at:
   return out;
 }
 
+// FP8 (e4m3): x (T, K), w (G, N, K) K-major, scale_mode 1 (row) or 2 (block); out (T, N).
+void grouped_mm_fp8_out(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offs,
+                        const at::Tensor& scale_x, const at::Tensor& scale_w, int64_t scale_mode,
+                        const at::Tensor& out, bool accumulate, int64_t config) {
+  run_grouped(DG_GROUPED_FORWARD, x, w, offs, out, accumulate, kCutlass, config,
+              {static_cast<dg_scale_mode>(scale_mode), &scale_x, &scale_w});
+}
+
+at::Tensor grouped_mm_fp8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offs,
+                          const at::Tensor& scale_x, const at::Tensor& scale_w,
+                          int64_t scale_mode, at::ScalarType out_dtype, int64_t config) {
+  TORCH_CHECK_VALUE(x.dim() == 2 && w.dim() == 3, "distgemm.grouped_mm: x must be 2-D and w 3-D, got ",
+                    x.sizes(), " and ", w.sizes());
+  at::Tensor out = at::empty({x.size(0), w.size(1)}, x.options().dtype(out_dtype));
+  grouped_mm_fp8_out(x, w, offs, scale_x, scale_w, scale_mode, out, false, config);
+  return out;
+}
+
+// FP8 wgrad: dy_t (N, Tp), x_t (K, Tp) in quantize_fp8's padded per-group layout, their
+// scales (Tp / 128, N) and (Tp / 128, K) contiguous; out (G, N, K) float32.
+void grouped_mm_wgrad_fp8_out(const at::Tensor& dy_t, const at::Tensor& x_t,
+                              const at::Tensor& offs, const at::Tensor& scale_dy,
+                              const at::Tensor& scale_x, const at::Tensor& out, bool accumulate,
+                              int64_t config) {
+  run_grouped(DG_GROUPED_WGRAD, dy_t, x_t, offs, out, accumulate, kCutlass, config,
+              {DG_SCALE_BLOCK, &scale_dy, &scale_x});
+}
+
 std::vector<std::string> grouped_configs(int64_t kind, at::ScalarType in, at::ScalarType out,
-                                         int64_t arch) {
+                                         int64_t arch, int64_t scale_mode) {
   dg_grouped_desc d{};
   d.kind = static_cast<dg_grouped_kind>(kind);
+  d.scale_mode = static_cast<dg_scale_mode>(scale_mode);
   d.in_dtype = to_dg_dtype(in, "in");
   d.out_dtype = to_dg_dtype(out, "out");
   std::vector<std::string> names;
@@ -127,7 +192,14 @@ TORCH_LIBRARY_FRAGMENT(distgemm, m) {
         "int backend=0, int config=-1) -> Tensor");
   m.def("grouped_mm_wgrad_out(Tensor dy, Tensor x, Tensor offs, Tensor(a!) out, bool accumulate, "
         "int backend=0, int config=-1) -> ()");
-  m.def("grouped_configs(int kind, ScalarType in_dtype, ScalarType out_dtype, int arch) -> str[]",
+  m.def("grouped_mm_fp8(Tensor x, Tensor w, Tensor offs, Tensor scale_x, Tensor scale_w, "
+        "int scale_mode, ScalarType out_dtype, int config=-1) -> Tensor");
+  m.def("grouped_mm_fp8_out(Tensor x, Tensor w, Tensor offs, Tensor scale_x, Tensor scale_w, "
+        "int scale_mode, Tensor(a!) out, bool accumulate, int config=-1) -> ()");
+  m.def("grouped_mm_wgrad_fp8_out(Tensor dy_t, Tensor x_t, Tensor offs, Tensor scale_dy, "
+        "Tensor scale_x, Tensor(a!) out, bool accumulate, int config=-1) -> ()");
+  m.def("grouped_configs(int kind, ScalarType in_dtype, ScalarType out_dtype, int arch, "
+        "int scale_mode=0) -> str[]",
         &distgemm::torch_binding::grouped_configs);
 }
 
@@ -136,4 +208,7 @@ TORCH_LIBRARY_IMPL(distgemm, CUDA, m) {
   m.impl("grouped_mm_out", &distgemm::torch_binding::grouped_mm_out);
   m.impl("grouped_mm_wgrad", &distgemm::torch_binding::grouped_mm_wgrad);
   m.impl("grouped_mm_wgrad_out", &distgemm::torch_binding::grouped_mm_wgrad_out);
+  m.impl("grouped_mm_fp8", &distgemm::torch_binding::grouped_mm_fp8);
+  m.impl("grouped_mm_fp8_out", &distgemm::torch_binding::grouped_mm_fp8_out);
+  m.impl("grouped_mm_wgrad_fp8_out", &distgemm::torch_binding::grouped_mm_wgrad_fp8_out);
 }

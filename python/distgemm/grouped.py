@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 
 from ._library import device_arch, env_flag, has_kernels, ops, warn_once
+from .grouped_fp8 import FLOAT8, grouped_mm_fp8, grouped_mm_wgrad_fp8
 
 _BACKENDS = ("auto", "cutlass", "cublas", "torch")
 _CUTLASS, _CUBLAS = 0, 1
@@ -143,7 +144,9 @@ def reference_grouped_mm_wgrad(dy, x, offs, out, accumulate):
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *,
                out: Optional[torch.Tensor] = None, accumulate: bool = False,
-               out_dtype: Optional[torch.dtype] = None, trans_w: bool = True) -> torch.Tensor:
+               out_dtype: Optional[torch.dtype] = None, trans_w: bool = True,
+               scale_x: Optional[torch.Tensor] = None, scale_w: Optional[torch.Tensor] = None,
+               use_fast_accum: bool = False) -> torch.Tensor:
     """Per expert g: ``out[rows_g] = x[rows_g] @ w[g].T`` (``trans_w=True``, w (G, N, K), the
     per-expert ``nn.Linear`` weights) or ``x[rows_g] @ w[g]`` (``trans_w=False``, w (G, K, N)).
 
@@ -152,8 +155,21 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *,
     ``offs[-1]`` are not written (a new output leaves them uninitialized). With ``out`` the
     result is written there, or added to it with ``accumulate=True``. Differentiable in x
     and w when ``out`` is not given.
+
+    FP8: x and w float8_e4m3fn with ``scale_x`` and ``scale_w`` (row-wise or 128-block; see
+    ``distgemm.grouped_fp8``), bfloat16 out, partial sums promoted to FP32 every 128 of K
+    (``use_fast_accum`` is accepted and changes nothing). Not differentiable.
     """
     op = "distgemm.grouped_mm"
+    if isinstance(x, torch.Tensor) and x.dtype in FLOAT8:
+        if scale_x is None or scale_w is None:
+            raise ValueError(f"{op}: float8 x needs scale_x and scale_w")
+        return grouped_mm_fp8(x, w, offs, scale_x=scale_x, scale_w=scale_w, out=out,
+                              accumulate=accumulate, out_dtype=out_dtype, trans_w=trans_w,
+                              use_fast_accum=use_fast_accum)
+    if scale_x is not None or scale_w is not None:
+        raise ValueError(f"{op}: scale_x and scale_w apply to float8 inputs only (x is "
+                         f"{getattr(x, 'dtype', None)})")
     _check_inputs(op, [("x", x, 2), ("w", w, 3)])
     groups, k = w.shape[0], x.shape[1]
     n = w.shape[1] if trans_w else w.shape[2]
@@ -190,12 +206,26 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *,
 
 def grouped_mm_wgrad(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, *,
                      out: Optional[torch.Tensor] = None, accumulate: bool = False,
-                     out_dtype: Optional[torch.dtype] = torch.float32) -> torch.Tensor:
+                     out_dtype: Optional[torch.dtype] = torch.float32,
+                     scale_dy: Optional[torch.Tensor] = None,
+                     scale_x: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Weight gradients of every expert in one launch: ``out[g] = dy[rows_g].T @ x[rows_g]``,
     a variable-K grouped GEMM. dy (T, N), x (T, K); returns (G, N, K), FP32 by default.
     Experts without tokens get zeros, or are left untouched with ``accumulate=True`` (which
-    adds into ``out``, e.g. an FP32 ``main_grad``)."""
+    adds into ``out``, e.g. an FP32 ``main_grad``).
+
+    FP8: dy and x float8_e4m3fn, quantized per 128 tokens of each expert, transposed and
+    padded by ``quantize_fp8(t, (1, 128), transpose=True, offs=offs)``: dy (N, Tp), x (K, Tp)
+    with ``scale_dy`` (N, Tp/128) and ``scale_x`` (K, Tp/128); float32 out."""
     op = "distgemm.grouped_mm_wgrad"
+    if isinstance(dy, torch.Tensor) and dy.dtype in FLOAT8:
+        if scale_dy is None or scale_x is None:
+            raise ValueError(f"{op}: float8 dy needs scale_dy and scale_x")
+        return grouped_mm_wgrad_fp8(dy, x, offs, scale_dy=scale_dy, scale_x=scale_x, out=out,
+                                    accumulate=accumulate, out_dtype=out_dtype)
+    if scale_dy is not None or scale_x is not None:
+        raise ValueError(f"{op}: scale_dy and scale_x apply to float8 inputs only (dy is "
+                         f"{getattr(dy, 'dtype', None)})")
     _check_inputs(op, [("dy", dy, 2), ("x", x, 2)])
     if dy.shape[0] != x.shape[0]:
         raise ValueError(f"{op}: dy and x must have the same number of rows, got {_shape(dy)} and {_shape(x)}")

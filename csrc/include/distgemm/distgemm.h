@@ -111,10 +111,31 @@ typedef struct dg_grouped_desc {
   dg_grouped_shape b_shape;    /* FORWARD: w (G, N, K); DGRAD: w (G, K, N); WGRAD: x (T, K) */
   void* out;                   /* 16-byte aligned; NULL only if out has no elements */
   dg_grouped_shape out_shape;  /* FORWARD/DGRAD: (T, N); WGRAD: (G, N, K) */
-  dg_dtype in_dtype;           /* a and b: bfloat16 or float16 */
-  dg_dtype out_dtype;          /* in_dtype or float32 */
+  dg_dtype in_dtype;           /* a and b: bfloat16 or float16, or float8_e4m3fn (see below) */
+  dg_dtype out_dtype;          /* in_dtype or float32; FP8: see below */
   int accumulate;
   int config;                  /* -1: heuristic */
+  /* FP8 (in_dtype DG_E4M3; NONE for bfloat16/float16): float32 scales on the device, 4-byte
+   * aligned. out = (a * scale_a) @ (b * scale_b), partial sums scaled and promoted to FP32
+   * once per 128 of K. Kb = ceil(K / 128), Nb = ceil(N / 128).
+   *   FORWARD, ROW:   scale_a (T,) per row of x; scale_b (G, N) per row of w[g].
+   *   FORWARD, BLOCK: scale_a per 1 x 128 of x, (t, kb) at scale_a[kb * scale_a_ld + t]
+   *                   (scale_a_ld >= T: PyTorch's BlockWise1x128 and DeepGEMM's layout);
+   *                   scale_b per 128 x 128 of w, (G, Kb, Nb) contiguous.
+   *   WGRAD, BLOCK:   a = dy^T (N, Tp) and b = x^T (K, Tp), FP8, in the padded per-group
+   *                   layout of dg_quantize_fp8 (transpose with offs): Tp = 128 * (ceil(T / 128)
+   *                   + G), group g's tokens from column 128 * (g + start_g / 128), zeros
+   *                   elsewhere; scale_a (Tp / 128, N) and scale_b (Tp / 128, K) contiguous,
+   *                   one per 128 columns. out (G, N, K) float32; T is taken as Tp - 128 G.
+   * FP8 reads a and b K-major only: a dgrad (dx = dy @ w[g]) is a FORWARD on w transposed
+   * to (G, K, N) contiguous, with scale_b the transposed block scales. Outputs: FORWARD
+   * bfloat16, WGRAD float32. */
+  dg_scale_mode scale_mode;
+  const float* scale_a;
+  dg_grouped_shape scale_a_shape; /* as listed above: (T,), (T, Kb) or (Tp / 128, N) */
+  int64_t scale_a_ld;
+  const float* scale_b;
+  dg_grouped_shape scale_b_shape; /* (G, N), (G, Kb, Nb) or (Tp / 128, K) */
 } dg_grouped_desc;
 
 /* The checks, then the workspace the CUTLASS kernel for desc needs on the current device. */

@@ -36,6 +36,13 @@ typedef enum dg_grouped_kind {
   DG_GROUPED_WGRAD = 2,
 } dg_grouped_kind;
 
+/* How FP8 operands are scaled (dg_grouped_desc.scale_mode). */
+typedef enum dg_scale_mode {
+  DG_SCALE_NONE = 0,  /* bfloat16 / float16 inputs */
+  DG_SCALE_ROW = 1,   /* one scale per row of x and per output column of w */
+  DG_SCALE_BLOCK = 2, /* DeepSeek-V3: x per 1 x 128 (along K), w per 128 x 128 */
+} dg_scale_mode;
+
 #ifdef __cplusplus
 }
 #endif

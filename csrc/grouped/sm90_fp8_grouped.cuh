@@ -1,0 +1,293 @@
+// SM90 FP8 grouped GEMM for MoE: CUTLASS's ptr-array blockwise-scaled kernel. Partial sums
+// are scaled by scale_a * scale_b and promoted to FP32 once per 128-deep K block into a
+// split accumulator (CUTLASS >= 4.3), so 256 x 128 tiles fit in registers.
+//
+// The mainloop reads each group's scales packed as (K blocks, rows) (MN-major, strides from
+// the group's own shape), so a small kernel, run before the GEMM, writes per group: the
+// problem shape, pointers and strides, and (forward) the scales repacked from the caller's
+// layout into the workspace. Nothing is read on the host.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/cutlass.h>
+#include <cutlass/detail/blockwise_scale_layout.hpp>
+#include <cutlass/epilogue/collective/collective_builder.hpp>
+#include <cutlass/gemm/collective/collective_builder.hpp>
+#include <cutlass/gemm/device/gemm_universal_adapter.h>
+#include <cutlass/gemm/dispatch_policy.hpp>
+#include <cutlass/gemm/group_array_problem_shape.hpp>
+#include <cutlass/gemm/kernel/gemm_universal.hpp>
+
+#include "common/cutlass_types.cuh"
+#include "common/status.h"
+#include "grouped/grouped_problem.h"
+
+namespace distgemm::grouped::sm90 {
+
+using namespace cute;
+
+// Mode: DG_SCALE_ROW or DG_SCALE_BLOCK; Kind: forward (x (T, K) @ w[g]^T, w (G, N, K)) or
+// wgrad (dy^T @ x over each group's tokens, both given transposed and padded per group).
+template <int Mode, dg_dtype Out, int Kind, int TileM, int TileN, int ClusterM, int ClusterN>
+struct Sm90Fp8Grouped {
+  static constexpr int kKind = Kind;
+  static constexpr int kMode = Mode;
+  static constexpr int kBlockK = 128;  // scale granularity along K = one promotion
+  // Block forward: w's scales cover 128 x 128; row-wise forward and wgrad: one per column.
+  static constexpr int kScaleN = Mode == DG_SCALE_BLOCK && Kind == DG_GROUPED_FORWARD ? 128 : 1;
+  using Element = cutlass::float_e4m3_t;
+  using ElementD = cutlass_type_t<Out>;
+  using LayoutA = cutlass::layout::RowMajor;     // (M, K), K-major
+  using LayoutB = cutlass::layout::ColumnMajor;  // (N, K), K-major: FP8 WGMMA reads K-major only
+  using LayoutD = cutlass::layout::RowMajor;
+  static constexpr int kAlign = 16;
+  static constexpr int kAlignD = 16 / sizeof(ElementD);
+  using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, kScaleN, kBlockK>;
+  using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
+  using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
+  using TileShape = Shape<Int<TileM>, Int<TileN>, Int<kBlockK>>;
+  using ClusterShape = Shape<Int<ClusterM>, Int<ClusterN>, _1>;
+  using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;
+
+  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementD, LayoutD*, kAlignD,
+      ElementD, LayoutD*, kAlignD, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
+      cutlass::epilogue::fusion::LinearCombination<ElementD, float>>::CollectiveOp;
+
+  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element,
+      cute::tuple<LayoutA*, LayoutSFA*>, kAlign, Element, cute::tuple<LayoutB*, LayoutSFB*>,
+      kAlign, float, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+          sizeof(typename CollectiveEpilogue::SharedStorage))>,
+      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise>::CollectiveOp;
+
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop,
+                                                      CollectiveEpilogue>;
+  using Adapter = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  using StrideA = typename Kernel::InternalStrideA;
+  using StrideB = typename Kernel::InternalStrideB;
+  using StrideD = typename Kernel::InternalStrideD;
+  using Shape3 = typename ProblemShape::UnderlyingProblemShape;
+
+  // Per-group argument arrays and repacked scales, carved out of the caller's workspace.
+  struct Arrays {
+    Shape3* shapes;
+    Element const** ptr_a;
+    Element const** ptr_b;
+    ElementD const** ptr_c;
+    ElementD** ptr_d;
+    float const** ptr_sfa;
+    float const** ptr_sfb;
+    StrideA* stride_a;
+    StrideB* stride_b;
+    StrideD* stride_d;
+    LayoutSFA* layout_sfa;
+    LayoutSFB* layout_sfb;
+    float* packed_sfa;  // forward: T * Kb scales, group g's (Kb, rows) at start_g * Kb
+    float* packed_sfb;  // row-wise forward: G * Kb * N scales, w's row scales per K block
+    Element* zeros;     // wgrad: 128 x max(N, K) zeros, the operands of empty groups
+    void* cutlass_workspace;
+  };
+
+  static size_t align(size_t bytes) { return (bytes + 255) / 256 * 256; }
+  CUTE_HOST_DEVICE static int64_t k_blocks(int64_t k) { return (k + kBlockK - 1) / kBlockK; }
+
+  // Lays out the arrays (base == nullptr only measures); returns the bytes used.
+  static size_t carve(const GroupedProblem& p, char* base, Arrays* out) {
+    const size_t g = static_cast<size_t>(p.groups);
+    size_t off = 0;
+    auto take = [&](auto** field, size_t count) {
+      using T = std::remove_pointer_t<std::remove_reference_t<decltype(*field)>>;
+      if (base) *field = reinterpret_cast<T*>(base + off);
+      off += align(count * sizeof(T));
+    };
+    const bool forward = Kind == DG_GROUPED_FORWARD;
+    Arrays a{};
+    take(&a.shapes, g);
+    take(&a.ptr_a, g);
+    take(&a.ptr_b, g);
+    take(&a.ptr_c, g);
+    take(&a.ptr_d, g);
+    take(&a.ptr_sfa, g);
+    take(&a.ptr_sfb, g);
+    take(&a.stride_a, g);
+    take(&a.stride_b, g);
+    take(&a.stride_d, g);
+    take(&a.layout_sfa, g);
+    take(&a.layout_sfb, g);
+    take(&a.packed_sfa, forward ? static_cast<size_t>(p.tokens * k_blocks(p.k)) : 0);
+    take(&a.packed_sfb, forward && Mode == DG_SCALE_ROW ? g * k_blocks(p.k) * p.n : 0);
+    take(&a.zeros, forward ? 0 : static_cast<size_t>(kBlockK * std::max(p.n, p.k)));
+    if (base) a.cutlass_workspace = base + off;
+    if (out) *out = a;
+    return off;
+  }
+
+  static typename Adapter::Arguments arguments(const GroupedProblem& p, const Arrays& arr) {
+    typename CollectiveEpilogue::FusionCallbacks::Arguments fusion{};
+    fusion.alpha = 1.f;
+    fusion.beta = p.accumulate ? 1.f : 0.f;
+    cutlass::KernelHardwareInfo hw{p.device, p.sm_count};
+    return typename Adapter::Arguments{
+        cutlass::gemm::GemmUniversalMode::kGrouped,
+        {p.groups, arr.shapes, nullptr},
+        {arr.ptr_a, arr.stride_a, arr.ptr_b, arr.stride_b, arr.ptr_sfa, arr.layout_sfa,
+         arr.ptr_sfb, arr.layout_sfb},
+        {fusion, p.accumulate ? arr.ptr_c : nullptr, arr.stride_d, arr.ptr_d, arr.stride_d},
+        hw};
+  }
+};
+
+// Group g's rows [start, end) of the token dimension, clamped exactly as the bf16 kernel does.
+struct GroupRows {
+  int64_t start, rows;
+};
+__device__ inline GroupRows group_rows(const GroupedProblem& p, int g) {
+  auto clamp_row = [&](int64_t r) { return r < 0 ? int64_t(0) : (r > p.tokens ? p.tokens : r); };
+  const int64_t start = g == 0 ? 0 : clamp_row(p.offs[g - 1]);
+  const int64_t end = clamp_row(p.offs[g]);
+  return {start, end > start ? end - start : 0};
+}
+
+template <class G>
+__device__ void fill_fp8_group_arguments(typename G::Arrays& arr, const GroupedProblem& p, int g) {
+  using Element = typename G::Element;
+  using ElementD = typename G::ElementD;
+  const GroupRows r = group_rows(p, g);
+  auto const* a = static_cast<Element const*>(p.a);
+  auto const* b = static_cast<Element const*>(p.b);
+  auto* d = static_cast<ElementD*>(p.d);
+  typename G::StrideA sa{};
+  typename G::StrideB sb{};
+  typename G::StrideD sd{};
+  const int n = static_cast<int>(p.n), k = static_cast<int>(p.k);
+  constexpr int kBlock = G::kBlockK;
+  typename G::Shape3 shape;
+  if constexpr (G::kKind == DG_GROUPED_WGRAD) {
+    // out[g] (N, K) = dy_t[:, cols] (N x len) @ x_t[:, cols]^T, cols = the group's padded
+    // token columns starting at 128 * (g + start / 128); the padding holds zeros.
+    const int64_t block = g + r.start / kBlock;
+    const int64_t depth = (r.rows + kBlock - 1) / kBlock * kBlock;
+    get<0>(sa) = p.token_pitch;
+    get<0>(sb) = p.token_pitch;
+    get<0>(sd) = p.k;
+    arr.ptr_d[g] = d + static_cast<int64_t>(g) * p.n * p.k;
+    if (r.rows > 0) {
+      shape = {n, k, static_cast<int>(depth)};
+      arr.ptr_a[g] = a + block * kBlock;
+      arr.ptr_b[g] = b + block * kBlock;
+      arr.ptr_sfa[g] = p.scale_a + block * p.n;
+      arr.ptr_sfb[g] = p.scale_b + block * p.k;
+    } else {
+      // No tokens: one zero-valued K block writes zeros (or, accumulating, nothing at all).
+      shape = {p.accumulate ? 0 : n, k, kBlock};
+      get<0>(sa) = kBlock;
+      get<0>(sb) = kBlock;
+      arr.ptr_a[g] = arr.zeros;
+      arr.ptr_b[g] = arr.zeros;
+      arr.ptr_sfa[g] = reinterpret_cast<float const*>(arr.zeros);
+      arr.ptr_sfb[g] = reinterpret_cast<float const*>(arr.zeros);
+    }
+  } else {
+    const int64_t kb = G::k_blocks(p.k);
+    shape = {static_cast<int>(r.rows), n, k};
+    arr.ptr_a[g] = a + r.start * p.k;
+    arr.ptr_b[g] = b + static_cast<int64_t>(g) * p.n * p.k;
+    arr.ptr_d[g] = d + r.start * p.n;
+    get<0>(sa) = p.k;
+    get<0>(sb) = p.k;
+    get<0>(sd) = p.n;
+    arr.ptr_sfa[g] = arr.packed_sfa + r.start * kb;
+    if constexpr (G::kMode == DG_SCALE_ROW)
+      arr.ptr_sfb[g] = arr.packed_sfb + static_cast<int64_t>(g) * kb * p.n;
+    else
+      arr.ptr_sfb[g] = p.scale_b + static_cast<int64_t>(g) * kb * ((p.n + 127) / 128);
+  }
+  arr.shapes[g] = shape;
+  arr.ptr_c[g] = arr.ptr_d[g];
+  arr.stride_a[g] = sa;
+  arr.stride_b[g] = sb;
+  arr.stride_d[g] = sd;
+  arr.layout_sfa[g] = G::ScaleConfig::tile_atom_to_shape_SFA(
+      make_shape(get<0>(shape), get<1>(shape), get<2>(shape), 1));
+  arr.layout_sfb[g] = G::ScaleConfig::tile_atom_to_shape_SFB(
+      make_shape(get<0>(shape), get<1>(shape), get<2>(shape), 1));
+}
+
+// blockIdx.y strides over the groups: block x == 0, thread 0 fills the group's arguments, and
+// every block of the row repacks its share of the group's scales (forward only).
+template <class G>
+__global__ void build_fp8_grouped_arguments(typename G::Arrays arr, GroupedProblem p) {
+  using Element = typename G::Element;
+  const int64_t threads = int64_t(gridDim.x) * blockDim.x;
+  const int64_t tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if constexpr (G::kKind == DG_GROUPED_WGRAD) {
+    if (blockIdx.y == 0) {
+      constexpr int64_t kBlock = G::kBlockK;
+      const int64_t zeros = kBlock * (p.n > p.k ? p.n : p.k);
+      for (int64_t i = tid; i < zeros; i += threads) arr.zeros[i] = Element(0);
+    }
+  }
+  for (int64_t g = blockIdx.y; g < p.groups; g += gridDim.y) {
+    if (tid == 0) fill_fp8_group_arguments<G>(arr, p, static_cast<int>(g));
+    if constexpr (G::kKind == DG_GROUPED_FORWARD) {
+      const GroupRows r = group_rows(p, static_cast<int>(g));
+      const int64_t kb = G::k_blocks(p.k);
+      // x's scales, (t, kb) at scale_a[kb * ld + t] (row-wise: scale_a[t]), into the group's
+      // (Kb, rows) block.
+      float* sfa = arr.packed_sfa + r.start * kb;
+      for (int64_t i = tid; i < r.rows * kb; i += threads) {
+        const int64_t blk = i / r.rows, row = i - blk * r.rows, t = r.start + row;
+        sfa[i] = G::kMode == DG_SCALE_ROW ? p.scale_a[t] : p.scale_a[blk * p.scale_a_ld + t];
+      }
+      if constexpr (G::kMode == DG_SCALE_ROW) {
+        // w's row scales (G, N), repeated for every K block.
+        float* sfb = arr.packed_sfb + g * kb * p.n;
+        const float* src = p.scale_b + g * p.n;
+        for (int64_t i = tid; i < kb * p.n; i += threads) sfb[i] = src[i % p.n];
+      }
+    }
+  }
+}
+
+}  // namespace distgemm::grouped::sm90
+
+namespace distgemm::grouped {
+
+template <int Mode, dg_dtype Out, int Kind, int TM, int TN, int CM, int CN>
+dg_status Sm90Fp8GroupedKernel<Mode, Out, Kind, TM, TN, CM, CN>::run(const GroupedProblem& p,
+                                                                     cudaStream_t stream) {
+  using G = sm90::Sm90Fp8Grouped<Mode, Out, Kind, TM, TN, CM, CN>;
+  typename G::Arrays arr;
+  G::carve(p, static_cast<char*>(p.workspace), &arr);
+  const dim3 grid(32, static_cast<unsigned>(std::min<int64_t>(p.groups, 65535)));
+  sm90::build_fp8_grouped_arguments<G><<<grid, 256, 0, stream>>>(arr, p);
+  DG_CUDA_RETURN(cudaGetLastError());
+  typename G::Adapter gemm;
+  auto args = G::arguments(p, arr);
+  if (gemm.can_implement(args) != cutlass::Status::kSuccess)
+    return fail(DG_ERROR_INTERNAL, cat("CUTLASS sm90 FP8 grouped GEMM cannot implement N=", p.n,
+                                       " K=", p.k));
+  if (gemm.initialize(args, arr.cutlass_workspace, stream) != cutlass::Status::kSuccess)
+    return fail(DG_ERROR_INTERNAL, "CUTLASS sm90 FP8 grouped GEMM initialization failed");
+  if (gemm.run(stream) != cutlass::Status::kSuccess)
+    return fail(DG_ERROR_CUDA, cat("sm90 FP8 grouped GEMM launch failed: ",
+                                   cudaGetErrorString(cudaGetLastError())));
+  return DG_SUCCESS;
+}
+
+template <int Mode, dg_dtype Out, int Kind, int TM, int TN, int CM, int CN>
+size_t Sm90Fp8GroupedKernel<Mode, Out, Kind, TM, TN, CM, CN>::workspace(const GroupedProblem& p) {
+  using G = sm90::Sm90Fp8Grouped<Mode, Out, Kind, TM, TN, CM, CN>;
+  typename G::Arrays arr{};
+  const size_t arrays = G::carve(p, nullptr, nullptr);
+  return arrays + G::Adapter::get_workspace_size(G::arguments(p, arr));
+}
+
+}  // namespace distgemm::grouped
+
+#define DG_INSTANTIATE_SM90_FP8_GROUPED(MODE, OUT, KIND, S, TM, TN, CM, CN)                \
+  template struct distgemm::grouped::Sm90Fp8GroupedKernel<MODE, OUT, distgemm::grouped::KIND, \
+                                                          TM, TN, CM, CN>;

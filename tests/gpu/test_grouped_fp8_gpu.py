@@ -1,0 +1,291 @@
+"""FP8 grouped GEMMs on one GPU against a dequantize-then-FP64 reference: row-wise and
+128-block scales, forward, dgrad (transposed weights), wgrad into an FP32 main_grad from the
+padded per-expert layout, ragged routing with zero-token experts, rows past offs[-1] left
+alone, CUDA-graph replay with new routing, torch.compile, every compiled configuration.
+
+Tolerance, derived rather than fitted: the kernel accumulates exact FP8 products in the tensor
+cores' reduced-precision adder within a 128-deep K block (we allow 2^-11 of that block's sum
+of |terms|), promotes to FP32, and rounds once to bfloat16 (2^-8 of |result|)."""
+
+import pytest
+import torch
+
+import distgemm
+from distgemm._library import ops
+from distgemm.grouped_fp8 import dequantize_blocks
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+E4M3 = torch.float8_e4m3fn
+
+
+def make_offs(counts):
+    return torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32).to(DEV)
+
+
+def random_counts(groups, tokens, zero_groups=()):
+    w = torch.rand(groups)
+    for g in zero_groups:
+        w[g] = 0
+    c = (w / w.sum() * tokens).floor().long()
+    live = [g for g in range(groups) if g not in zero_groups]
+    c[live[0]] += tokens - int(c.sum())
+    return c.tolist()
+
+
+def fp8(*shape):
+    return (torch.randn(*shape, device=DEV) * 3).clamp(-448, 448).to(E4M3)
+
+
+def scales(*shape):
+    return torch.exp2(torch.randint(-4, 3, shape, device=DEV).float()) * (0.5 + torch.rand(*shape, device=DEV))
+
+
+def bound_check(out, ref, abs_terms):
+    """|out - ref| <= 2^-8 |ref| + 2^-11 * (sum of |terms|) + tiny, elementwise."""
+    out, ref = out.double(), ref.double()
+    limit = ref.abs() * 2.0 ** -8 + abs_terms * 2.0 ** -11 + 1e-30
+    bad = (out - ref).abs() > limit
+    assert not bad.any(), (f"{int(bad.sum())} of {bad.numel()} elements outside the FP8 bound; worst "
+                           f"|err| {float((out - ref).abs().max()):.3e} vs |ref| max {float(ref.abs().max()):.3e}")
+
+
+def forward_reference(xd, wd_nk, counts):
+    """xd (T, K), wd_nk (G, N, K) dequantized (float64): the result and the sum of |terms|."""
+    t, n = xd.shape[0], wd_nk.shape[1]
+    out = torch.zeros(t, n, dtype=torch.float64, device=DEV)
+    terms = torch.zeros_like(out)
+    s = 0
+    for g, c in enumerate(counts):
+        out[s:s + c] = xd[s:s + c] @ wd_nk[g].T
+        terms[s:s + c] = xd[s:s + c].abs() @ wd_nk[g].abs().T
+        s += c
+    return out, terms
+
+
+def block_inputs(counts, n, k):
+    t, g = sum(counts), len(counts)
+    kb, nb = (k + 127) // 128, (n + 127) // 128
+    x, w = fp8(t, k), fp8(g, n, k)
+    sx = scales(kb, t).t()  # (T, Kb), T-major: PyTorch's BlockWise1x128 layout
+    sw = scales(g, nb, kb)
+    xd = dequantize_blocks(x, sx, 1, 128).double()
+    wd = dequantize_blocks(w, sw, 128, 128).double()
+    return x, w, sx, sw, xd, wd
+
+
+ROUTINGS = {
+    "balanced": ([256] * 4, 512, 1024),
+    "ragged_zero_experts": (random_counts(8, 1500, zero_groups=(0, 3, 7)), 384, 640),
+    "odd_k_and_n": (random_counts(5, 777), 136, 400),  # K, N not multiples of 128
+    "one_expert": ([999], 256, 256),
+    "many_experts": (random_counts(160, 9000, zero_groups=tuple(range(0, 160, 9))), 256, 512),
+}
+
+
+@pytest.mark.parametrize("routing", list(ROUTINGS))
+def test_forward_block_scales(routing):
+    counts, n, k = ROUTINGS[routing]
+    x, w, sx, sw, xd, wd = block_inputs(counts, n, k)
+    out = distgemm.grouped_mm(x, w, make_offs(counts), scale_x=sx, scale_w=sw)
+    assert out.dtype == torch.bfloat16 and out.shape == (x.shape[0], n)
+    bound_check(out, *forward_reference(xd, wd, counts))
+
+
+@pytest.mark.parametrize("routing", list(ROUTINGS))
+def test_forward_row_scales(routing):
+    counts, n, k = ROUTINGS[routing]
+    t, g = sum(counts), len(counts)
+    x, w = fp8(t, k), fp8(g, n, k)
+    sx, sw = scales(t), scales(g, n)
+    out = distgemm.grouped_mm(x, w, make_offs(counts), scale_x=sx, scale_w=sw)
+    xd = x.double() * sx.double()[:, None]
+    wd = w.double() * sw.double()[:, :, None]
+    bound_check(out, *forward_reference(xd, wd, counts))
+
+
+def test_forward_accepts_contiguous_row_major_block_scales_and_scalar_row_scales():
+    counts, n, k = [300, 0, 212], 256, 384
+    x, w, sx, sw, xd, wd = block_inputs(counts, n, k)
+    offs = make_offs(counts)
+    ref = distgemm.grouped_mm(x, w, offs, scale_x=sx, scale_w=sw)
+    same = distgemm.grouped_mm(x, w, offs, scale_x=sx.contiguous(), scale_w=sw)  # K-major copy
+    assert torch.equal(ref, same)
+    one = torch.tensor(0.5, device=DEV)
+    scalar = distgemm.grouped_mm(x, w, offs, scale_x=one, scale_w=one)
+    rows = distgemm.grouped_mm(x, w, offs, scale_x=one.expand(x.shape[0]).contiguous(),
+                               scale_w=one.expand(len(counts), n).contiguous())
+    assert torch.equal(scalar, rows)
+
+
+def test_dgrad_reads_the_weight_transposed():
+    """dx = dy @ W[g] with W (G, N, K): trans_w=False on W viewed (G, K_gemm=N, N_gemm=K), its
+    128 x 128 scales read transposed; equal to the forward form on W^T made contiguous."""
+    counts, n_fwd, k_fwd = random_counts(6, 1200, zero_groups=(2,)), 512, 384
+    g, t = len(counts), sum(counts)
+    dy = fp8(t, n_fwd)
+    w = fp8(g, n_fwd, k_fwd)                 # forward weight (G, N, K)
+    sdy = scales((n_fwd + 127) // 128, t).t()
+    sw = scales(g, n_fwd // 128, k_fwd // 128)  # forward block scales (G, Nb, Kb)
+    offs = make_offs(counts)
+    dx = distgemm.grouped_mm(dy, w, offs, scale_x=sdy, scale_w=sw, trans_w=False)
+    assert dx.shape == (t, k_fwd)
+    dyd = dequantize_blocks(dy, sdy, 1, 128).double()
+    wd = dequantize_blocks(w, sw, 128, 128).double()        # (G, N, K)
+    bound_check(dx, *forward_reference(dyd, wd.transpose(1, 2), counts))
+    w_t = w.transpose(1, 2).contiguous()                    # (G, K, N): the cached transpose
+    again = distgemm.grouped_mm(dy, w_t.transpose(1, 2), offs, scale_x=sdy, scale_w=sw, trans_w=False)
+    assert torch.equal(dx, again)
+
+
+def test_rows_past_the_last_offset_are_untouched_and_accumulate_adds():
+    counts, n, k = [100, 0, 50], 256, 256
+    x, w, sx, sw, xd, wd = block_inputs(counts, n, k)
+    tail = 64
+    x = torch.cat([x, fp8(tail, k)])
+    sx = torch.cat([sx, scales(tail, sx.shape[1])]).t().contiguous().t()
+    out = torch.full((x.shape[0], n), 7.0, dtype=torch.bfloat16, device=DEV)
+    distgemm.grouped_mm(x, w, make_offs(counts), scale_x=sx, scale_w=sw, out=out)
+    assert torch.all(out[-tail:] == 7.0), "rows past offs[-1] were written"
+    ref, terms = forward_reference(xd, wd, counts)
+    bound_check(out[:-tail], ref, terms)
+    base = out.clone()
+    distgemm.grouped_mm(x, w, make_offs(counts), scale_x=sx, scale_w=sw, out=out, accumulate=True)
+    bound_check(out[:-tail], base[:-tail].double() + ref, terms + base[:-tail].double().abs())
+
+
+def test_every_compiled_config_matches():
+    counts, n, k = random_counts(4, 700, zero_groups=(1,)), 256, 512
+    offs = make_offs(counts)
+    for mode, sx_sw in (("block", None), ("row", None)):
+        if mode == "block":
+            x, w, sx, sw, xd, wd = block_inputs(counts, n, k)
+            code = 2
+        else:
+            x, w = fp8(sum(counts), k), fp8(len(counts), n, k)
+            sx, sw = scales(sum(counts)), scales(len(counts), n)
+            xd, wd = x.double() * sx.double()[:, None], w.double() * sw.double()[:, :, None]
+            code = 1
+        names = ops.grouped_configs(0, E4M3, torch.bfloat16, 90, code)
+        assert names, f"no {mode} FP8 grouped kernel compiled"
+        ref = forward_reference(xd, wd, counts)
+        sw_kernel = sw.transpose(1, 2).contiguous() if mode == "block" else sw
+        for config in range(len(names)):
+            out = ops.grouped_mm_fp8(x, w, offs, sx, sw_kernel, code, torch.bfloat16, config)
+            bound_check(out, *ref)
+
+
+def test_cuda_graph_replay_with_new_routing():
+    n, k, g, t = 256, 384, 6, 1536
+    x, w = fp8(t, k), fp8(g, n, k)
+    sx, sw = scales((k + 127) // 128, t).t(), scales(g, n // 128, k // 128)
+    xd = dequantize_blocks(x, sx, 1, 128).double()
+    wd = dequantize_blocks(w, sw, 128, 128).double()
+    offs = make_offs([t // g] * g)
+    out = torch.zeros(t, n, dtype=torch.bfloat16, device=DEV)
+    distgemm.grouped_mm(x, w, offs, scale_x=sx, scale_w=sw, out=out)  # warm-up outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        distgemm.grouped_mm(x, w, offs, scale_x=sx, scale_w=sw, out=out)
+    for counts in (random_counts(g, t, zero_groups=(1, 4)), [t, 0, 0, 0, 0, 0], [0] * (g - 1) + [t]):
+        offs.copy_(make_offs(counts))
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        bound_check(out, *forward_reference(xd, wd, counts))
+
+
+def test_torch_compile_matches_eager():
+    counts, n, k = random_counts(4, 640), 256, 256
+    x, w, sx, sw, _, _ = block_inputs(counts, n, k)
+    offs = make_offs(counts)
+
+    def layer(x, w, offs, sx, sw):
+        return distgemm.grouped_mm(x, w, offs, scale_x=sx, scale_w=sw) * 2
+
+    eager = layer(x, w, offs, sx, sw)
+    compiled = torch.compile(layer, fullgraph=True)(x, w, offs, sx, sw)
+    assert torch.equal(eager, compiled)
+
+
+# ---------------------------------------------------------------- wgrad
+
+
+def padded(values_per_group, counts, rows):
+    """Per-group (count, rows) FP8 blocks into the (rows, Tp) padded transposed layout."""
+    g, t = len(counts), sum(counts)
+    tp = 128 * ((t + 127) // 128 + g)
+    data = torch.zeros(rows, tp, dtype=E4M3, device=DEV)
+    start = 0
+    for gi, (c, v) in enumerate(zip(counts, values_per_group)):
+        col = 128 * (gi + start // 128)
+        data[:, col:col + c] = v.t()
+        start += c
+    return data
+
+
+@pytest.mark.parametrize("routing", ["balanced", "ragged_zero_experts", "odd_k_and_n", "many_experts"])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_wgrad_block_scales_into_fp32_main_grad(routing, accumulate):
+    counts, n, k = ROUTINGS[routing]
+    k = (k + 3) // 4 * 4
+    g, t = len(counts), sum(counts)
+    dys = [fp8(c, n) for c in counts]
+    xs = [fp8(c, k) for c in counts]
+    dy_t, x_t = padded(dys, counts, n), padded(xs, counts, k)
+    tp = dy_t.shape[1]
+    s_dy = scales(tp // 128, n).t()  # (N, Tp/128), strides (1, N): quantize_fp8's layout
+    s_x = scales(tp // 128, k).t()
+    main_grad = torch.randn(g, n, k, device=DEV) if accumulate else None
+    base = main_grad.clone() if accumulate else None
+    out = distgemm.grouped_mm_wgrad(dy_t, x_t, make_offs(counts), scale_dy=s_dy, scale_x=s_x,
+                                    out=main_grad, accumulate=accumulate)
+    assert out.dtype == torch.float32 and out.shape == (g, n, k)
+    dyd = dequantize_blocks(dy_t, s_dy, 1, 128).double()
+    xd = dequantize_blocks(x_t, s_x, 1, 128).double()
+    ref = torch.zeros(g, n, k, dtype=torch.float64, device=DEV)
+    terms = torch.zeros_like(ref)
+    start = 0
+    for gi, c in enumerate(counts):
+        col = 128 * (gi + start // 128)
+        a, b = dyd[:, col:col + c], xd[:, col:col + c]
+        ref[gi], terms[gi] = a @ b.T, a.abs() @ b.abs().T
+        start += c
+    if accumulate:
+        ref += base.double()
+        terms += base.double().abs()
+        for gi, c in enumerate(counts):
+            if c == 0:
+                assert torch.equal(out[gi], base[gi]), "an empty expert's main_grad changed"
+    else:
+        for gi, c in enumerate(counts):
+            if c == 0:
+                assert torch.all(out[gi] == 0)
+    # FP32 out: no bf16 rounding; the block accumulation bound only (plus FP32 rounding).
+    err = (out.double() - ref).abs()
+    assert bool((err <= terms * 2.0 ** -11 + ref.abs() * 2.0 ** -22 + 1e-30).all()), float(err.max())
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def test_bad_scales_are_named():
+    counts, n, k = [64, 64], 256, 256
+    x, w, sx, sw, _, _ = block_inputs(counts, n, k)
+    offs = make_offs(counts)
+    with pytest.raises(ValueError, match="scale_x"):
+        distgemm.grouped_mm(x, w, offs, scale_x=sx[:, :1], scale_w=sw)
+    with pytest.raises(ValueError, match="scale_w"):
+        distgemm.grouped_mm(x, w, offs, scale_x=sx, scale_w=sw[:, :1])
+    with pytest.raises(ValueError, match="float32"):
+        distgemm.grouped_mm(x, w, offs, scale_x=sx.half(), scale_w=sw)
+    with pytest.raises(ValueError, match="scale_x and scale_w"):
+        distgemm.grouped_mm(x, w, offs)
+    with pytest.raises(ValueError, match="bfloat16"):
+        distgemm.grouped_mm(x, w, offs, scale_x=sx, scale_w=sw, out_dtype=torch.float16)
+    # The registered op checks what the Python layer would have: a short scale_b is refused
+    # by the core, never read out of bounds.
+    with pytest.raises(ValueError, match="scale_b"):
+        ops.grouped_mm_fp8(x, w, offs, sx, sw[:1].contiguous(), 2, torch.bfloat16)
+    with pytest.raises(ValueError, match="scale_a"):
+        ops.grouped_mm_fp8(x, w, offs, sx[:10], sw.transpose(1, 2).contiguous(), 2, torch.bfloat16)
