@@ -42,3 +42,247 @@ def test_with_envs_restores_the_previous_environment():
     assert seen == ("new", "set")
     assert os.environ["DISTGEMM_TEST_A"] == "old" and "DISTGEMM_TEST_B" not in os.environ
     del os.environ["DISTGEMM_TEST_A"]
+
+
+# ---------------------------------------------------------------- FP8 grouped suite helpers
+
+
+@pytest.fixture(scope="module")
+def fp8s():
+    """The FP8 grouped suite module, imported here so that a stale install fails these tests
+    only (its helpers are pure PyTorch and run on the CPU)."""
+    from distgemm.bench import grouped_fp8_suite
+
+    return grouped_fp8_suite
+
+
+def _meta(t):
+    import torch
+
+    return torch.empty_strided(tuple(t.shape), t.stride(), dtype=t.dtype, device="meta")
+
+
+def test_fp8_suite_shapes(fp8s):
+    full = fp8s.configs(False)
+    assert {(c["n"], c["k"]) for c in full} == {(4096, 7168), (7168, 2048)}
+    assert {(c["groups"], c["mean"]) for c in full} == {(4, 8192), (8, 4096), (32, 1024), (64, 512)}
+    assert len(full) == 8 and all(c["routings"] == ("balanced", "zipf") for c in full)
+    assert all(c["n"] % 128 == 0 and c["k"] % 128 == 0 for c in full)
+    quick = fp8s.configs(True)
+    assert len(quick) == 2 and any("zipf" in c["routings"] for c in quick)
+    for configs in (full, quick):  # every figure of the summary has its row
+        have = {(c["groups"], c["mean"], c["n"], c["k"]) for c in configs if "balanced" in c["routings"]}
+        assert all(key[1:] in have for key in fp8s.SUMMARY_TFLOPS.values())
+
+
+def test_fp8_suite_summary_keys_are_the_documented_ones(fp8s):
+    assert set(fp8s.SUMMARY_KEYS) == {
+        "forward_block_vs_cublas_block_loop", "forward_row_vs_torch_scaled_grouped_mm",
+        "forward_row_vs_torch_scaled_grouped_mm_fast", "forward_block_vs_ours_bf16",
+        "dgrad_block_vs_cublas_block_loop", "wgrad_block_vs_ours_bf16_wgrad",
+        "skewed_vs_balanced_forward_block", "tflops_forward_block_8x4096_n4096_k7168",
+        "tflops_forward_block_8x4096_n7168_k2048", "tflops_wgrad_block_8x4096_n4096_k7168"}
+
+
+@pytest.mark.parametrize("counts", [[128, 128], [300, 0, 5, 1000], [1, 1, 1], [0, 0, 257], "zipf"])
+def test_fp8_padded_layout(fp8s, counts):
+    from distgemm.bench.grouped_suite import counts_for
+
+    counts = counts_for(32, 1024, "zipf") if counts == "zipf" else counts
+    tokens, groups = sum(counts), len(counts)
+    tp = fp8s.padded_tokens(tokens, groups)
+    assert tp == 128 * (-(-tokens // 128) + groups)
+    starts = fp8s.padded_starts(counts)
+    ends = [0] + list(__import__("itertools").accumulate(counts))
+    assert starts == [128 * (g + ends[g] // 128) for g in range(groups)]
+    assert all(s % 128 == 0 for s in starts)
+    index = fp8s.padded_token_index(counts)
+    assert len(index) == tokens and index == sorted(set(index)) and (not index or index[-1] < tp)
+    # no block of 128 columns holds tokens of two experts
+    owner = {}
+    for g, (s, c) in enumerate(zip(starts, counts)):
+        for col in range(s, s + c):
+            assert owner.setdefault(col // 128, g) == g
+
+
+def test_fp8_padded_layout_matches_the_library(fp8s):
+    grouped_fp8 = pytest.importorskip("distgemm.grouped_fp8")
+    import torch
+
+    counts = [300, 0, 5, 1000, 128]
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    assert grouped_fp8.padded_columns(offs, sum(counts)) == list(zip(fp8s.padded_starts(counts), counts))
+
+
+def test_fp8_quant_1x128_layout_and_round_trip(fp8s):
+    import torch
+
+    x = torch.randn(300, 384).to(torch.bfloat16)
+    data, scale = fp8s.quant_1x128(x)
+    assert data.dtype == torch.float8_e4m3fn and data.shape == (300, 384)
+    assert scale.shape == (300, 3) and scale.stride() == (1, 300)  # T-major, as cuBLAS reads it
+    amax = x.float().view(300, 3, 128).abs().amax(-1)
+    assert torch.allclose(scale, amax / 448.0)
+    assert fp8s.max_rel_err(fp8s.dequant_1x128(data, scale), x) < fp8s.QUANT_TOLERANCE
+
+
+def test_fp8_quant_transposed_padded_keeps_experts_apart(fp8s):
+    import torch
+
+    counts = [200, 0, 37, 300]
+    x = torch.cat([torch.randn(c, 256) * 10.0 ** g for g, c in enumerate(counts)]).to(torch.bfloat16)
+    tp = fp8s.padded_tokens(x.shape[0], len(counts))
+    index = torch.tensor(fp8s.padded_token_index(counts))
+    data, scale = fp8s.quant_1x128_t_padded(x, index, tp)
+    assert data.shape == (256, tp) and data.is_contiguous()
+    assert scale.shape == (256, tp // 128) and scale.stride() == (1, 256)
+    pad = torch.ones(tp, dtype=torch.bool)
+    pad[index] = False
+    assert (data.float()[:, pad] == 0).all()
+    back = fp8s.unpad_dequant(data, scale, index, dtype=torch.float32)
+    assert back.shape == x.shape
+    start = 0
+    for c in counts:  # each expert exact to FP8 precision, whatever its neighbours' magnitude
+        if c:
+            assert fp8s.max_rel_err(back[start:start + c], x[start:start + c]) < fp8s.QUANT_TOLERANCE
+        start += c
+
+
+def test_fp8_plain_quantizers_match_the_library_reference(fp8s):
+    """The plain-PyTorch quantizers (the GB/s peer, and the wgrad inputs where
+    distgemm.quantize_fp8 is missing) give the library's data and scales, in its layouts."""
+    quantize = pytest.importorskip("distgemm.quantize")
+    import torch
+
+    counts = [200, 0, 37, 300]
+    x = torch.randn(sum(counts), 384).to(torch.bfloat16)
+    data, scale = fp8s.quant_1x128(x)
+    ref_data, ref_scale = quantize.reference_quantize_fp8(x, (1, 128))
+    assert torch.equal(data.view(torch.uint8), ref_data.view(torch.uint8))
+    assert torch.equal(scale, ref_scale) and scale.stride() == ref_scale.stride()
+    offs = fp8s.offsets(counts, "cpu")
+    tp = fp8s.padded_tokens(x.shape[0], len(counts))
+    data, scale = fp8s.quant_1x128_t_padded(x, torch.tensor(fp8s.padded_token_index(counts)), tp)
+    ref_data, ref_scale = quantize.reference_quantize_fp8(x, (1, 128), transpose=True, offs=offs)
+    assert data.shape == ref_data.shape and scale.shape == ref_scale.shape and scale.stride() == ref_scale.stride()
+    assert torch.equal(data.view(torch.uint8), ref_data.view(torch.uint8))
+    used = torch.zeros(tp // 128, dtype=torch.bool)  # blocks without tokens: any scale (data 0)
+    for start, c in zip(fp8s.padded_starts(counts), counts):
+        used[start // 128:(start + c + 127) // 128] = c > 0
+    assert torch.equal(scale[:, used], ref_scale[:, used])
+
+
+def test_fp8_quant_128x128_and_rows(fp8s):
+    import torch
+
+    w = torch.randn(3, 256, 384).to(torch.bfloat16)
+    data, scale = fp8s.quant_128x128(w)
+    assert data.shape == w.shape and scale.shape == (3, 2, 3) and scale.is_contiguous()
+    assert fp8s.max_rel_err(fp8s.dequant_128x128(data, scale), w) < fp8s.QUANT_TOLERANCE
+    data, scale = fp8s.quant_rows(w)
+    assert scale.shape == (3, 256)
+    assert fp8s.max_rel_err(data.float() * scale.unsqueeze(-1), w) < fp8s.QUANT_TOLERANCE
+    x = torch.randn(50, 384).to(torch.bfloat16)
+    data, scale = fp8s.quant_rows(x)
+    assert scale.shape == (50,) and fp8s.max_rel_err(data.float() * scale[:, None], x) < fp8s.QUANT_TOLERANCE
+
+
+def _emulated_block_mm(a, b, sa, sb):
+    """What cuBLAS computes from F.scaled_mm's BlockWise1x128 x BlockWise128x128 operands:
+    a (M, K) with sa[m, kb], b (K, N) with sb[kb, nb] (K blocks padded to a multiple of 4)."""
+    m, k = a.shape
+    n, kb = b.shape[1], -(-a.shape[1] // 128)
+    a_deq = a.float() * sa.repeat_interleave(128, 1)[:, :k]
+    b_deq = b.float() * sb[:kb].repeat_interleave(128, 0)[:k].repeat_interleave(128, 1)[:, :n]
+    return a_deq @ b_deq
+
+
+@pytest.mark.parametrize("n,k", [(256, 384), (384, 1024)])
+def test_fp8_cublas_loop_operands_pass_torch_checks_and_compute_the_grouped_gemm(fp8s, n, k):
+    """The per-expert F.scaled_mm operands (forward and dgrad) satisfy torch 2.11's checks
+    (run on meta tensors), and the block scales land where cuBLAS reads them."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.functional import ScalingType
+
+    counts = [77, 0, 130, 1]
+    x8, sx = fp8s.quant_1x128(torch.randn(sum(counts), k).to(torch.bfloat16))
+    dy8, sdy = fp8s.quant_1x128(torch.randn(sum(counts), n).to(torch.bfloat16))
+    w8, sw = fp8s.quant_128x128(torch.randn(len(counts), n, k).to(torch.bfloat16))
+    wt8 = w8.transpose(1, 2).contiguous()
+    w_deq = fp8s.dequant_128x128(w8, sw, dtype=torch.float32)
+    cases = {  # (a, its scales, b_kn, scales of b as (N/128, K/128) blocks, reference of expert e)
+        "forward": (x8, sx, lambda e: w8[e].t(), lambda e: sw[e],
+                    lambda e, rows: fp8s.dequant_1x128(x8[rows], sx[rows]) @ w_deq[e].T),
+        "dgrad": (dy8, sdy, lambda e: wt8[e].t(), lambda e: sw[e].t(),
+                  lambda e, rows: fp8s.dequant_1x128(dy8[rows], sdy[rows]) @ w_deq[e]),
+    }
+    for name, (a, sa, b_kn, sb_nk, ref) in cases.items():
+        seen = []
+
+        def api(pa, pb, psa, psb):
+            F.scaled_mm(_meta(pa), _meta(pb), _meta(psa), ScalingType.BlockWise1x128, _meta(psb),
+                        ScalingType.BlockWise128x128, output_dtype=torch.bfloat16)
+            seen.append(pa.shape[0])
+            return _emulated_block_mm(pa, pb, psa, psb)
+        outs = fp8s.cublas_block_loop(a, b_kn, sa, sb_nk, counts)(api)
+        assert seen == [c for c in counts if c], name  # empty experts skipped
+        live = [(e, slice(s, f)) for e, (s, f) in enumerate(fp8s.group_bounds(counts)) if f > s]
+        for out, (e, rows) in zip(outs, live):
+            assert fp8s.max_rel_err(out, ref(e, rows)) < 1e-5, name
+
+
+def test_fp8_row_wise_peer_operands_pass_torch_checks(fp8s):
+    import torch
+
+    counts = [100, 0, 28]
+    xr8, sxr = fp8s.quant_rows(torch.randn(sum(counts), 256).to(torch.bfloat16))
+    wr8, swr = fp8s.quant_rows(torch.randn(3, 384, 256).to(torch.bfloat16))
+    offs = fp8s.offsets(counts, "cpu")
+    assert offs.dtype == torch.int32 and offs.tolist() == [100, 100, 128]
+    for fast in (False, True):
+        out = torch._scaled_grouped_mm(_meta(xr8), _meta(wr8.transpose(-2, -1)), scale_a=_meta(sxr),
+                                       scale_b=_meta(swr), offs=_meta(offs), out_dtype=torch.bfloat16,
+                                       use_fast_accum=fast)
+        assert out.shape == (128, 384)
+
+
+def test_fp8_max_rel_err(fp8s):
+    import torch
+
+    ref = torch.randn(64, 33)
+    ours = ref.clone()
+    ours[5, 7] += 0.5
+    expected = 0.5 / ref.abs().max().item()
+    assert fp8s.max_rel_err(ours, ref) == pytest.approx(expected, rel=1e-5)
+    assert fp8s.max_rel_err(ours, ref, chunk=40) == pytest.approx(expected, rel=1e-5)  # chunked
+    ours[0, 0] = float("nan")
+    assert fp8s.max_rel_err(ours, ref) != fp8s.max_rel_err(ours, ref)  # nan
+    with pytest.raises(ValueError):
+        fp8s.max_rel_err(ref[:3], ref)
+
+
+def test_fp8_summary(fp8s):
+    def row(op, g, mean, n, k, routing, ours_ms, **peers):
+        r = {"shape": {"op": op, "groups": g, "tokens_per_group": mean, "n": n, "k": k, "routing": routing},
+             "distgemm": {"ms": ours_ms, "tflops": round(2.0 * g * mean * n * k / ours_ms / 1e9, 2)}}
+        r["ratios"] = {p: ms / ours_ms for p, ms in peers.items()}
+        return r
+
+    rows = [row("forward_block", 8, 4096, 4096, 7168, "balanced", 1.0, cublas_block_loop=2.0, ours_bf16=1.5),
+            row("forward_block", 8, 4096, 4096, 7168, "zipf", 1.2, cublas_block_loop=1.2 * 8.0),
+            row("forward_block", 8, 4096, 7168, 2048, "balanced", 0.5),
+            row("wgrad_block", 8, 4096, 4096, 7168, "balanced", 2.0, ours_bf16_wgrad=3.0),
+            row("forward_row", 8, 4096, 4096, 7168, "balanced", 1.0, torch_scaled_grouped_mm=1.1)]
+    summary = fp8s.summarize(rows)
+    assert set(summary) == set(fp8s.SUMMARY_KEYS)
+    assert summary["forward_block_vs_cublas_block_loop"] == pytest.approx(4.0)  # geomean of 2 and 8
+    assert summary["forward_block_vs_ours_bf16"] == pytest.approx(1.5)
+    assert summary["wgrad_block_vs_ours_bf16_wgrad"] == pytest.approx(1.5)
+    assert summary["forward_row_vs_torch_scaled_grouped_mm"] == pytest.approx(1.1)
+    assert summary["forward_row_vs_torch_scaled_grouped_mm_fast"] is None
+    assert summary["dgrad_block_vs_cublas_block_loop"] is None
+    assert summary["skewed_vs_balanced_forward_block"] == pytest.approx(1.2)
+    assert summary["tflops_forward_block_8x4096_n4096_k7168"] == rows[0]["distgemm"]["tflops"]
+    assert summary["tflops_forward_block_8x4096_n7168_k2048"] == rows[2]["distgemm"]["tflops"]
+    assert summary["tflops_wgrad_block_8x4096_n4096_k7168"] == rows[3]["distgemm"]["tflops"]

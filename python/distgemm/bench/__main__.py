@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-SUITES = ("gemm", "grouped", "tp")
+SUITES = ("gemm", "grouped", "grouped_fp8", "tp")
 
 
 def cpu_reference_check() -> None:
@@ -78,6 +78,10 @@ def main(argv=None) -> None:
         summary.update(grouped_suite.run(args.out, args.quick))
         if args.tune:
             grouped_suite.tune(args.out, args.quick)
+    if "grouped_fp8" in suites:
+        from . import grouped_fp8_suite
+
+        summary.update(grouped_fp8_suite.run(args.out, args.quick))
     if "tp" in suites:
         if gpus < 2:
             print("\n== tensor-parallel suite skipped: it needs 2 or more GPUs")
