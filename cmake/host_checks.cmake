@@ -12,9 +12,10 @@ enable_testing()
 
 set(DISTGEMM_SANITIZE -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer)
 
-add_library(distgemm_host_checks STATIC ${core_host_srcs})  # the TP flag kernels: nvcc code, not instrumented
-# One PTX target is enough to link the few TP flag kernels; nothing runs them here.
-set_source_files_properties(csrc/tp/tp_kernels.cu PROPERTIES
+add_library(distgemm_host_checks STATIC ${core_host_srcs})  # the .cu kernels: nvcc code, not instrumented
+# One PTX target is enough to link the TP flag and FP8 quantization kernels; nothing runs them
+# here (without DISTGEMM_WITH_SM90/SM100, dg_quantize_fp8 stops at NOT_SUPPORTED after its checks).
+set_source_files_properties(csrc/tp/tp_kernels.cu csrc/quant/fp8_quantize.cu PROPERTIES
   COMPILE_OPTIONS "-gencode=arch=compute_90,code=compute_90")
 target_include_directories(distgemm_host_checks
   PUBLIC "${CMAKE_SOURCE_DIR}/csrc/include" "${DISTGEMM_GENERATED_INCLUDE}" "${CMAKE_SOURCE_DIR}/csrc")
@@ -37,7 +38,7 @@ set(DISTGEMM_SANITIZER_ENV
   "UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1")
 add_test(NAME c_api_checks COMMAND distgemm_host_tests)
 set(DISTGEMM_FUZZ_ITERATIONS 200000 CACHE STRING "Random descriptors per run of the C API fuzzer")
-set(DISTGEMM_FUZZ_FAMILIES "gemm,grouped,tp" CACHE STRING "What the C API fuzzer calls: gemm,grouped,tp")
+set(DISTGEMM_FUZZ_FAMILIES "gemm,grouped,tp,quant" CACHE STRING "What the C API fuzzer calls: gemm,grouped,tp,quant")
 add_test(NAME c_api_fuzz
          COMMAND distgemm_fuzz_checks ${DISTGEMM_FUZZ_ITERATIONS} 20260101 ${DISTGEMM_FUZZ_FAMILIES})
 set_tests_properties(c_api_checks c_api_fuzz PROPERTIES ENVIRONMENT "${DISTGEMM_SANITIZER_ENV}")

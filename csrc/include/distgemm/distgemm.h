@@ -217,6 +217,81 @@ DG_API dg_status dg_gemm_reduce_scatter(const dg_tp_desc* desc, cudaStream_t str
 DG_API int dg_tp_error(int device);
 DG_API dg_status dg_tp_clear_error(int device);
 
+/* ---------------------------------------------------------------- FP8 quantization */
+
+/* How many elements share one scale (dg_quantize_desc.granularity). */
+typedef enum dg_quant_granularity {
+  DG_QUANT_TENSOR = 0,  /* one scale for the whole input */
+  DG_QUANT_ROW = 1,     /* one per row */
+  DG_QUANT_1X128 = 2,   /* one per 128 consecutive elements of a row (activations; DeepGEMM) */
+  DG_QUANT_128X128 = 3, /* one per 128 x 128 block (weights) */
+} dg_quant_granularity;
+
+/* x (batch, rows, cols), row-major and contiguous, quantized to FP8 with FP32 scales. For each
+ * block of elements that share a scale:
+ *   scale = amax / fp8_max (float32, amax = max |x| over the block; fp8_max 448 for e4m3,
+ *           57344 for e5m2), or 1.0 where that is 0 (an all-zero block, or an amax so small
+ *           that the division underflows);
+ *   data  = x / scale rounded to nearest even and saturated to +-fp8_max (a true division, not
+ *           x * (1 / scale)), so data * scale dequantizes. A NaN in a block makes its scale and
+ *           data NaN.
+ * Layouts (every buffer row-major and contiguous; dg_quantize_fp8_sizes gives the sizes):
+ *   DG_QUANT_TENSOR:  data (rows, cols); scale 1 value.
+ *   DG_QUANT_ROW:     data (rows, cols); scale (rows).
+ *   DG_QUANT_1X128:   data (rows, cols); scale (ceil(cols / 128), rows): scale of row r, columns
+ *                     128 j .. 128 j + 127 at scale[j * rows + r] (PyTorch's BlockWise1x128 and
+ *                     DeepGEMM's layout: logically (rows, ceil(cols / 128)) with strides (1, rows)).
+ *   DG_QUANT_128X128: data (batch, rows, cols); scale (batch, ceil(rows / 128), ceil(cols / 128)).
+ *                     The only granularity with batch != 1: blocks never span two matrices.
+ *   DG_QUANT_1X128 with transpose: x^T (cols, rows) quantized without being formed: blocks are
+ *     128 consecutive rows of x in one column.
+ *     num_groups = 0: data (cols, rows); scale (ceil(rows / 128), cols): block j of column c
+ *       at scale[j * cols + c].
+ *     num_groups = G >= 1 (offs: G int32 cumulative group ends on the device, as in
+ *       dg_grouped_desc; never read on the host): the per-group padded layout of a variable-K
+ *       grouped wgrad. Ends are clamped to [0, rows] and non-decreasing (end_g = min(rows,
+ *       max(0, offs[0..g]))), so a decreasing offset gives an empty group; group g owns rows
+ *       [start_g, end_g), start_g = end_{g-1} (0 for g = 0). Rp = 128 * (ceil(rows / 128) + G).
+ *       data (cols, Rp): row start_g + i of x goes to column 128 * b_g + i, b_g = g +
+ *       start_g / 128 (b_g + ceil(len_g / 128) <= b_{g+1}, so groups never overlap); every
+ *       other column holds zeros. scale (Rp / 128, cols): one per 128 padded columns, so a
+ *       block never mixes two groups; blocks without rows get 1.0.
+ * The scale buffer is written whole (every block); so is data. */
+typedef struct dg_quantize_desc {
+  const void* x;                    /* 16-byte alignment gives vector loads; element-aligned at least */
+  dg_dtype x_dtype;                 /* DG_BF16, DG_F16 or DG_F32 */
+  int64_t batch;                    /* 1 (>= 0 for DG_QUANT_128X128) */
+  int64_t rows;                     /* >= 0 */
+  int64_t cols;                     /* >= 0 */
+  dg_quant_granularity granularity;
+  int transpose;                    /* nonzero: quantize x^T (DG_QUANT_1X128 only) */
+  const int32_t* offs;              /* transpose with num_groups >= 1: 4-byte aligned */
+  int64_t num_groups;               /* 0: no groups; G in [1, 2^31) with offs (rows < 2^31) */
+  void* out;                        /* the FP8 data; 16-byte alignment gives vector stores */
+  dg_dtype out_dtype;               /* DG_E4M3 or DG_E5M2 */
+  float* scale;                     /* 4-byte aligned */
+  void* workspace;                  /* 4-byte aligned, workspace_bytes of dg_quantize_fp8_sizes */
+  size_t workspace_bytes;
+} dg_quantize_desc;
+
+/* What the caller allocates for a desc: out holds batch * data_rows * data_cols bytes and
+ * scale batch * scale_rows * scale_cols floats, each row-major as listed above (TENSOR: 1 x 1;
+ * ROW: rows x 1); the workspace (any content; 0 bytes but for DG_QUANT_TENSOR, the amax, and for
+ * offs, the groups' clamped ends) must not be in use by another call in flight. */
+typedef struct dg_quantize_sizes {
+  int64_t data_rows;
+  int64_t data_cols;
+  int64_t scale_rows;
+  int64_t scale_cols;
+  size_t workspace_bytes;
+} dg_quantize_sizes;
+
+/* Checks desc's shape fields (dtypes, granularity, sizes, transpose, num_groups; no pointer is
+ * read) and fills *sizes. */
+DG_API dg_status dg_quantize_fp8_sizes(const dg_quantize_desc* desc, dg_quantize_sizes* sizes);
+/* Every check, then the kernels on `stream` (no host sync, no allocation; graph-capturable). */
+DG_API dg_status dg_quantize_fp8(const dg_quantize_desc* desc, cudaStream_t stream);
+
 #ifdef __cplusplus
 }
 #endif
