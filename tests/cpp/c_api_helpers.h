@@ -73,6 +73,24 @@ inline dg_grouped_desc grouped_desc(dg_grouped_kind kind, int64_t g, int64_t t, 
   return d;
 }
 
+// FP8 quantization of x (rows, cols) at `g`, with a workspace large enough for any desc.
+inline dg_quantize_desc quantize_desc(dg_quant_granularity g, int64_t rows, int64_t cols,
+                                      dg_dtype in = DG_BF16, dg_dtype out = DG_E4M3) {
+  dg_quantize_desc d{};
+  d.x = fake_ptr(8);
+  d.x_dtype = in;
+  d.batch = 1;
+  d.rows = rows;
+  d.cols = cols;
+  d.granularity = g;
+  d.out = fake_ptr(9);
+  d.out_dtype = out;
+  d.scale = static_cast<float*>(fake_ptr(10));
+  d.workspace = fake_ptr(11);
+  d.workspace_bytes = size_t{1} << 40;
+  return d;
+}
+
 // Stores any int into a C enum field, as a C caller may (no C++ enum conversion involved).
 template <class Enum>
 void set_raw(Enum* field, int value) {

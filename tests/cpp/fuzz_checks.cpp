@@ -1,14 +1,14 @@
 // A deterministic random fuzzer of the C API's argument checks (built with ASan + UBSan by
-// DISTGEMM_HOST_CHECKS; run by ctest). Each iteration starts from a valid dense, grouped or
-// tensor-parallel descriptor and mutates a few fields to extreme int64/int values, NULL,
-// misaligned or end-of-address-space pointers and arbitrary enum values, then calls every
-// entry point that only checks (and, without a GPU, the launching ones, which stop at their
-// checks). It asserts that each returns a status the API defines with a message, and that
+// DISTGEMM_HOST_CHECKS; run by ctest). Each iteration starts from a valid dense, grouped,
+// tensor-parallel or FP8 quantization descriptor and mutates a few fields to extreme int64/int
+// values, NULL, misaligned or end-of-address-space pointers and arbitrary enum values, then
+// calls every entry point that only checks (and, without a GPU, the launching ones, which stop
+// at their checks). It asserts that each returns a status the API defines with a message, and that
 // whatever passes the checks is in bounds by an independent oracle (128-bit arithmetic): a
 // check that lets an out-of-bounds descriptor through fails here, a crash or an overflow trips
 // the sanitizers.
 //
-//   distgemm_fuzz_checks [iterations=200000] [seed=1] [families=gemm,grouped,tp]
+//   distgemm_fuzz_checks [iterations=200000] [seed=1] [families=gemm,grouped,tp,quant]
 #include <cuda_runtime_api.h>
 
 #include <climits>
@@ -363,15 +363,154 @@ void fuzz_tp() {
   tp_passed += s == DG_SUCCESS;
 }
 
+// ---------------------------------------------------------------- FP8 quantization
+
+long quant_calls = 0, quant_passed = 0;
+
+dg_quantize_desc random_valid_quantize() {
+  const auto g = static_cast<dg_quant_granularity>(below(4));
+  const int64_t rows = coin(8) ? 0 : static_cast<int64_t>(below(1 << 16));
+  const int64_t cols = coin(8) ? 0 : static_cast<int64_t>(below(1 << 14));
+  dg_quantize_desc d = quantize_desc(g, rows, cols, pick({DG_BF16, DG_F16, DG_F32}), pick({DG_E4M3, DG_E5M2}));
+  if (g == DG_QUANT_128X128 && coin(2)) d.batch = static_cast<int64_t>(below(64));
+  if (g == DG_QUANT_1X128 && coin(2)) {
+    d.transpose = 1;
+    if (coin(2)) {
+      d.num_groups = 1 + static_cast<int64_t>(below(coin(8) ? 1 << 20 : 64));
+      d.offs = static_cast<const int32_t*>(fake_ptr(12));
+    }
+  }
+  dg_quantize_sizes s{};
+  if (dg_quantize_fp8_sizes(&d, &s) != DG_SUCCESS) report("dg_quantize_fp8_sizes", dg_last_error());
+  d.workspace_bytes = s.workspace_bytes;
+  return d;
+}
+
+void mutate_quantize(dg_quantize_desc* d) {
+  const int count = 1 + static_cast<int>(below(3));
+  for (int i = 0; i < count; ++i) {
+    switch (below(14)) {
+      case 0: mutate_enum(&d->x_dtype); break;
+      case 1: mutate_enum(&d->out_dtype); break;
+      case 2: mutate_enum(&d->granularity); break;
+      case 3: d->rows = any_int64(); break;
+      case 4: d->cols = any_int64(); break;
+      case 5: d->batch = any_int64(); break;
+      case 6: d->transpose = coin(2) ? static_cast<int>(below(2)) : any_int(); break;
+      case 7: d->num_groups = any_int64(); break;
+      case 8: d->x = any_ptr(d->x); break;
+      case 9: d->out = const_cast<void*>(any_ptr(d->out)); break;
+      case 10: d->scale = static_cast<float*>(const_cast<void*>(any_ptr(d->scale))); break;
+      case 11: d->offs = static_cast<const int32_t*>(any_ptr(d->offs)); break;
+      case 12: d->workspace = const_cast<void*>(any_ptr(d->workspace)); break;
+      default: d->workspace_bytes = static_cast<size_t>(any_int64()); break;
+    }
+  }
+}
+
+// The layout of a desc by 128-bit arithmetic: false (and why) where it is not one the API takes.
+struct QuantLayout {
+  i128 x_bytes, data, scale, workspace, data_rows, data_cols, scale_rows, scale_cols;
+};
+
+bool quant_layout(const dg_quantize_desc& d, QuantLayout* l, std::string* why) {
+  const int g = raw(d.granularity), in = raw(d.x_dtype), out = raw(d.out_dtype);
+  const i128 lim64 = INT64_MAX, lim31 = i128(1) << 31;
+  if (g < 0 || g > 3) return *why = "granularity", false;
+  if (in != DG_BF16 && in != DG_F16 && in != DG_F32) return *why = "x dtype", false;
+  if (out != DG_E4M3 && out != DG_E5M2) return *why = "out dtype", false;
+  if (d.rows < 0 || d.cols < 0 || d.batch < 0 || (g != DG_QUANT_128X128 && d.batch != 1)) return *why = "sizes", false;
+  if (d.transpose && g != DG_QUANT_1X128) return *why = "transpose", false;
+  const i128 groups = d.num_groups;
+  if (groups < 0 || groups >= lim31 || (groups && !d.transpose) || (groups && d.rows >= lim31))
+    return *why = "num_groups", false;
+  const i128 batch = d.batch, rows = d.rows, cols = d.cols;
+  auto nb = [](i128 n) { return (n + 127) / 128; };
+  // a * b * c within int64, multiplied left to right as the checks do (so (2^62, 2^62, 0)
+  // overflows); each partial product of non-negative values below 2^63 fits in 128 bits.
+  auto fits = [&](i128 a, i128 b, i128 c, i128* p) {
+    *p = a * b;
+    if (*p > lim64) return false;
+    *p *= c;
+    return *p <= lim64;
+  };
+  i128 x = 0;
+  if (!fits(batch, rows, cols, &x) || x * (in == DG_F32 ? 4 : 2) > lim64) return *why = "x extent", false;
+  l->x_bytes = x * (in == DG_F32 ? 4 : 2);
+  l->workspace = 0;
+  l->data_rows = rows;
+  l->data_cols = cols;
+  switch (g) {
+    case DG_QUANT_TENSOR: l->scale_rows = 1; l->scale_cols = 1; l->workspace = 4; break;
+    case DG_QUANT_ROW: l->scale_rows = rows; l->scale_cols = 1; break;
+    case DG_QUANT_128X128: l->scale_rows = nb(rows); l->scale_cols = nb(cols); break;
+    default:
+      if (!d.transpose) {
+        l->scale_rows = nb(cols);
+        l->scale_cols = rows;
+      } else {
+        l->data_rows = cols;
+        l->data_cols = groups ? 128 * (nb(rows) + groups) : rows;
+        l->scale_rows = groups ? nb(rows) + groups : nb(rows);
+        l->scale_cols = cols;
+        l->workspace = 4 * groups;
+      }
+  }
+  const i128 mats = g == DG_QUANT_128X128 ? batch : 1;
+  if (!fits(mats, l->data_rows, l->data_cols, &l->data)) return *why = "data extent", false;
+  if (!fits(mats, l->scale_rows, l->scale_cols, &l->scale) || l->scale * 4 > lim64) return *why = "scale extent", false;
+  return true;
+}
+
+bool quant_buffer(const void* p, i128 bytes, unsigned align) {
+  const auto a = static_cast<i128>(reinterpret_cast<uintptr_t>(p));
+  return (bytes == 0 || p != nullptr) && a % align == 0 && a + bytes <= (i128)UINTPTR_MAX;
+}
+
+void fuzz_quant(bool launch) {
+  dg_quantize_desc d = random_valid_quantize();
+  const bool mutated = !coin(8);
+  if (mutated) mutate_quantize(&d);
+  QuantLayout l{};
+  std::string why;
+  const bool valid_shape = quant_layout(d, &l, &why);
+  dg_quantize_sizes s{};
+  const bool null_sizes = coin(16);
+  const dg_status ss = dg_quantize_fp8_sizes(&d, null_sizes ? nullptr : &s);
+  expect_status(ss, "dg_quantize_fp8_sizes");
+  if (ss == DG_SUCCESS && !valid_shape) report("dg_quantize_fp8_sizes oracle", why);
+  if (ss == DG_SUCCESS && (s.data_rows != l.data_rows || s.data_cols != l.data_cols || s.scale_rows != l.scale_rows ||
+                           s.scale_cols != l.scale_cols || (i128)s.workspace_bytes != l.workspace))
+    report("dg_quantize_fp8_sizes", "sizes differ from the oracle's");
+  if (ss != DG_SUCCESS && valid_shape && !null_sizes) report("dg_quantize_fp8_sizes", std::string("refused a valid shape: ") + dg_last_error());
+  if (!launch) return;
+  const dg_status st = dg_quantize_fp8(&d, nullptr);
+  expect_status(st, "dg_quantize_fp8");
+  ++quant_calls;
+  quant_passed += st != DG_ERROR_INVALID_ARGUMENT;
+  if (st != DG_ERROR_INVALID_ARGUMENT) {
+    const int eb = raw(d.x_dtype) == DG_F32 ? 4 : 2;
+    if (!valid_shape) report("dg_quantize_fp8 oracle", why);
+    else if (!quant_buffer(d.x, l.x_bytes, eb)) report("dg_quantize_fp8 oracle", "x");
+    else if (!quant_buffer(d.out, l.data, 1)) report("dg_quantize_fp8 oracle", "out");
+    else if (!quant_buffer(d.scale, 4 * l.scale, 4)) report("dg_quantize_fp8 oracle", "scale");
+    else if (d.num_groups > 0 && !quant_buffer(d.offs, 4 * (i128)d.num_groups, 4)) report("dg_quantize_fp8 oracle", "offs");
+    else if ((i128)d.workspace_bytes < l.workspace || (l.workspace > 0 && !quant_buffer(d.workspace, l.workspace, 4)))
+      report("dg_quantize_fp8 oracle", "workspace");
+  }
+  if (!mutated && !passes_checks(st)) report("dg_quantize_fp8", std::string("refused a valid desc: ") + dg_last_error());
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   const long iterations = argc > 1 ? std::strtol(argv[1], nullptr, 10) : 200000;
   const unsigned long long seed = argc > 2 ? std::strtoull(argv[2], nullptr, 10) : 1;
-  const std::string families = argc > 3 ? argv[3] : "gemm,grouped,tp";
+  const std::string families = argc > 3 ? argv[3] : "gemm,grouped,tp,quant";
   const bool gemm = families.find("gemm") != std::string::npos;
   const bool grouped = families.find("grouped") != std::string::npos;
   const bool tp = families.find("tp") != std::string::npos;
+  const bool quant = families.find("quant") != std::string::npos;
   rng.seed(seed);
   // The launching entry points stop at their checks only where no GPU can run a descriptor
   // that passed them (its pointers are fake).
@@ -384,13 +523,16 @@ int main(int argc, char** argv) {
       case 2: if (grouped) fuzz_grouped(launch); break;
       default: if (tp) fuzz_tp(); break;
     }
+    if (quant && i % 4 == 3) fuzz_quant(launch);
     dg_status s;
     set_raw(&s, static_cast<int>(below(8)));  // within the enum's range (C++)
     if (dg_status_name(s) == nullptr) report("dg_status_name", "NULL");
   }
   std::printf("%ld iterations over %s (seed %llu, launching entry points %s)\n"
-              "passed the checks: gemm %ld of %ld, grouped %ld of %ld, tp %ld of %ld\n%ld failures\n",
+              "passed the checks: gemm %ld of %ld, grouped %ld of %ld, tp %ld of %ld, quant %ld of %ld\n"
+              "%ld failures\n",
               iterations, families.c_str(), seed, launch ? "included" : "skipped: a GPU is present",
-              gemm_passed, gemm_calls, grouped_passed, grouped_calls, tp_passed, tp_calls, failures);
+              gemm_passed, gemm_calls, grouped_passed, grouped_calls, tp_passed, tp_calls, quant_passed,
+              quant_calls, failures);
   return failures == 0 ? 0 : 1;
 }

@@ -462,6 +462,190 @@ TEST(GroupedQueries, EntryPointsCheckFirst) {
   }
 }
 
+// ---------------------------------------------------------------- FP8 quantization
+
+dg_quantize_sizes quantize_sizes(const dg_quantize_desc& d) {
+  dg_quantize_sizes s{};
+  EXPECT_EQ(dg_quantize_fp8_sizes(&d, &s), DG_SUCCESS) << dg_last_error();
+  return s;
+}
+
+TEST(QuantizeCheck, ValidDescsPassTheChecks) {
+  for (dg_quant_granularity g : {DG_QUANT_TENSOR, DG_QUANT_ROW, DG_QUANT_1X128, DG_QUANT_128X128})
+    for (dg_dtype in : {DG_BF16, DG_F16, DG_F32})
+      for (dg_dtype out : {DG_E4M3, DG_E5M2}) {
+        const dg_quantize_desc big = quantize_desc(g, 300, 1000, in, out);
+        const dg_quantize_desc one = quantize_desc(g, 1, 1, in, out);
+        EXPECT_TRUE(accepted(dg_quantize_fp8(&big, nullptr))) << g;
+        EXPECT_TRUE(accepted(dg_quantize_fp8(&one, nullptr))) << g;
+      }
+  dg_quantize_desc d = quantize_desc(DG_QUANT_1X128, 4096, 136);
+  d.transpose = 1;
+  EXPECT_TRUE(accepted(dg_quantize_fp8(&d, nullptr)));
+  d.offs = static_cast<const int32_t*>(fake_ptr(12));
+  d.num_groups = 300;
+  EXPECT_TRUE(accepted(dg_quantize_fp8(&d, nullptr)));
+  d = quantize_desc(DG_QUANT_128X128, 300, 260);
+  d.batch = 64;
+  EXPECT_TRUE(accepted(dg_quantize_fp8(&d, nullptr)));
+  // Nothing to read or write: the empty buffers may be NULL (the per-tensor scale is written).
+  for (dg_quant_granularity g : {DG_QUANT_TENSOR, DG_QUANT_ROW, DG_QUANT_1X128, DG_QUANT_128X128}) {
+    d = quantize_desc(g, 0, 64);
+    d.x = nullptr;
+    d.out = nullptr;
+    if (g != DG_QUANT_TENSOR) d.scale = nullptr;
+    EXPECT_TRUE(accepted(dg_quantize_fp8(&d, nullptr))) << g;
+  }
+}
+
+TEST(QuantizeCheck, SizesOfEveryLayout) {
+  dg_quantize_sizes s = quantize_sizes(quantize_desc(DG_QUANT_TENSOR, 300, 1000));
+  EXPECT_EQ(std::vector<int64_t>({s.data_rows, s.data_cols, s.scale_rows, s.scale_cols}),
+            std::vector<int64_t>({300, 1000, 1, 1}));
+  EXPECT_EQ(s.workspace_bytes, 4u);
+  s = quantize_sizes(quantize_desc(DG_QUANT_ROW, 300, 1000));
+  EXPECT_EQ(std::vector<int64_t>({s.scale_rows, s.scale_cols}), std::vector<int64_t>({300, 1}));
+  EXPECT_EQ(s.workspace_bytes, 0u);
+  s = quantize_sizes(quantize_desc(DG_QUANT_1X128, 300, 1000));  // stored (ceil(C/128), R)
+  EXPECT_EQ(std::vector<int64_t>({s.data_rows, s.data_cols, s.scale_rows, s.scale_cols}),
+            std::vector<int64_t>({300, 1000, 8, 300}));
+  s = quantize_sizes(quantize_desc(DG_QUANT_128X128, 300, 1000));
+  EXPECT_EQ(std::vector<int64_t>({s.scale_rows, s.scale_cols}), std::vector<int64_t>({3, 8}));
+  dg_quantize_desc d = quantize_desc(DG_QUANT_1X128, 1000, 72);
+  d.transpose = 1;
+  s = quantize_sizes(d);  // data (C, R); scale (ceil(R/128), C)
+  EXPECT_EQ(std::vector<int64_t>({s.data_rows, s.data_cols, s.scale_rows, s.scale_cols}),
+            std::vector<int64_t>({72, 1000, 8, 72}));
+  d.num_groups = 8;  // Rp = 128 * (ceil(1000/128) + 8) = 2048
+  s = quantize_sizes(d);
+  EXPECT_EQ(std::vector<int64_t>({s.data_rows, s.data_cols, s.scale_rows, s.scale_cols}),
+            std::vector<int64_t>({72, 2048, 16, 72}));
+  EXPECT_EQ(s.workspace_bytes, 32u);
+  d.rows = 0;
+  s = quantize_sizes(d);
+  EXPECT_EQ(s.data_cols, 1024);
+  // The sizes read no pointer.
+  d = quantize_desc(DG_QUANT_ROW, 5, 5);
+  d.x = d.out = nullptr;
+  d.scale = nullptr;
+  d.workspace_bytes = 0;
+  EXPECT_EQ(quantize_sizes(d).scale_rows, 5);
+}
+
+TEST(QuantizeCheck, RefusesBadShapes) {
+  dg_quantize_sizes s{};
+  auto both = [&](const dg_quantize_desc& d, const std::string& needle) {
+    return refused(dg_quantize_fp8_sizes(&d, &s), needle) && refused(dg_quantize_fp8(&d, nullptr), needle);
+  };
+  dg_quantize_desc d = quantize_desc(DG_QUANT_1X128, 64, 64);
+  set_raw(&d.x_dtype, DG_E4M3);
+  EXPECT_TRUE(both(d, "x must be bfloat16, float16 or float32, got float8_e4m3fn"));
+  set_raw(&d.x_dtype, 99);
+  EXPECT_TRUE(both(d, "got dtype 99"));
+  d = quantize_desc(DG_QUANT_1X128, 64, 64, DG_BF16, DG_BF16);
+  EXPECT_TRUE(both(d, "out dtype must be float8_e4m3fn or float8_e5m2, got bfloat16"));
+  d = quantize_desc(DG_QUANT_1X128, 64, 64);
+  for (int g : {-1, 4, INT_MAX}) {
+    set_raw(&d.granularity, g);
+    EXPECT_TRUE(both(d, "granularity must be DG_QUANT_TENSOR"));
+  }
+  d = quantize_desc(DG_QUANT_ROW, -1, 64);
+  EXPECT_TRUE(both(d, "non-negative rows and cols, got (-1, 64)"));
+  d = quantize_desc(DG_QUANT_ROW, 64, INT64_MIN);
+  EXPECT_TRUE(both(d, "non-negative rows and cols"));
+  d = quantize_desc(DG_QUANT_1X128, 64, 64);
+  d.batch = 2;
+  EXPECT_TRUE(both(d, "batch must be 1 for 1 x 128 scales"));
+  d = quantize_desc(DG_QUANT_128X128, 64, 64);
+  d.batch = -1;
+  EXPECT_TRUE(both(d, "batch must be non-negative"));
+  d = quantize_desc(DG_QUANT_ROW, 64, 64);
+  d.transpose = 1;
+  EXPECT_TRUE(both(d, "transpose needs 1 x 128 blocks"));
+  d = quantize_desc(DG_QUANT_1X128, 64, 64);
+  d.num_groups = 4;
+  d.offs = static_cast<const int32_t*>(fake_ptr(12));
+  EXPECT_TRUE(both(d, "apply to the transposed 1 x 128 quantization only"));
+  d.transpose = 1;
+  for (int64_t g : {int64_t{-1}, kBig, INT64_MAX}) {
+    d.num_groups = g;
+    EXPECT_TRUE(both(d, "num_groups must be 0 (no offs) or in [1, 2^31)"));
+  }
+  d.num_groups = 4;
+  d.rows = kBig;
+  EXPECT_TRUE(both(d, "fewer than 2^31 rows with offs"));
+  // Sizes whose elements or bytes overflow int64 are refused, never wrapped.
+  d = quantize_desc(DG_QUANT_128X128, int64_t{1} << 31, int64_t{1} << 31);
+  d.batch = int64_t{1} << 31;
+  EXPECT_TRUE(both(d, "overflows int64"));
+  d = quantize_desc(DG_QUANT_ROW, int64_t{1} << 31, int64_t{1} << 31, DG_F32);
+  EXPECT_TRUE(both(d, "spans more than 2^63 bytes"));
+  d = quantize_desc(DG_QUANT_1X128, 1, int64_t{1} << 30);  // data (C, 128 * (1 + G)): 2^68 bytes
+  d.transpose = 1;
+  d.num_groups = kBig - 1;
+  d.offs = static_cast<const int32_t*>(fake_ptr(12));
+  EXPECT_TRUE(both(d, "the FP8 data of"));
+  EXPECT_TRUE(refused(dg_quantize_fp8_sizes(nullptr, &s), "desc must not be NULL"));
+  EXPECT_TRUE(refused(dg_quantize_fp8_sizes(&d, nullptr), "sizes must not be NULL"));
+  EXPECT_TRUE(refused(dg_quantize_fp8(nullptr, nullptr), "desc must not be NULL"));
+}
+
+TEST(QuantizeCheck, RefusesBadPointers) {
+  const dg_quantize_desc good = quantize_desc(DG_QUANT_TENSOR, 64, 64, DG_F32);
+  dg_quantize_desc d = good;
+  d.x = nullptr;
+  EXPECT_TRUE(refused(dg_quantize_fp8(&d, nullptr), "x must not be NULL"));
+  d.x = static_cast<const char*>(good.x) + 2;  // 2-byte aligned float32
+  EXPECT_TRUE(refused(dg_quantize_fp8(&d, nullptr), "x must be a 4-byte aligned device pointer"));
+  d = quantize_desc(DG_QUANT_TENSOR, 64, 64);
+  d.x = static_cast<const char*>(good.x) + 2;  // bfloat16: element-aligned is enough
+  EXPECT_TRUE(accepted(dg_quantize_fp8(&d, nullptr)));
+  d.x = reinterpret_cast<const void*>(UINTPTR_MAX - 63);
+  EXPECT_TRUE(refused(dg_quantize_fp8(&d, nullptr), "x runs past the end of the address space"));
+  d = good;
+  d.out = nullptr;
+  EXPECT_TRUE(refused(dg_quantize_fp8(&d, nullptr), "out must not be NULL"));
+  d.out = static_cast<char*>(good.out) + 1;  // bytes: any address
+  EXPECT_TRUE(accepted(dg_quantize_fp8(&d, nullptr)));
+  d = good;
+  d.scale = nullptr;
+  EXPECT_TRUE(refused(dg_quantize_fp8(&d, nullptr), "scale must not be NULL"));
+  d.scale = reinterpret_cast<float*>(static_cast<char*>(fake_ptr(10)) + 2);
+  EXPECT_TRUE(refused(dg_quantize_fp8(&d, nullptr), "scale must be a 4-byte aligned"));
+  d = good;
+  d.workspace_bytes = 3;
+  EXPECT_TRUE(refused(dg_quantize_fp8(&d, nullptr), "workspace of 3 bytes is smaller than the 4 needed"));
+  d.workspace_bytes = 4;
+  d.workspace = nullptr;
+  EXPECT_TRUE(refused(dg_quantize_fp8(&d, nullptr), "workspace must not be NULL"));
+  d = quantize_desc(DG_QUANT_ROW, 64, 64);
+  d.workspace = nullptr;  // none needed
+  d.workspace_bytes = 0;
+  EXPECT_TRUE(accepted(dg_quantize_fp8(&d, nullptr)));
+  d = quantize_desc(DG_QUANT_1X128, 64, 64);
+  d.transpose = 1;
+  d.num_groups = 3;
+  EXPECT_TRUE(refused(dg_quantize_fp8(&d, nullptr), "offs must not be NULL"));
+  d.offs = reinterpret_cast<const int32_t*>(static_cast<char*>(fake_ptr(12)) + 2);
+  EXPECT_TRUE(refused(dg_quantize_fp8(&d, nullptr), "offs must be a 4-byte aligned"));
+  d.offs = static_cast<const int32_t*>(fake_ptr(12));
+  d.workspace_bytes = 11;
+  EXPECT_TRUE(refused(dg_quantize_fp8(&d, nullptr), "smaller than the 12 needed"));
+}
+
+TEST(QuantizeRun, NothingRunsWithoutKernelsOrADevice) {
+  const dg_quantize_desc d = quantize_desc(DG_QUANT_1X128, 64, 64);
+  const dg_status s = dg_quantize_fp8(&d, nullptr);
+  EXPECT_EQ(s, DG_ERROR_NOT_SUPPORTED);  // this build compiles no arch (DISTGEMM_WITH_SM90/SM100)
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    cudaGetLastError();
+    EXPECT_NE(std::string(dg_last_error()).find("no usable CUDA device"), std::string::npos);
+  } else {
+    EXPECT_NE(std::string(dg_last_error()).find("not built for sm_"), std::string::npos);
+  }
+}
+
 // ---------------------------------------------------------------- tensor-parallel sizes
 
 dg_tp_desc tp_desc(int world, int64_t m, int64_t n, int64_t k) {
