@@ -3,11 +3,12 @@
 from ._library import KERNEL_ARCHS, cmake_prefix_path, has_kernels
 from .dense import gemm
 from .grouped import grouped_mm, grouped_mm_wgrad
+from .quantize import quantize_fp8
 from .tp import all_gather_matmul, check_errors, dist_matmul, matmul_reduce_scatter, recover
 from . import nn
 
 __all__ = [
-    "gemm", "grouped_mm", "grouped_mm_wgrad", "all_gather_matmul", "matmul_reduce_scatter",
+    "gemm", "grouped_mm", "grouped_mm_wgrad", "quantize_fp8", "all_gather_matmul", "matmul_reduce_scatter",
     "dist_matmul", "check_errors", "recover", "nn", "has_kernels", "KERNEL_ARCHS", "cmake_prefix_path",
 ]
 __version__ = "0.1.0"
