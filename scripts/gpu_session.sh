@@ -22,6 +22,10 @@ for step in ${STEPS:-}; do
     segv1) timeout 120 cuda-gdb -batch -ex run -ex bt --args python3 -c "import torch, distgemm; print(torch.ops.distgemm.gemm_select_config(64, 64, 64, torch.bfloat16, torch.bfloat16, torch.bfloat16, True, 80, 108))" > "$OUT/segv1.log" 2>&1 ;;
     cpu|gpu|multigpu) timeout "${T:-400}" python3 -m pytest -q -ra -p no:cacheprovider "tests/$step" > "$OUT/tests_$step.log" 2>&1; tail -5 "$OUT/tests_$step.log" ;;
     all) timeout "${T:-540}" python3 -m pytest -q -ra -p no:cacheprovider > "$OUT/tests_all.log" 2>&1; tail -8 "$OUT/tests_all.log" ;;
+    pytest:*) f="${step#pytest:}"; log="$OUT/tests_$(basename "${f%%.py*}").log"
+      timeout "${T:-400}" python3 -m pytest -q -ra -p no:cacheprovider "$f" > "$log" 2>&1; tail -15 "$log" ;;
+    bench:*) s="${step#bench:}"; timeout "${TB:-300}" python3 -m distgemm.bench --suites "$s" ${BENCH_ARGS:-} \
+      --out "$OUT/results" > "$OUT/bench_${s//,/_}.log" 2>&1; tail -40 "$OUT/bench_${s//,/_}.log" ;;
     *) stamp "unknown step $step" ;;
   esac
   stamp "step $step rc=$?"

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 from torch import nn
 
 from .grouped import grouped_mm, grouped_mm_wgrad
+from .quantize import quantize_fp8
 
 
 def _expert_of_rows(offs: torch.Tensor, tokens: int) -> torch.Tensor:
@@ -39,6 +41,76 @@ class _GroupedLinearMainGrad(torch.autograd.Function):
         return dx, None, None
 
 
+FP8_RECIPES = ("block", "row")
+
+
+class _FP8Weight:
+    """A weight's FP8 copies, requantized when the weight changes (its version counter):
+    (G, N, K) for the forward and, for the dgrad, the same values stored (G, K, N)."""
+
+    def __init__(self, recipe: str):
+        self.recipe, self.key, self.copies = recipe, None, None
+
+    def get(self, weight: torch.Tensor):
+        key = (weight.data_ptr(), weight._version, weight.shape)
+        if key != self.key:
+            w = weight.detach()
+            if self.recipe == "block":
+                # 128 x 128 blocks: the transposed copy holds the same blocks, the same scales.
+                w8, sw = quantize_fp8(w, (128, 128))
+                self.copies = (w8, sw, w8.transpose(1, 2).contiguous(), sw)
+            else:
+                g, n, k = w.shape
+                w8, sw = quantize_fp8(w.reshape(g * n, k), "row")
+                wt8, swt = quantize_fp8(w.transpose(1, 2).reshape(g * k, n), "row")
+                self.copies = (w8.view(g, n, k), sw.view(g, n), wt8.view(g, k, n), swt.view(g, k))
+            self.key = key
+        return self.copies
+
+
+def _quantize_rows(t: torch.Tensor, recipe: str):
+    return quantize_fp8(t, (1, 128) if recipe == "block" else "row")
+
+
+class _GroupedLinearFP8(torch.autograd.Function):
+    """FP8 forward, dgrad and wgrad of GroupedLinear: inputs and output gradients quantized
+    on the fly (1 x 128 tiles, or rows), weights from the cached FP8 copies, the wgrad from
+    both quantized per 128 tokens of each expert into FP32 (weight.main_grad with fused
+    accumulation)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, offs, cache, fuse_wgrad):
+        w8, sw, _, _ = cache.get(weight)
+        x8, sx = _quantize_rows(x, cache.recipe)
+        ctx.save_for_backward(x, weight, offs)
+        ctx.cache, ctx.fuse_wgrad = cache, fuse_wgrad
+        return grouped_mm(x8, w8, offs, scale_x=sx, scale_w=sw)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, offs = ctx.saved_tensors
+        grad = grad.contiguous().to(x.dtype)
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            _, _, wt8, swt = ctx.cache.get(weight)
+            g8, sg = _quantize_rows(grad, ctx.cache.recipe)
+            # dx_g = dy_g @ w_g: the K-major operand is the transposed copy (G, K, N).
+            dx = grouped_mm(g8, wt8.transpose(1, 2), offs, scale_x=sg, scale_w=swt, trans_w=False)
+        if ctx.needs_input_grad[1]:
+            dy_t, sdy = quantize_fp8(grad, (1, 128), transpose=True, offs=offs)
+            x_t, sx = quantize_fp8(x, (1, 128), transpose=True, offs=offs)
+            if ctx.fuse_wgrad:
+                grouped_mm_wgrad(dy_t, x_t, offs, scale_dy=sdy, scale_x=sx, out=weight.main_grad,
+                                 accumulate=True)
+                if hasattr(weight, "grad_added_to_main_grad"):
+                    weight.grad_added_to_main_grad = True
+                    make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
+                    dw = make(weight.shape, dtype=weight.dtype, device=weight.device)
+            else:
+                dw = grouped_mm_wgrad(dy_t, x_t, offs, scale_dy=sdy, scale_x=sx).to(weight.dtype)
+        return dx, dw, None, None, None
+
+
 class GroupedLinear(nn.Module):
     """``num_experts`` linear layers applied to their own rows of one input in one launch.
 
@@ -47,14 +119,24 @@ class GroupedLinear(nn.Module):
     ``fuse_wgrad_accumulation=True`` the backward adds the weight gradient into
     ``weight.main_grad`` (an FP32 tensor the training framework allocates) instead of
     producing ``weight.grad``.
+
+    ``fp8="block"`` (DeepSeek-V3: activations and gradients per 1 x 128 tile, weights per
+    128 x 128 block) or ``fp8="row"`` (rows and output channels) runs the three GEMMs in FP8
+    (sm_90): inputs quantized on the fly, the weight's FP8 copies cached until it changes, the
+    wgrad from both operands quantized per 128 tokens of each expert, in FP32. The master
+    weight stays in ``dtype``.
     """
 
     def __init__(self, num_experts: int, in_features: int, out_features: int, bias: bool = False,
                  dtype: torch.dtype = torch.bfloat16, device=None,
-                 fuse_wgrad_accumulation: bool = False):
+                 fuse_wgrad_accumulation: bool = False, fp8: Optional[str] = None):
         super().__init__()
         if num_experts < 1 or in_features < 1 or out_features < 1:
             raise ValueError("GroupedLinear: num_experts, in_features and out_features must be >= 1")
+        if fp8 is not None and fp8 not in FP8_RECIPES:
+            raise ValueError(f"GroupedLinear: fp8 must be None or one of {FP8_RECIPES}, got {fp8!r}")
+        self.fp8 = fp8
+        self._fp8_weight = _FP8Weight(fp8) if fp8 else None
         self.num_experts, self.in_features, self.out_features = num_experts, in_features, out_features
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
         self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features, dtype=dtype,
@@ -70,10 +152,13 @@ class GroupedLinear(nn.Module):
             nn.init.uniform_(self.bias, -bound, bound)
 
     def forward(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-        if self.fuse_wgrad_accumulation and torch.is_grad_enabled() and self.weight.requires_grad:
-            if getattr(self.weight, "main_grad", None) is None:
-                raise RuntimeError("GroupedLinear(fuse_wgrad_accumulation=True) needs weight.main_grad: "
-                                   "an FP32 tensor of the weight's shape")
+        fuse = self.fuse_wgrad_accumulation and torch.is_grad_enabled() and self.weight.requires_grad
+        if fuse and getattr(self.weight, "main_grad", None) is None:
+            raise RuntimeError("GroupedLinear(fuse_wgrad_accumulation=True) needs weight.main_grad: "
+                               "an FP32 tensor of the weight's shape")
+        if self.fp8:
+            y = _GroupedLinearFP8.apply(x, self.weight, offs, self._fp8_weight, fuse)
+        elif fuse:
             y = _GroupedLinearMainGrad.apply(x, self.weight, offs)
         else:
             y = grouped_mm(x, self.weight, offs)
@@ -84,7 +169,7 @@ class GroupedLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, in_features={self.in_features}, "
                 f"out_features={self.out_features}, bias={self.bias is not None}, "
-                f"fuse_wgrad_accumulation={self.fuse_wgrad_accumulation}")
+                f"fuse_wgrad_accumulation={self.fuse_wgrad_accumulation}, fp8={self.fp8}")
 
 
 # ---------------------------------------------------------------- tensor parallelism

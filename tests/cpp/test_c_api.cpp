@@ -425,15 +425,80 @@ TEST(GroupedCheck, PointersKindsDtypes) {
     EXPECT_EQ(dg_grouped_gemm_config_count(&d, 90), 0);
   }
   d = grouped_desc(DG_GROUPED_FORWARD, 8, 100, 64, 32, DG_E4M3, DG_BF16);
-  EXPECT_TRUE(refused(grouped_check(d), "inputs must be bfloat16 or float16, got float8_e4m3fn"));
+  EXPECT_TRUE(refused(grouped_check(d), "scale_mode must be ROW or BLOCK for FP8 inputs"));
   d = grouped_desc(DG_GROUPED_FORWARD, 8, 100, 64, 32);
   set_raw(&d.in_dtype, 99);
-  EXPECT_TRUE(refused(grouped_check(d), "inputs must be bfloat16 or float16, got dtype 99"));
+  EXPECT_TRUE(refused(grouped_check(d), "inputs must be bfloat16, float16 or float8_e4m3fn, got dtype 99"));
+  d = grouped_desc(DG_GROUPED_FORWARD, 8, 100, 64, 32);
+  d.scale_mode = DG_SCALE_ROW;
+  EXPECT_TRUE(refused(grouped_check(d), "scale_mode must be NONE for bfloat16/float16 inputs"));
   d = grouped_desc(DG_GROUPED_FORWARD, 8, 100, 64, 32, DG_BF16, DG_F16);
   EXPECT_TRUE(refused(grouped_check(d), "out dtype must be bfloat16 or float32, got float16"));
   d = grouped_desc(DG_GROUPED_FORWARD, 8, 100, 64, 32);
   set_raw(&d.out_dtype, -3);
   EXPECT_TRUE(refused(grouped_check(d), "got dtype -3"));
+}
+
+// An FP8 forward with block scales over G experts, T tokens: (T, K) x (G, N, K).
+dg_grouped_desc fp8_forward(int64_t g, int64_t t, int64_t n, int64_t k) {
+  dg_grouped_desc d = grouped_desc(DG_GROUPED_FORWARD, g, t, n, k, DG_E4M3, DG_BF16);
+  d.scale_mode = DG_SCALE_BLOCK;
+  d.scale_a = static_cast<const float*>(fake_ptr(8));
+  d.scale_a_shape = shape2(t, (k + 127) / 128);
+  d.scale_a_ld = t;
+  d.scale_b = static_cast<const float*>(fake_ptr(9));
+  d.scale_b_shape = shape3(g, (k + 127) / 128, (n + 127) / 128);
+  return d;
+}
+
+TEST(GroupedCheck, Fp8ModesAndScales) {
+  EXPECT_TRUE(accepted(grouped_check(fp8_forward(8, 1000, 256, 384))));
+  dg_grouped_desc d = fp8_forward(8, 1000, 256, 384);
+  d.in_dtype = DG_E5M2;
+  EXPECT_TRUE(refused(grouped_check(d), "FP8 grouped GEMMs take float8_e4m3fn inputs"));
+  d = fp8_forward(8, 1000, 256, 384);
+  d.kind = DG_GROUPED_DGRAD;
+  EXPECT_TRUE(refused(grouped_check(d), "run a dgrad as FORWARD on w transposed"));
+  d = fp8_forward(8, 1000, 256, 384);
+  d.out_dtype = DG_F32;
+  EXPECT_TRUE(refused(grouped_check(d), "FP8 grouped forward writes bfloat16"));
+  d = fp8_forward(8, 1000, 256, 384);
+  d.scale_a_shape = shape2(1000, 2);
+  EXPECT_TRUE(refused(grouped_check(d), "scale_a (x's 1 x 128 scales) must have shape (T, ceil(K / 128)) = (1000, 3)"));
+  d = fp8_forward(8, 1000, 256, 384);
+  d.scale_b_shape = shape3(8, 2, 3);
+  EXPECT_TRUE(refused(grouped_check(d), "scale_b (w's 128 x 128 scales) must have shape"));
+  d = fp8_forward(8, 1000, 256, 384);
+  d.scale_a_ld = 999;
+  EXPECT_TRUE(refused(grouped_check(d), "scale_a_ld"));
+  d = fp8_forward(8, 1000, 256, 384);
+  d.scale_b = static_cast<const float*>(static_cast<const void*>(static_cast<const char*>(fake_ptr(9)) + 2));
+  EXPECT_TRUE(refused(grouped_check(d), "scale_b must be a 4-byte aligned device pointer"));
+  d = fp8_forward(8, 1000, 256, 384);
+  d.scale_mode = DG_SCALE_ROW;
+  EXPECT_TRUE(refused(grouped_check(d), "scale_a (x's row scales) must have shape (T,) = (1000,)"));
+  d.scale_a_shape = {1, {1000, 0, 0}};
+  d.scale_b_shape = shape2(8, 256);
+  EXPECT_TRUE(accepted(grouped_check(d)));
+  // wgrad: dy^T (N, Tp) and x^T (K, Tp), Tp = 128 (ceil(T / 128) + G).
+  d = grouped_desc(DG_GROUPED_WGRAD, 4, 0, 256, 384, DG_E4M3, DG_F32);
+  d.scale_mode = DG_SCALE_BLOCK;
+  d.a_shape = shape2(256, 128 * 12);
+  d.b_shape = shape2(384, 128 * 12);
+  d.scale_a = static_cast<const float*>(fake_ptr(8));
+  d.scale_b = static_cast<const float*>(fake_ptr(9));
+  d.scale_a_shape = shape2(12, 256);
+  d.scale_b_shape = shape2(12, 384);
+  EXPECT_TRUE(accepted(grouped_check(d)));
+  dg_grouped_desc bad = d;
+  bad.a_shape = shape2(256, 100);
+  EXPECT_TRUE(refused(grouped_check(bad), "padded layout of quantize_fp8"));
+  bad = d;
+  bad.scale_b_shape = shape2(12, 383);
+  EXPECT_TRUE(refused(grouped_check(bad), "scale_b (x's scales) must have shape (Tp / 128, K)"));
+  bad = d;
+  bad.scale_mode = DG_SCALE_ROW;
+  EXPECT_TRUE(refused(grouped_check(bad), "FP8 wgrad takes BLOCK scales"));
 }
 
 TEST(GroupedQueries, EntryPointsCheckFirst) {
