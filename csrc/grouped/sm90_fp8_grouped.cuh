@@ -289,5 +289,5 @@ size_t Sm90Fp8GroupedKernel<Mode, Out, Kind, TM, TN, CM, CN>::workspace(const Gr
 }  // namespace distgemm::grouped
 
 #define DG_INSTANTIATE_SM90_FP8_GROUPED(MODE, OUT, KIND, S, TM, TN, CM, CN)                \
-  template struct distgemm::grouped::Sm90Fp8GroupedKernel<MODE, OUT, distgemm::grouped::KIND, \
-                                                          TM, TN, CM, CN>;
+  template struct distgemm::grouped::Sm90Fp8GroupedKernel<distgemm::grouped::MODE, OUT,           \
+                                                          distgemm::grouped::KIND, TM, TN, CM, CN>;
