@@ -41,6 +41,7 @@ const GroupedInstance kInstanceTable[] = {
 #include "grouped/grouped_fp8_instances.def"
 #if defined(DISTGEMM_TUNING_INSTANCES)
 #include "grouped/grouped_instances_tuning.def"
+#include "grouped/grouped_fp8_instances_tuning.def"
 #endif
     GroupedInstance{},
 };
@@ -254,6 +255,12 @@ dg_status lower(const dg_grouped_desc* desc, GroupedProblem* p) {
   if (padded) {
     DG_REQUIRE(k % out_elems == 0, "K=", k, " must be a multiple of ", out_elems,
                " (16-byte rows of the float32 out)");
+  } else if (fp8) {
+    // x and w are K-major: only their rows need 16-byte alignment.
+    DG_REQUIRE(k % in_elems == 0, "K=", k, " must be a multiple of ", in_elems, " (16 bytes of ",
+               dtype_str(in), ")");
+    DG_REQUIRE(n % out_elems == 0, "N=", n, " must be a multiple of ", out_elems,
+               " (16-byte rows of the ", dtype_str(out), " out)");
   } else {
     DG_REQUIRE(n % in_elems == 0 && k % in_elems == 0, "N=", n, " and K=", k,
                " must be multiples of ", in_elems, " (16 bytes of ", dtype_str(in), ")");

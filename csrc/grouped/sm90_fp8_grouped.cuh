@@ -1,11 +1,14 @@
 // SM90 FP8 grouped GEMM for MoE: CUTLASS's ptr-array blockwise-scaled kernel. Partial sums
-// are scaled by scale_a * scale_b and promoted to FP32 once per 128-deep K block into a
-// split accumulator (CUTLASS >= 4.3), so 256 x 128 tiles fit in registers.
+// are promoted to FP32 once per 128-deep K block into a split accumulator (CUTLASS >= 4.3),
+// so 256 x 128 tiles fit in registers.
+//   block scales: the promotion multiplies by scale_a * scale_b of the block;
+//   row-wise scales (constant along K): the promotion multiplies by 1 and the epilogue by
+//   scale_a[m] * scale_b[g][n], so the mainloop does no per-element scale work.
 //
-// The mainloop reads each group's scales packed as (K blocks, rows) (MN-major, strides from
-// the group's own shape), so a small kernel, run before the GEMM, writes per group: the
-// problem shape, pointers and strides, and (forward) the scales repacked from the caller's
-// layout into the workspace. Nothing is read on the host.
+// The mainloop reads each group's block scales packed as (K blocks, rows) (MN-major, strides
+// from the group's own shape), so a small kernel, run before the GEMM, writes per group: the
+// problem shape, pointers and strides, and (block forward) the scales repacked from the
+// caller's layout into the workspace. Nothing is read on the host.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -18,6 +21,8 @@
 #include <cutlass/gemm/group_array_problem_shape.hpp>
 #include <cutlass/gemm/kernel/gemm_universal.hpp>
 
+#include <cutlass/epilogue/fusion/sm90_callbacks_tma_warpspecialized.hpp>
+
 #include "common/cutlass_types.cuh"
 #include "common/status.h"
 #include "grouped/grouped_problem.h"
@@ -25,6 +30,23 @@
 namespace distgemm::grouped::sm90 {
 
 using namespace cute;
+namespace fusion = cutlass::epilogue::fusion;
+
+// Row-wise scales in the epilogue: D = beta * C + scale_b[g][n] * (scale_a[m] * acc), the
+// scale vectors one pointer per group.
+template <class ElementD, class TileShape>
+using RowScaledEpilogue = fusion::Sm90EVT<
+    fusion::Sm90Compute<cutlass::homogeneous_multiply_add, ElementD, float,
+                        cutlass::FloatRoundStyle::round_to_nearest>,
+    fusion::Sm90ScalarBroadcast<float>,
+    fusion::Sm90SrcFetch<ElementD>,
+    fusion::Sm90EVT<
+        fusion::Sm90Compute<cutlass::multiplies, float, float, cutlass::FloatRoundStyle::round_to_nearest>,
+        fusion::Sm90RowBroadcast<0, TileShape, float*, float, Stride<_0, _1, _0>>,
+        fusion::Sm90EVT<fusion::Sm90Compute<cutlass::multiplies, float, float,
+                                            cutlass::FloatRoundStyle::round_to_nearest>,
+                        fusion::Sm90ColBroadcast<0, TileShape, float*, float, Stride<_1, _0, _0>>,
+                        fusion::Sm90AccFetch>>>;
 
 // Mode: DG_SCALE_ROW or DG_SCALE_BLOCK; Kind: forward (x (T, K) @ w[g]^T, w (G, N, K)) or
 // wgrad (dy^T @ x over each group's tokens, both given transposed and padded per group).
@@ -33,8 +55,11 @@ struct Sm90Fp8Grouped {
   static constexpr int kKind = Kind;
   static constexpr int kMode = Mode;
   static constexpr int kBlockK = 128;  // scale granularity along K = one promotion
-  // Block forward: w's scales cover 128 x 128; row-wise forward and wgrad: one per column.
-  static constexpr int kScaleN = Mode == DG_SCALE_BLOCK && Kind == DG_GROUPED_FORWARD ? 128 : 1;
+  static constexpr bool kRowScaled = Mode == DG_SCALE_ROW;
+  // Block forward: w's scales cover 128 x 128, x's 1 x 128; wgrad: 1 x 128 for both. Row-wise:
+  // the mainloop's scales are ones, one per tile.
+  static constexpr int kScaleM = kRowScaled ? TileM : 1;
+  static constexpr int kScaleN = kRowScaled ? TileN : Kind == DG_GROUPED_FORWARD ? 128 : 1;
   using Element = cutlass::float_e4m3_t;
   using ElementD = cutlass_type_t<Out>;
   using LayoutA = cutlass::layout::RowMajor;     // (M, K), K-major
@@ -42,18 +67,20 @@ struct Sm90Fp8Grouped {
   using LayoutD = cutlass::layout::RowMajor;
   static constexpr int kAlign = 16;
   static constexpr int kAlignD = 16 / sizeof(ElementD);
-  using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, kScaleN, kBlockK>;
+  using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<kScaleM, kScaleN, kBlockK>;
   using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
   using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
   using TileShape = Shape<Int<TileM>, Int<TileN>, Int<kBlockK>>;
   using ClusterShape = Shape<Int<ClusterM>, Int<ClusterN>, _1>;
   using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;
 
+  using Fusion = std::conditional_t<kRowScaled, RowScaledEpilogue<ElementD, TileShape>,
+                                    fusion::LinearCombination<ElementD, float>>;
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementD, LayoutD*, kAlignD,
       ElementD, LayoutD*, kAlignD, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
-      cutlass::epilogue::fusion::LinearCombination<ElementD, float>>::CollectiveOp;
+      Fusion>::CollectiveOp;
 
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element,
@@ -85,14 +112,22 @@ struct Sm90Fp8Grouped {
     StrideD* stride_d;
     LayoutSFA* layout_sfa;
     LayoutSFB* layout_sfb;
-    float* packed_sfa;  // forward: T * Kb scales, group g's (Kb, rows) at start_g * Kb
-    float* packed_sfb;  // row-wise forward: G * Kb * N scales, w's row scales per K block
+    float* packed_sfa;  // block forward: T * Kb scales, group g's (Kb, rows) at start_g * Kb
+    float* ones;        // row-wise: the mainloop's scales, enough for any group
+    float const** ptr_row_scale;  // row-wise: scale_b + g * N
+    float const** ptr_col_scale;  // row-wise: scale_a + start_g
     Element* zeros;     // wgrad: 128 x max(N, K) zeros, the operands of empty groups
     void* cutlass_workspace;
   };
 
   static size_t align(size_t bytes) { return (bytes + 255) / 256 * 256; }
   CUTE_HOST_DEVICE static int64_t k_blocks(int64_t k) { return (k + kBlockK - 1) / kBlockK; }
+  // Row-wise: ones for the mainloop's per-tile scales of the largest group, and of N.
+  CUTE_HOST_DEVICE static int64_t ones_count(const GroupedProblem& p) {
+    if (!kRowScaled) return 0;
+    const int64_t m_tiles = (p.tokens + TileM - 1) / TileM, n_tiles = (p.n + TileN - 1) / TileN;
+    return (m_tiles > n_tiles ? m_tiles : n_tiles) * k_blocks(p.k);
+  }
 
   // Lays out the arrays (base == nullptr only measures); returns the bytes used.
   static size_t carve(const GroupedProblem& p, char* base, Arrays* out) {
@@ -117,8 +152,10 @@ struct Sm90Fp8Grouped {
     take(&a.stride_d, g);
     take(&a.layout_sfa, g);
     take(&a.layout_sfb, g);
-    take(&a.packed_sfa, forward ? static_cast<size_t>(p.tokens * k_blocks(p.k)) : 0);
-    take(&a.packed_sfb, forward && Mode == DG_SCALE_ROW ? g * k_blocks(p.k) * p.n : 0);
+    take(&a.packed_sfa, forward && !kRowScaled ? static_cast<size_t>(p.tokens * k_blocks(p.k)) : 0);
+    take(&a.ones, static_cast<size_t>(ones_count(p)));
+    take(&a.ptr_row_scale, kRowScaled ? g : 0);
+    take(&a.ptr_col_scale, kRowScaled ? g : 0);
     take(&a.zeros, forward ? 0 : static_cast<size_t>(kBlockK * std::max(p.n, p.k)));
     if (base) a.cutlass_workspace = base + off;
     if (out) *out = a;
@@ -127,8 +164,14 @@ struct Sm90Fp8Grouped {
 
   static typename Adapter::Arguments arguments(const GroupedProblem& p, const Arrays& arr) {
     typename CollectiveEpilogue::FusionCallbacks::Arguments fusion{};
-    fusion.alpha = 1.f;
-    fusion.beta = p.accumulate ? 1.f : 0.f;
+    if constexpr (kRowScaled) {
+      fusion.op_0.scalars[0] = p.accumulate ? 1.f : 0.f;
+      fusion.op_2.op_0 = {arr.ptr_row_scale, 1.f, {}};
+      fusion.op_2.op_1.op_0 = {arr.ptr_col_scale, 1.f, {}};
+    } else {
+      fusion.alpha = 1.f;
+      fusion.beta = p.accumulate ? 1.f : 0.f;
+    }
     cutlass::KernelHardwareInfo hw{p.device, p.sm_count};
     return typename Adapter::Arguments{
         cutlass::gemm::GemmUniversalMode::kGrouped,
@@ -199,11 +242,15 @@ __device__ void fill_fp8_group_arguments(typename G::Arrays& arr, const GroupedP
     get<0>(sa) = p.k;
     get<0>(sb) = p.k;
     get<0>(sd) = p.n;
-    arr.ptr_sfa[g] = arr.packed_sfa + r.start * kb;
-    if constexpr (G::kMode == DG_SCALE_ROW)
-      arr.ptr_sfb[g] = arr.packed_sfb + static_cast<int64_t>(g) * kb * p.n;
-    else
+    if constexpr (G::kRowScaled) {
+      arr.ptr_sfa[g] = arr.ones;
+      arr.ptr_sfb[g] = arr.ones;
+      arr.ptr_col_scale[g] = p.scale_a + r.start;
+      arr.ptr_row_scale[g] = p.scale_b + static_cast<int64_t>(g) * p.n;
+    } else {
+      arr.ptr_sfa[g] = arr.packed_sfa + r.start * kb;
       arr.ptr_sfb[g] = p.scale_b + static_cast<int64_t>(g) * kb * ((p.n + 127) / 128);
+    }
   }
   arr.shapes[g] = shape;
   arr.ptr_c[g] = arr.ptr_d[g];
@@ -223,30 +270,25 @@ __global__ void build_fp8_grouped_arguments(typename G::Arrays arr, GroupedProbl
   using Element = typename G::Element;
   const int64_t threads = int64_t(gridDim.x) * blockDim.x;
   const int64_t tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if constexpr (G::kKind == DG_GROUPED_WGRAD) {
-    if (blockIdx.y == 0) {
+  if (blockIdx.y == 0) {
+    if constexpr (G::kKind == DG_GROUPED_WGRAD) {
       constexpr int64_t kBlock = G::kBlockK;
       const int64_t zeros = kBlock * (p.n > p.k ? p.n : p.k);
       for (int64_t i = tid; i < zeros; i += threads) arr.zeros[i] = Element(0);
     }
+    const int64_t ones = G::ones_count(p);
+    for (int64_t i = tid; i < ones; i += threads) arr.ones[i] = 1.f;
   }
   for (int64_t g = blockIdx.y; g < p.groups; g += gridDim.y) {
     if (tid == 0) fill_fp8_group_arguments<G>(arr, p, static_cast<int>(g));
-    if constexpr (G::kKind == DG_GROUPED_FORWARD) {
+    if constexpr (G::kKind == DG_GROUPED_FORWARD && !G::kRowScaled) {
+      // x's scales, (t, kb) at scale_a[kb * ld + t], into the group's (Kb, rows) block.
       const GroupRows r = group_rows(p, static_cast<int>(g));
       const int64_t kb = G::k_blocks(p.k);
-      // x's scales, (t, kb) at scale_a[kb * ld + t] (row-wise: scale_a[t]), into the group's
-      // (Kb, rows) block.
       float* sfa = arr.packed_sfa + r.start * kb;
       for (int64_t i = tid; i < r.rows * kb; i += threads) {
-        const int64_t blk = i / r.rows, row = i - blk * r.rows, t = r.start + row;
-        sfa[i] = G::kMode == DG_SCALE_ROW ? p.scale_a[t] : p.scale_a[blk * p.scale_a_ld + t];
-      }
-      if constexpr (G::kMode == DG_SCALE_ROW) {
-        // w's row scales (G, N), repeated for every K block.
-        float* sfb = arr.packed_sfb + g * kb * p.n;
-        const float* src = p.scale_b + g * p.n;
-        for (int64_t i = tid; i < kb * p.n; i += threads) sfb[i] = src[i % p.n];
+        const int64_t blk = i / r.rows, row = i - blk * r.rows;
+        sfa[i] = p.scale_a[blk * p.scale_a_ld + r.start + row];
       }
     }
   }
