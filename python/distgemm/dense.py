@@ -65,6 +65,11 @@ def check_operands(op: str, a, b, c, out_dtype, scale_a, scale_b) -> torch.dtype
         if _shape(c) not in ((m, n), (n,), (1, n)):
             raise ValueError(f"{op}: c must have shape (M, N) = ({m}, {n}) or be a bias of "
                              f"shape ({n},), got {_shape(c)}")
+    if is_block_scaled(a, b, scale_a, scale_b):
+        if out_dtype != torch.bfloat16 or c is not None:
+            raise ValueError(f"{op}: 128-block scales give bfloat16 out without c (got out_dtype "
+                             f"{out_dtype}, c {'given' if c is not None else 'None'})")
+        return out_dtype
     for name, s, length, axis in (("scale_a", scale_a, m, "M"), ("scale_b", scale_b, n, "N")):
         if s is None:
             continue
@@ -78,6 +83,21 @@ def check_operands(op: str, a, b, c, out_dtype, scale_a, scale_b) -> torch.dtype
             raise ValueError(f"{op}: {name} must hold 1 value (per tensor) or {axis} = {length} "
                              f"values (row-wise), got shape {_shape(s)}")
     return out_dtype
+
+
+def _blocks(n: int) -> int:
+    return (n + 127) // 128
+
+
+def is_block_scaled(a, b, scale_a, scale_b) -> bool:
+    """DeepSeek-style scales: a per 1 x 128 (M, ceil(K/128)), b per 128 x 128
+    (ceil(N/128), ceil(K/128)); shapes that also read as per-tensor or row-wise go that way."""
+    if not (isinstance(scale_a, torch.Tensor) and isinstance(scale_b, torch.Tensor)):
+        return False
+    m, n, k = a.shape[0], b.shape[0], a.shape[1]
+    if scale_a.dim() != 2 or scale_b.dim() != 2 or scale_b.numel() in (1, n):
+        return False
+    return tuple(scale_a.shape) == (m, _blocks(k)) and tuple(scale_b.shape) == (_blocks(n), _blocks(k))
 
 
 def gemm(
@@ -100,12 +120,25 @@ def gemm(
     (``scale_a``, M values) / of b (``scale_b``, N values), and give bfloat16 by default.
     ``use_fast_accum`` (float8, as in ``torch._scaled_mm``) keeps the partial sums in the
     tensor cores' reduced precision for the whole K: faster, less accurate.
+    128-block scales (DeepSeek-V3; float8_e4m3fn, bfloat16 out, no c): ``scale_a``
+    (M, ceil(K/128)) per 1 x 128 of a, ``scale_b`` (ceil(N/128), ceil(K/128)) per 128 x 128
+    of b, promoted to FP32 every 128 of K (the grouped FP8 kernel with one group).
     Differentiable for bfloat16/float16 in a, b and c.
     """
     out_dtype = check_operands("distgemm.gemm", a, b, c, out_dtype, scale_a, scale_b)
+    if is_block_scaled(a, b, scale_a, scale_b):
+        return _block_scaled_gemm(a, b, alpha, scale_a, scale_b)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (a, b, c)):
         return _GemmFunction.apply(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, use_fast_accum)
     return gemm_unchecked(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, use_fast_accum)
+
+
+def _block_scaled_gemm(a, b, alpha, scale_a, scale_b):
+    from .grouped_fp8 import grouped_mm_fp8
+
+    offs = torch.full((1,), a.shape[0], dtype=torch.int32, device=a.device)
+    out = grouped_mm_fp8(a, b.unsqueeze(0), offs, scale_x=scale_a, scale_w=scale_b.unsqueeze(0))
+    return out if alpha == 1.0 else (out.float() * alpha).to(out.dtype)
 
 
 def gemm_unchecked(a, b, c, alpha, beta, out_dtype, scale_a=None, scale_b=None, fast_accum=False):

@@ -138,3 +138,15 @@ def test_wgrad_errors_name_the_layout():
     with pytest.raises(ValueError, match="float32"):
         distgemm.grouped_mm_wgrad(dy_t, x_t, offs, scale_dy=s_dy, scale_x=s_x,
                                   out_dtype=torch.bfloat16)
+
+
+def test_dense_gemm_with_block_scales():
+    m, n, k = 5, 130, 260
+    a, b = fp8(m, k), fp8(n, k)
+    sa, sb = torch.rand(m, 3) + 0.5, torch.rand(2, 3) + 0.5
+    out = distgemm.gemm(a, b, scale_a=sa, scale_b=sb)
+    ref = dequantize_blocks(a, sa, 1, 128) @ dequantize_blocks(b, sb, 128, 128).T
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref, rtol=2 ** -7, atol=1e-3)
+    with pytest.raises(ValueError, match="128-block scales give bfloat16 out without c"):
+        distgemm.gemm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.float32)

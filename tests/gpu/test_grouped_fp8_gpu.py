@@ -366,3 +366,14 @@ def test_fp8_grouped_linear_gradients_match_bf16_closely():
         rel = ((a.float() - b.float()).norm() / b.float().norm()).item()
         assert rel < 0.08, f"{name}: relative error {rel:.3f} (FP8 e4m3 keeps 3 mantissa bits)"
     assert torch.all(fp8.weight.grad[2] == 0), "an expert without tokens got a gradient"
+
+
+@pytest.mark.parametrize("m, n, k", [(1000, 384, 512), (4096, 2112, 7168), (7, 136, 144)])
+def test_dense_gemm_with_block_scales(m, n, k):
+    a, b = fp8(m, k), fp8(n, k)
+    sa = scales((k + 127) // 128, m).t()
+    sb = scales((n + 127) // 128, (k + 127) // 128)
+    out = distgemm.gemm(a, b, scale_a=sa, scale_b=sb)
+    ad = dequantize_blocks(a, sa, 1, 128).double()
+    bd = dequantize_blocks(b, sb, 128, 128).double()
+    bound_check(out, ad @ bd.T, ad.abs() @ bd.abs().T)
