@@ -45,3 +45,19 @@ def randn(*shape, dtype, device, scale=1.0):
     if dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         x = x.clamp(-240, 240)
     return x.to(dtype)
+
+
+def make_offs(counts, device="cuda") -> torch.Tensor:
+    """int32 cumulative group ends (torch._grouped_mm's offs) of the given group sizes."""
+    return torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32).to(device)
+
+
+def random_counts(groups: int, tokens: int, zero_groups=()) -> list:
+    """Random group sizes summing to `tokens`, the groups in `zero_groups` empty."""
+    w = torch.rand(groups)
+    for g in zero_groups:
+        w[g] = 0
+    c = (w / w.sum() * tokens).floor().long()
+    live = [g for g in range(groups) if g not in zero_groups]
+    c[live[0]] += tokens - int(c.sum())
+    return c.tolist()

@@ -26,6 +26,7 @@
 #include "common/cutlass_types.cuh"
 #include "common/status.h"
 #include "grouped/grouped_problem.h"
+#include "grouped/sm90_grouped_common.cuh"
 
 namespace distgemm::grouped::sm90 {
 
@@ -120,7 +121,6 @@ struct Sm90Fp8Grouped {
     void* cutlass_workspace;
   };
 
-  static size_t align(size_t bytes) { return (bytes + 255) / 256 * 256; }
   CUTE_HOST_DEVICE static int64_t k_blocks(int64_t k) { return (k + kBlockK - 1) / kBlockK; }
   // Row-wise: ones for the mainloop's per-tile scales of the largest group, and of N.
   CUTE_HOST_DEVICE static int64_t ones_count(const GroupedProblem& p) {
@@ -132,12 +132,8 @@ struct Sm90Fp8Grouped {
   // Lays out the arrays (base == nullptr only measures); returns the bytes used.
   static size_t carve(const GroupedProblem& p, char* base, Arrays* out) {
     const size_t g = static_cast<size_t>(p.groups);
-    size_t off = 0;
-    auto take = [&](auto** field, size_t count) {
-      using T = std::remove_pointer_t<std::remove_reference_t<decltype(*field)>>;
-      if (base) *field = reinterpret_cast<T*>(base + off);
-      off += align(count * sizeof(T));
-    };
+    WorkspaceCarver w{base};
+    auto take = [&](auto** field, size_t count) { w.take(field, count); };
     const bool forward = Kind == DG_GROUPED_FORWARD;
     Arrays a{};
     take(&a.shapes, g);
@@ -157,9 +153,9 @@ struct Sm90Fp8Grouped {
     take(&a.ptr_row_scale, kRowScaled ? g : 0);
     take(&a.ptr_col_scale, kRowScaled ? g : 0);
     take(&a.zeros, forward ? 0 : static_cast<size_t>(kBlockK * std::max(p.n, p.k)));
-    if (base) a.cutlass_workspace = base + off;
+    if (base) a.cutlass_workspace = base + w.used;
     if (out) *out = a;
-    return off;
+    return w.used;
   }
 
   static typename Adapter::Arguments arguments(const GroupedProblem& p, const Arrays& arr) {
@@ -302,30 +298,15 @@ template <int Mode, dg_dtype Out, int Kind, int TM, int TN, int CM, int CN>
 dg_status Sm90Fp8GroupedKernel<Mode, Out, Kind, TM, TN, CM, CN>::run(const GroupedProblem& p,
                                                                      cudaStream_t stream) {
   using G = sm90::Sm90Fp8Grouped<Mode, Out, Kind, TM, TN, CM, CN>;
-  typename G::Arrays arr;
-  G::carve(p, static_cast<char*>(p.workspace), &arr);
   const dim3 grid(32, static_cast<unsigned>(std::min<int64_t>(p.groups, 65535)));
-  sm90::build_fp8_grouped_arguments<G><<<grid, 256, 0, stream>>>(arr, p);
-  DG_CUDA_RETURN(cudaGetLastError());
-  typename G::Adapter gemm;
-  auto args = G::arguments(p, arr);
-  if (gemm.can_implement(args) != cutlass::Status::kSuccess)
-    return fail(DG_ERROR_INTERNAL, cat("CUTLASS sm90 FP8 grouped GEMM cannot implement N=", p.n,
-                                       " K=", p.k));
-  if (gemm.initialize(args, arr.cutlass_workspace, stream) != cutlass::Status::kSuccess)
-    return fail(DG_ERROR_INTERNAL, "CUTLASS sm90 FP8 grouped GEMM initialization failed");
-  if (gemm.run(stream) != cutlass::Status::kSuccess)
-    return fail(DG_ERROR_CUDA, cat("sm90 FP8 grouped GEMM launch failed: ",
-                                   cudaGetErrorString(cudaGetLastError())));
-  return DG_SUCCESS;
+  return sm90::run_cutlass_grouped<G>(p, stream, "sm90 FP8 grouped GEMM", [&](typename G::Arrays& arr) {
+    sm90::build_fp8_grouped_arguments<G><<<grid, 256, 0, stream>>>(arr, p);
+  });
 }
 
 template <int Mode, dg_dtype Out, int Kind, int TM, int TN, int CM, int CN>
 size_t Sm90Fp8GroupedKernel<Mode, Out, Kind, TM, TN, CM, CN>::workspace(const GroupedProblem& p) {
-  using G = sm90::Sm90Fp8Grouped<Mode, Out, Kind, TM, TN, CM, CN>;
-  typename G::Arrays arr{};
-  const size_t arrays = G::carve(p, nullptr, nullptr);
-  return arrays + G::Adapter::get_workspace_size(G::arguments(p, arr));
+  return sm90::cutlass_grouped_workspace<sm90::Sm90Fp8Grouped<Mode, Out, Kind, TM, TN, CM, CN>>(p);
 }
 
 }  // namespace distgemm::grouped

@@ -15,6 +15,7 @@
 #include "common/cutlass_types.cuh"
 #include "common/status.h"
 #include "grouped/grouped_problem.h"
+#include "grouped/sm90_grouped_common.cuh"
 
 namespace distgemm::grouped::sm90 {
 
@@ -87,17 +88,12 @@ struct Sm90Grouped {
     void* cutlass_workspace;
   };
 
-  static size_t align(size_t bytes) { return (bytes + 255) / 256 * 256; }
 
   // Lays out the arrays (base == nullptr only measures); returns the bytes used.
   static size_t carve(const GroupedProblem& p, char* base, Arrays* out) {
     const size_t g = static_cast<size_t>(p.groups);
-    size_t off = 0;
-    auto take = [&](auto** field, size_t count) {
-      using T = std::remove_pointer_t<std::remove_reference_t<decltype(*field)>>;
-      if (base) *field = reinterpret_cast<T*>(base + off);
-      off += align(count * sizeof(T));
-    };
+    WorkspaceCarver w{base};
+    auto take = [&](auto** field, size_t count) { w.take(field, count); };
     Arrays a{};
     take(&a.shapes, g);
     take(&a.ptr_a, g);
@@ -109,9 +105,9 @@ struct Sm90Grouped {
     take(&a.stride_c, g);
     take(&a.stride_d, g);
     take(&a.zeros, static_cast<size_t>(std::max(p.n, p.k)));
-    if (base) a.cutlass_workspace = base + off;
+    if (base) a.cutlass_workspace = base + w.used;
     if (out) *out = a;
-    return off;
+    return w.used;
   }
 
   static typename Adapter::Arguments arguments(const GroupedProblem& p, const Arrays& arr) {
@@ -198,30 +194,16 @@ template <dg_dtype In, dg_dtype Out, int Kind, int S, int TM, int TN, int CM, in
 dg_status Sm90GroupedKernel<In, Out, Kind, S, TM, TN, CM, CN>::run(const GroupedProblem& p,
                                                                    cudaStream_t stream) {
   using G = sm90::Sm90Grouped<In, Out, Kind, S, TM, TN, CM, CN>;
-  typename G::Arrays arr;
-  G::carve(p, static_cast<char*>(p.workspace), &arr);
   const int64_t work = std::max<int64_t>(p.groups, std::max(p.n, p.k));
   const int blocks = static_cast<int>(std::min<int64_t>((work + 255) / 256, 1024));
-  sm90::build_grouped_arguments<G><<<blocks, 256, 0, stream>>>(arr, p);
-  DG_CUDA_RETURN(cudaGetLastError());
-  typename G::Adapter gemm;
-  auto args = G::arguments(p, arr);
-  if (gemm.can_implement(args) != cutlass::Status::kSuccess)
-    return fail(DG_ERROR_INTERNAL, cat("CUTLASS sm90 grouped GEMM cannot implement N=", p.n, " K=", p.k));
-  if (gemm.initialize(args, arr.cutlass_workspace, stream) != cutlass::Status::kSuccess)
-    return fail(DG_ERROR_INTERNAL, "CUTLASS sm90 grouped GEMM initialization failed");
-  if (gemm.run(stream) != cutlass::Status::kSuccess)
-    return fail(DG_ERROR_CUDA, cat("sm90 grouped GEMM launch failed: ",
-                                   cudaGetErrorString(cudaGetLastError())));
-  return DG_SUCCESS;
+  return sm90::run_cutlass_grouped<G>(p, stream, "sm90 grouped GEMM", [&](typename G::Arrays& arr) {
+    sm90::build_grouped_arguments<G><<<blocks, 256, 0, stream>>>(arr, p);
+  });
 }
 
 template <dg_dtype In, dg_dtype Out, int Kind, int S, int TM, int TN, int CM, int CN>
 size_t Sm90GroupedKernel<In, Out, Kind, S, TM, TN, CM, CN>::workspace(const GroupedProblem& p) {
-  using G = sm90::Sm90Grouped<In, Out, Kind, S, TM, TN, CM, CN>;
-  typename G::Arrays arr{};
-  const size_t arrays = G::carve(p, nullptr, nullptr);
-  return arrays + G::Adapter::get_workspace_size(G::arguments(p, arr));
+  return sm90::cutlass_grouped_workspace<sm90::Sm90Grouped<In, Out, Kind, S, TM, TN, CM, CN>>(p);
 }
 
 }  // namespace distgemm::grouped

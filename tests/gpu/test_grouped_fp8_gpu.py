@@ -13,24 +13,11 @@ import torch
 import distgemm
 from distgemm._library import ops
 from distgemm.grouped_fp8 import dequantize_blocks
+from tests.reference import make_offs, random_counts
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
 E4M3 = torch.float8_e4m3fn
-
-
-def make_offs(counts):
-    return torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32).to(DEV)
-
-
-def random_counts(groups, tokens, zero_groups=()):
-    w = torch.rand(groups)
-    for g in zero_groups:
-        w[g] = 0
-    c = (w / w.sum() * tokens).floor().long()
-    live = [g for g in range(groups) if g not in zero_groups]
-    c[live[0]] += tokens - int(c.sum())
-    return c.tolist()
 
 
 def fp8(*shape):

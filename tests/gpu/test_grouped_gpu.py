@@ -9,24 +9,10 @@ import torch
 import distgemm
 from distgemm._library import device_arch, ops
 from distgemm.nn import GroupedLinear
-from tests.reference import assert_close
+from tests.reference import assert_close, make_offs, random_counts
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
-
-
-def make_offs(counts):
-    return torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32).to(DEV)
-
-
-def random_counts(groups, tokens, zero_groups=()):
-    w = torch.rand(groups)
-    for g in zero_groups:
-        w[g] = 0
-    c = (w / w.sum() * tokens).floor().long()
-    live = [g for g in range(groups) if g not in zero_groups]
-    c[live[0]] += tokens - int(c.sum())
-    return c.tolist()
 
 
 def ref_forward(x, w, counts, trans_w=True):
