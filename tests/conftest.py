@@ -2,10 +2,15 @@
 process the tests start (NVLS objects can take shared GPU hosts down)."""
 
 import os
+import tempfile
 
 for _var, _val in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
                    ("NVSHMEM_DISABLE_NVLS", "1")):
     os.environ[_var] = _val
+
+# The dense GEMM's autotuning choices go to a file of this run, not the user's cache.
+os.environ.setdefault("DISTGEMM_AUTOTUNE_CACHE",
+                      os.path.join(tempfile.mkdtemp(prefix="distgemm-tests-"), "autotune.json"))
 
 import pytest
 import torch

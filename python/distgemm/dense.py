@@ -7,6 +7,7 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from . import autotune
 from ._library import device_arch, has_kernels, ops, warn_once
 
 FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -154,10 +155,47 @@ def gemm_unchecked(a, b, c, alpha, beta, out_dtype, scale_a=None, scale_b=None, 
         warn_once(f"distgemm: no kernel in this build for {a.dtype} x {b.dtype} -> {out_dtype} (nor float32 "
                   "out); running the PyTorch reference")
         return reference_gemm(a, b, c, alpha, beta, out_dtype, scale_a, scale_b)
+    if a.dtype in FLOAT16 and kernel_dtype == out_dtype and autotune.enabled():
+        out = _autotuned_gemm(a, b, c, alpha, beta, out_dtype, arch)
+        if out is not None:
+            return out
     a, b, c, scale_b, n = _kernel_operands(a, b, c, kernel_dtype, scale_b)
+    autotune.record("cutlass")
     out = ops.gemm(a, b, c, alpha, beta, kernel_dtype, _flat(scale_a), scale_b, fast_accum)
     out = out if out.shape[1] == n else out[:, :n].contiguous()
     return out if kernel_dtype == out_dtype else out.to(out_dtype)
+
+
+def _cublas_gemm(a, b, c, out_dtype):
+    """alpha = 1, beta = 1 (or no c) through PyTorch's cuBLAS: the autotuner's peer candidate."""
+    if c is None:
+        return torch.mm(a, b.t())
+    return torch.addmm(c.to(out_dtype), a, b.t())
+
+
+def _autotuned_gemm(a, b, c, alpha, beta, out_dtype, arch):
+    """A 16-bit GEMM on the candidate the autotuner found fastest for its shape (each compiled
+    tile configuration, and cuBLAS where the epilogue allows); None where it cannot choose."""
+    if torch.compiler.is_compiling():
+        return None  # traced code takes the heuristic's kernel (no timing, no cache reads)
+    m, k, n = a.shape[0], a.shape[1], b.shape[0]
+    c_form = "none" if c is None else ("full" if c.dim() == 2 and c.shape[0] == m and c.stride(0) != 0 else "bias")
+    ka, kb, kc, _, n_kernel = _kernel_operands(a, b, c, out_dtype, None)
+    key = (f"sm{arch}|{m}x{n}x{k}|{str(a.dtype)[6:]}->{str(out_dtype)[6:]}|b:{'K' if _k_major(kb) else 'N'}"
+           f"|c:{c_form}|unit:{int(alpha == 1.0)}{int(beta == 1.0)}")
+    configs = ops.gemm_configs(a.dtype, b.dtype, out_dtype, _k_major(kb), arch, False)
+    candidates = {f"cutlass:{name}": (lambda i=i: ops.gemm(ka, kb, kc, alpha, beta, out_dtype, None, None, False, i))
+                  for i, name in enumerate(configs)}
+    if alpha == 1.0 and (c is None or beta == 1.0):
+        candidates["cublas"] = lambda: _cublas_gemm(a, b, c, out_dtype)
+    if len(candidates) < 2:
+        return None
+    choice = autotune.choose(key, candidates, a.device)
+    if choice is None:
+        return None
+    autotune.record(choice)
+    out = candidates[choice]()
+    return out if choice == "cublas" or out.shape[1] == n else out[:, :n].contiguous()
 
 
 def _compiled_combinations() -> frozenset:

@@ -1,0 +1,125 @@
+"""Runtime autotuning of the dense GEMM: the first eager call of each shape times every
+candidate that computes it (each of distgemm's compiled tile configurations, and cuBLAS through
+PyTorch) on the call's own operands and remembers the fastest, in memory and on disk.
+
+- Keys: device arch and name, M, N, K, dtypes, b's layout and the epilogue's form; the file is
+  per GPU model, torch version and distgemm build (``$DISTGEMM_CACHE``, default
+  ``~/.cache/distgemm``; ``DISTGEMM_AUTOTUNE_CACHE`` names the file itself).
+- Never during CUDA-graph capture or torch.compile tracing: those take the cached choice or,
+  for a shape never timed, the tile heuristic. The first call of a shape synchronizes the
+  device once (it times with CUDA events).
+- ``DISTGEMM_AUTOTUNE=0`` turns it off (the heuristic's configuration, no cuBLAS).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+from typing import Callable, Dict, Optional
+
+import torch
+
+_LOCK = threading.Lock()
+_CHOICES: Dict[str, str] = {}
+_LOADED = False
+_LAST: Optional[str] = None  # the implementation the last dense call ran, for the benchmarks
+
+
+def enabled() -> bool:
+    return os.environ.get("DISTGEMM_AUTOTUNE", "1") != "0"
+
+
+def _cache_file() -> Path:
+    explicit = os.environ.get("DISTGEMM_AUTOTUNE_CACHE")
+    if explicit:
+        return Path(explicit)
+    from ._build_info import BUILD_ID  # noqa: PLC0415 (written by the build)
+
+    root = Path(os.environ.get("DISTGEMM_CACHE", Path.home() / ".cache" / "distgemm"))
+    gpu = torch.cuda.get_device_name().replace(" ", "_").replace("/", "_")
+    return root / f"autotune-{gpu}-torch{torch.__version__}-{BUILD_ID[:12]}.json"
+
+
+def _load() -> None:
+    global _LOADED
+    if _LOADED:
+        return
+    _LOADED = True
+    try:
+        data = json.loads(_cache_file().read_text())
+        if isinstance(data, dict):
+            _CHOICES.update({str(k): str(v) for k, v in data.items()})
+    except (OSError, ValueError, ImportError):
+        pass  # no cache yet, or unreadable: time again
+
+
+def _save() -> None:
+    path = _cache_file()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(_CHOICES, indent=0, sort_keys=True))
+        tmp.replace(path)  # atomic: concurrent ranks each write a whole file
+    except OSError:
+        pass  # a read-only home still autotunes, per process
+
+
+def _may_time(device: torch.device) -> bool:
+    if torch.compiler.is_compiling():
+        return False
+    return not torch.cuda.is_current_stream_capturing()
+
+
+def _time_ms(fn: Callable[[], object], reps: int) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def choose(key: str, candidates: Dict[str, Callable[[], object]], device: torch.device) -> Optional[str]:
+    """The fastest candidate's name for `key` (timed now if never timed), or None where this
+    call may not time and nothing is cached."""
+    with _LOCK:
+        _load()
+        known = _CHOICES.get(key)
+    if known in candidates:
+        return known
+    if not _may_time(device):
+        return None
+    for fn in candidates.values():  # warm-up: module load, handles, cuBLAS heuristics
+        fn()
+    probe = _time_ms(next(iter(candidates.values())), 1)
+    reps = max(1, min(20, int(2.0 / max(probe, 1e-3))))  # ~2 ms per measurement
+    best: Dict[str, float] = {name: float("inf") for name in candidates}
+    for _ in range(3):  # rounds, the candidates taking turns, the best of each kept
+        for name, fn in candidates.items():
+            best[name] = min(best[name], _time_ms(fn, reps))
+    choice = min(best, key=best.get)
+    with _LOCK:
+        _CHOICES[key] = choice
+        _save()
+    return choice
+
+
+def record(backend: str) -> None:
+    global _LAST
+    if not torch.compiler.is_compiling():
+        _LAST = backend
+
+
+def last_backend() -> Optional[str]:
+    """What the last dense GEMM call ran: 'cutlass:<config>' or 'cublas' (for benchmarks)."""
+    return _LAST
+
+
+def clear() -> None:
+    """Forgets every choice (in memory; the file stays)."""
+    with _LOCK:
+        _CHOICES.clear()
+

@@ -1,0 +1,87 @@
+"""Runtime autotuning of the dense GEMM: whichever candidate wins, the result is the GEMM's;
+choices persist on disk and are reused; nothing is timed inside CUDA-graph capture or
+torch.compile; DISTGEMM_AUTOTUNE=0 keeps the tile heuristic."""
+
+import json
+
+import pytest
+import torch
+
+import distgemm
+from distgemm import autotune
+from tests.reference import assert_close, ref_gemm
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    path = tmp_path / "autotune.json"
+    monkeypatch.setenv("DISTGEMM_AUTOTUNE_CACHE", str(path))
+    monkeypatch.setenv("DISTGEMM_AUTOTUNE", "1")
+    autotune.clear()
+    monkeypatch.setattr(autotune, "_LOADED", False)
+    yield path
+    autotune.clear()
+
+
+@pytest.mark.parametrize("m, n, k", [(4096, 2112, 7168), (1, 4096, 4096), (333, 1000, 1000), (8192, 8192, 512)])
+def test_autotuned_result_is_the_gemm(cache, m, n, k):
+    a = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+    b = torch.randn(n, k, device=DEV, dtype=torch.bfloat16)
+    bias = torch.randn(n, device=DEV, dtype=torch.bfloat16)
+    out = distgemm.gemm(a, b, bias, beta=1.0)
+    assert autotune.last_backend() is not None and autotune.last_backend() != "cutlass", \
+        "the first eager call of a shape should have been autotuned"
+    assert_close(out, ref_gemm(a, b, bias, beta=1.0))
+    saved = json.loads(cache.read_text())
+    assert any(f"{m}x{n}x{k}" in key for key in saved), saved
+
+
+def test_choices_are_reused_from_disk(cache):
+    a = torch.randn(512, 768, device=DEV, dtype=torch.bfloat16)
+    b = torch.randn(1536, 768, device=DEV, dtype=torch.bfloat16)
+    distgemm.gemm(a, b)
+    first = autotune.last_backend()
+    key = next(iter(json.loads(cache.read_text())))
+    # Another process (simulated): memory cleared, the file says "cublas" for this shape.
+    cache.write_text(json.dumps({key: "cublas"}))
+    autotune.clear()
+    autotune._LOADED = False
+    out = distgemm.gemm(a, b)
+    assert autotune.last_backend() == "cublas", (first, autotune.last_backend())
+    assert_close(out, ref_gemm(a, b))
+
+
+def test_graph_capture_never_times(cache):
+    a = torch.randn(640, 1024, device=DEV, dtype=torch.bfloat16)
+    b = torch.randn(2048, 1024, device=DEV, dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # a shape never seen: timing here would break the capture
+        out = distgemm.gemm(a, b)
+    assert autotune.last_backend() == "cutlass"
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_close(out, ref_gemm(a, b))
+    assert not cache.exists() or "640x2048x1024" not in cache.read_text()
+
+
+def test_disabled_keeps_the_heuristic(cache, monkeypatch):
+    monkeypatch.setenv("DISTGEMM_AUTOTUNE", "0")
+    a = torch.randn(256, 512, device=DEV, dtype=torch.float16)
+    b = torch.randn(384, 512, device=DEV, dtype=torch.float16)
+    out = distgemm.gemm(a, b)
+    assert autotune.last_backend() == "cutlass"
+    assert_close(out, ref_gemm(a, b), in_dtype=torch.float16)
+    assert not cache.exists()
+
+
+def test_autograd_through_autotuned_calls(cache):
+    a = torch.randn(300, 256, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    b = torch.randn(200, 256, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    out = distgemm.gemm(a, b)
+    out.float().sum().backward()
+    ga = torch.ones(300, 200, device=DEV, dtype=torch.bfloat16) @ b.detach()
+    assert_close(a.grad, ga)
