@@ -286,3 +286,227 @@ def test_fp8_summary(fp8s):
     assert summary["tflops_forward_block_8x4096_n4096_k7168"] == rows[0]["distgemm"]["tflops"]
     assert summary["tflops_forward_block_8x4096_n7168_k2048"] == rows[2]["distgemm"]["tflops"]
     assert summary["tflops_wgrad_block_8x4096_n4096_k7168"] == rows[3]["distgemm"]["tflops"]
+
+
+# ---------------------------------------------------------------- sweep suite helpers
+
+
+def _source_module(name):
+    """distgemm/bench/<name>.py of this source tree, imported without the compiled library
+    (as a module of a stand-in package, so that its relative imports resolve to the source's
+    bench modules): the sweep's helpers are pure Python, and the installed distgemm may be
+    older than the tree (then it has no sweep_suite)."""
+    import importlib
+    import importlib.util
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    bench = os.path.join(here, "..", "..", "python", "distgemm", "bench")
+    package = "_distgemm_bench_source"
+    if package not in sys.modules:
+        spec = importlib.util.spec_from_file_location(package, os.path.join(bench, "__init__.py"),
+                                                      submodule_search_locations=[bench])
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[package] = module
+        spec.loader.exec_module(module)
+    return importlib.import_module(f"{package}.{name}")
+
+
+@pytest.fixture(scope="module")
+def sweep():
+    return _source_module("sweep_suite")
+
+
+@pytest.fixture(scope="module")
+def bench_main():
+    return _source_module("__main__")
+
+
+def test_sweep_parse_shapes_reads_lists_and_files(sweep, tmp_path):
+    assert sweep.parse_shapes("4096x2112x7168,128x4096x4096") == [(4096, 2112, 7168), (128, 4096, 4096)]
+    assert sweep.parse_shapes(" 1X4096x4096 , 1x4096x4096,7x64x2880 ") == [(1, 4096, 4096), (7, 64, 2880)]
+    path = tmp_path / "shapes.txt"
+    path.write_text("# M x N x K\n4096x2112x7168\n\n  128x4096x4096   # decode\n# 5x5x5\n"
+                    "3x8x16, 5x8x16\n4096x2112x7168\n")
+    assert sweep.parse_shapes(f"@{path}") == [(4096, 2112, 7168), (128, 4096, 4096), (3, 8, 16), (5, 8, 16)]
+    assert sweep.parse_shapes("8x1024x4096x7168,32x256x2048x7168", 4, "--grouped-shapes") == [
+        (8, 1024, 4096, 7168), (32, 256, 2048, 7168)]
+
+
+@pytest.mark.parametrize("spec", ["", "  ", "4096x2112", "4096x2112x7168x1", "0x4096x4096", "-1x4096x4096",
+                                  "1.5x4096x4096", "axbxc", "4096x2112x7168,", "4096x2112x7168,,1x2x3",
+                                  "4096 2112 7168", "4096x2112x", "@/nonexistent/shapes.txt"])
+def test_sweep_parse_shapes_refuses_malformed_specs(sweep, spec):
+    with pytest.raises(ValueError, match="--shapes") as info:
+        sweep.parse_shapes(spec)
+    assert "MxNxK" in str(info.value) or "cannot read" in str(info.value)
+
+
+def test_sweep_parse_shapes_refuses_bad_files_and_grouped_specs(sweep, tmp_path):
+    path = tmp_path / "empty.txt"
+    path.write_text("# nothing here\n\n")
+    with pytest.raises(ValueError, match="no shapes"):
+        sweep.parse_shapes(f"@{path}")
+    path.write_text("4096x2112x7168\n4096x2112\n")
+    with pytest.raises(ValueError, match=r"empty.txt:2 '4096x2112' is not MxNxK"):
+        sweep.parse_shapes(f"@{path}")
+    with pytest.raises(ValueError, match="--grouped-shapes.*GxPERxNxK"):
+        sweep.parse_shapes("8x1024x4096", 4, "--grouped-shapes")
+
+
+def test_bench_cli_shapes_options(bench_main, capsys):
+    args = bench_main.parse_args(["--shapes", "4096x2112x7168,128x4096x4096"])
+    assert args.suites == ["sweep"] and args.grouped_shapes is None
+    assert args.shapes == [(4096, 2112, 7168), (128, 4096, 4096)]
+    args = bench_main.parse_args(["--grouped-shapes", "8x1024x4096x7168"])
+    assert args.suites == ["sweep"] and args.shapes is None and args.grouped_shapes == [(8, 1024, 4096, 7168)]
+    assert bench_main.parse_args(["--suites", "gemm", "--shapes", "1x8x8"]).suites == ["gemm", "sweep"]
+    assert bench_main.parse_args([]).suites == list(bench_main.SUITES) and "sweep" in bench_main.SUITES
+    assert bench_main.parse_args(["--suites", "sweep", "--quick"]).shapes is None
+    for argv, expected in ((["--shapes", "4096x7"], "'4096x7' is not MxNxK"),
+                           (["--grouped-shapes", "8x4096x7168"], "is not GxPERxNxK"),
+                           (["--suites", "gemm,nope"], "unknown suites")):
+        with pytest.raises(SystemExit) as info:
+            bench_main.parse_args(argv)
+        assert info.value.code == 2
+        assert expected in capsys.readouterr().err
+    assert "--shapes" in bench_main.build_parser().format_help()
+    assert "--grouped-shapes" in bench_main.__doc__
+
+
+def test_sweep_dense_rows(sweep):
+    full, quick = sweep.dense_rows(), sweep.dense_rows(quick=True)
+    assert 120 <= len(full) <= 160 and 15 <= len(quick) <= 25
+    for rows in (full, quick):
+        keys = [(r["m"], r["n"], r["k"]) for r in rows]
+        assert len(set(keys)) == len(keys)  # no duplicates
+        assert all(1 <= m <= sweep.M_MAX and n % 8 == 0 and k % 8 == 0 for m, n, k in keys)
+        assert all(2.0 * m * n * k <= sweep.DENSE_FLOP_CAP for m, n, k in keys)
+        assert set(sweep.NAMED_M) <= {m for m, _, _ in keys}
+        assert keys != sorted(keys)  # shuffled
+    assert full == sweep.dense_rows() and quick == sweep.dense_rows(quick=True)  # fixed seed
+    ms = [r["m"] for r in full]
+    assert sum(m % 2 for m in ms) >= 20  # odd M
+    assert sum(m <= 256 for m in ms) >= 30 and sum(m >= 2048 for m in ms) >= 30
+    layers = {r["layer"].split("/")[0].split(".")[0] for r in full}
+    assert layers >= {"llama3-8b", "llama3-70b", "llama3-405b", "deepseek-v3", "qwen3-8b", "qwen3-32b",
+                      "qwen3-235b-a22b", "qwen3-30b-a3b", "gpt-oss-120b"}
+    assert {r["layer"].split("/tp")[1] for r in full} == {"1", "2", "4", "8"}
+    # every unsharded layer shape is in the full sweep
+    assert {(c["n"], c["k"]) for c in sweep.catalogue() if c["tp"] == 1} <= {(r["n"], r["k"]) for r in full}
+    # about two minutes on an H200 (rough model), a few seconds quick
+    assert sweep.estimate_seconds(full, sweep.grouped_rows()) < 150
+    assert sweep.estimate_seconds(quick, sweep.grouped_rows(quick=True)) < 30
+
+
+def test_sweep_model_shapes_and_tp_shards(sweep):
+    layers = sweep.model_layers()
+    by_key = {}
+    for model, layer, n, k, tp in layers:
+        assert (model, layer, tp) not in by_key
+        by_key[(model, layer, tp)] = (n, k)
+    nk = {(c["n"], c["k"]) for c in sweep.catalogue()}
+    assert len(nk) == len(sweep.catalogue())
+    assert {(2112, 7168), (7168, 2048), (24576, 1536), (7168, 16384), (4096, 7168)} <= nk  # DeepSeek-V3
+    assert by_key[("llama3-70b", "qkv", 1)] == (10240, 8192) and by_key[("llama3-70b", "qkv", 8)] == (1280, 8192)
+    assert by_key[("llama3-8b", "gate_up", 1)] == (28672, 4096) and by_key[("llama3-405b", "down", 8)] == (16384, 6656)
+    assert by_key[("deepseek-v3", "q_b", 8)] == (3072, 1536) and by_key[("deepseek-v3", "o", 8)] == (7168, 2048)
+    assert by_key[("qwen3-235b-a22b", "kv", 8)] == (128, 4096)  # 4 K/V heads: replicated at TP 8
+    assert by_key[("gpt-oss-120b", "qkv", 1)] == (5120, 2880) and by_key[("mixtral-8x7b", "expert_down", 1)] == (4096, 14336)
+    sharded = 0
+    for (model, layer, tp), (n, k) in by_key.items():
+        if tp == 1:
+            continue
+        sharded += 1
+        n1, k1 = by_key[(model, layer, 1)]
+        if layer == "o" or layer.endswith("down"):  # row-parallel: K split
+            assert n == n1 and k * tp == k1, (model, layer, tp)
+        elif layer in ("kv", "qkv"):  # heads split; K/V heads replicated below one per rank
+            assert k == k1 and n * tp >= n1 and (layer == "qkv" or n1 % n == 0), (model, layer, tp)
+        else:  # column-parallel: N split
+            assert k == k1 and n * tp == n1, (model, layer, tp)
+        assert n % 8 == 0 and k % 8 == 0
+    assert sharded >= 100
+
+
+def test_sweep_grouped_rows(sweep):
+    full, quick = sweep.grouped_rows(), sweep.grouped_rows(quick=True)
+    for rows, balanced, ragged in ((full, 30, 4), (quick, 5, 1)):
+        assert sum(r["routing"] == "balanced" for r in rows) == balanced
+        assert sum(r["routing"] == "zipf" for r in rows) == ragged
+        keys = [(r["groups"], r["tokens_per_group"], r["n"], r["k"], r["routing"]) for r in rows]
+        assert len(set(keys)) == len(keys)
+        for g, per, n, k, _ in keys:
+            assert g in sweep.GROUPS and per in sweep.TOKENS_PER_GROUP
+            assert g * per <= sweep.GROUPED_TOKENS_CAP and 2.0 * g * per * n * k <= sweep.GROUPED_FLOP_CAP
+    assert {r["groups"] for r in full} == set(sweep.GROUPS)
+    assert {r["tokens_per_group"] for r in full} == set(sweep.TOKENS_PER_GROUP)
+    assert {(r["n"], r["k"]) for r in full} == {(n, k) for _, n, k, _ in sweep.MOE_NK}
+    experts = {(n, k): e for _, n, k, e in sweep.MOE_NK}
+    assert all(r["groups"] <= experts[(r["n"], r["k"])] for r in full + quick)  # a model has that many
+    assert {(2048, 7168), (7168, 2048)} <= {(r["n"], r["k"]) for r in quick + full}
+    assert full == sweep.grouped_rows()
+    assert sweep.user_grouped_rows([(8, 128, 256, 512)]) == [
+        {"name": "user", "groups": 8, "tokens_per_group": 128, "n": 256, "k": 512, "routing": "balanced"}]
+
+
+def _dense_row(m, ratio, host_ratio=1.0, backend="cutlass:128x256", n=4096, k=4096):
+    return {"shape": {"m": m, "n": n, "k": k, "dtype": "bf16", "layer": f"x.m{m}/tp1", "also": []},
+            "distgemm": {"ms": 1.0, "tflops": 1.0}, "cublas": {"ms": ratio, "tflops": 1.0},
+            "ratio": ratio, "host_ms": {"distgemm": 0.02, "cublas": 0.02 * host_ratio},
+            "host_ratio": host_ratio, "backend": backend}
+
+
+def test_sweep_summarize_dense(sweep):
+    rows = [_dense_row(1, 2.0, 0.5), _dense_row(100, 0.5, 2.0, "cublas", n=2112, k=7168),
+            _dense_row(4096, 1.0, 1.0), _dense_row(8192, 4.0, 0.25, None),
+            {"shape": {"m": 7, "n": 8, "k": 8, "dtype": "bf16", "layer": "x", "also": []}, "error": "OOM"}]
+    s = sweep.summarize_dense(rows)
+    assert s["bf16_vs_cublas"] == pytest.approx(2 ** 0.5, abs=1e-4)  # geomean of 2, 0.5, 1, 4
+    assert s["bf16_vs_cublas_min"] == 0.5 and s["bf16_vs_cublas_min_shape"] == "100x2112x7168"
+    assert s["bf16_vs_cublas_min_layer"] == "x.m100/tp1" and s["bf16_vs_cublas_max"] == 4.0
+    assert s["bf16_vs_cublas_m_ge_2048"] == pytest.approx(2.0) and s["bf16_vs_cublas_m_le_256"] == pytest.approx(1.0)
+    assert s["bf16_host_vs_torch"] == pytest.approx((0.5 * 2.0 * 1.0 * 0.25) ** 0.25, abs=1e-4)
+    assert s["bf16_host_vs_torch_min"] == 0.25 and s["bf16_host_vs_torch_min_shape"] == "8192x4096x4096"
+    assert s["backends"] == {"cutlass:128x256": 2, "cublas": 1, "None": 1}
+    assert s["rows"] == 4 and s["rows_failed"] == 1
+    assert sweep.summarize_dense([_dense_row(4096, 1.1)])["bf16_vs_cublas_m_le_256"] is None
+    empty = sweep.summarize_dense([])
+    assert empty["bf16_vs_cublas"] is None and empty["bf16_vs_cublas_min_shape"] is None
+
+
+def _grouped_row(pass_name, g, per, routing="balanced", **ratios):
+    return {"shape": {"name": "x", "groups": g, "tokens_per_group": per, "n": 256, "k": 512, "routing": routing,
+                      "pass": pass_name}, "distgemm": {"ms": 1.0, "tflops": 1.0}, "ratios": ratios}
+
+
+def test_sweep_summarize_grouped(sweep):
+    rows = [_grouped_row("forward", 8, 128, bmm=2.0, torch_grouped_mm=1.0),
+            _grouped_row("forward", 16, 256, bmm=0.5, torch_grouped_mm=4.0),
+            _grouped_row("dgrad", 8, 128, bmm=1.5, torch_grouped_mm=1.0),
+            _grouped_row("wgrad", 8, 128, bmm=0.8),
+            _grouped_row("wgrad", 16, 256, bmm=1.25),
+            _grouped_row("forward", 32, 2048, "zipf", torch_grouped_mm=0.25),
+            {"shape": {**_grouped_row("dgrad", 4, 4)["shape"]}, "error": "boom"}]
+    s = sweep.summarize_grouped(rows)
+    assert s["forward_vs_bmm"] == pytest.approx(1.0) and s["forward_vs_bmm_min"] == 0.5
+    assert s["forward_vs_bmm_min_shape"] == "16x256x256x512"
+    assert s["dgrad_vs_bmm"] == pytest.approx(1.5) and s["dgrad_vs_bmm_min"] == 1.5
+    assert s["wgrad_vs_bmm"] == pytest.approx(1.0) and s["wgrad_vs_bmm_min"] == 0.8
+    assert s["forward_vs_torch_grouped_mm"] == pytest.approx(1.0)  # geomean of 1, 4, 0.25 (ragged included)
+    assert s["forward_vs_torch_grouped_mm_min_shape"] == "32x2048x256x512 (zipf)"
+    assert s["forward_vs_torch_grouped_mm_balanced"] == pytest.approx(2.0)
+    assert s["forward_vs_torch_grouped_mm_ragged"] == pytest.approx(0.25)
+    assert s["rows_failed"] == 1
+    assert sweep.summarize_grouped([])["wgrad_vs_bmm"] is None
+
+
+def test_sweep_plots_write_files(sweep, tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = [_dense_row(1, 2.0), _dense_row(100, 0.5, backend="cublas"), _dense_row(4096, 1.0, backend=None),
+            {"shape": {"m": 7, "n": 8, "k": 8}, "error": "OOM"}]
+    sweep.plot_dense(str(tmp_path / "dense.png"), "t", rows)
+    grouped = [_grouped_row("forward", 8, 128, bmm=2.0, torch_grouped_mm=1.0), _grouped_row("wgrad", 8, 128, bmm=0.8),
+               _grouped_row("forward", 32, 2048, "zipf", torch_grouped_mm=0.25)]
+    sweep.plot_grouped(str(tmp_path / "grouped.png"), "t", grouped)
+    assert (tmp_path / "dense.png").stat().st_size > 0 and (tmp_path / "grouped.png").stat().st_size > 0

@@ -1,6 +1,24 @@
 """python -m distgemm.bench: runs every benchmark suite this machine's GPUs allow, prints one
 line per shape with TFLOP/s and ratios to each peer plus geomeans, and writes JSON + PNG
-results (bench/results/ by default). Without a GPU it runs the CPU reference check."""
+results (bench/results/ by default). Without a GPU it runs the CPU reference check.
+
+The sweep suite (--suites sweep) times distgemm against PyTorch on the layer shapes of real
+models (Llama-3, DeepSeek-V3, Qwen3, Mixtral, GPT-OSS; unsharded and at TP 2/4/8) over token
+counts M from 1 to 32768, dense and grouped (MoE); --quick runs ~20 dense and ~6 grouped rows.
+Your own shapes:
+
+  python -m distgemm.bench --shapes 4096x2112x7168,128x4096x4096
+  python -m distgemm.bench --shapes @shapes.txt          # one MxNxK a line, '#' comments
+  python -m distgemm.bench --grouped-shapes 8x1024x4096x7168,32x256x2048x7168
+
+--shapes MxNxK,...: distgemm.gemm(a, b) (a (M, K), b (N, K) bf16, bf16 out) against
+torch.matmul(a, b.t()) (cuBLAS) on those shapes only: device time, TFLOP/s, ratio, host time
+per call, the backend distgemm ran. --grouped-shapes GxPERxNxK,... (G experts of PER tokens
+each, w (G, N, K)): the grouped forward, dgrad and wgrad against torch.bmm and
+torch._grouped_mm. Either one (both may be given, each also as @FILE) runs the sweep suite on
+those rows only (with --suites, next to the suites named there), and writes
+<gpu>_gemm_sweep_shapes.json / <gpu>_grouped_sweep_shapes.json (+ .png) under --out.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +28,7 @@ import sys
 
 import torch
 
-SUITES = ("gemm", "grouped", "grouped_fp8", "tp")
+SUITES = ("gemm", "grouped", "grouped_fp8", "sweep", "tp")
 
 
 def cpu_reference_check() -> None:
@@ -38,19 +56,58 @@ def run_tp_suite(gpus: int, out: str, quick: bool) -> str:
     return "ok" if result.returncode == 0 else f"failed (exit {result.returncode})"
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m distgemm.bench", description=__doc__)
-    parser.add_argument("--suites", default=",".join(SUITES),
-                        help=f"comma-separated subset of {','.join(SUITES)}")
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m distgemm.bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--suites", default=None,
+                        help=f"comma-separated subset of {','.join(SUITES)} (default: all; with --shapes "
+                             "or --grouped-shapes: sweep only)")
     parser.add_argument("--out", default=os.path.join("bench", "results"), help="results folder")
     parser.add_argument("--quick", action="store_true", help="a few shapes per suite")
     parser.add_argument("--tune", action="store_true",
                         help="also sweep every tile configuration (and dense swizzle)")
+    parser.add_argument("--shapes", default=None, metavar="MxNxK[,MxNxK...] | @FILE",
+                        help="dense bf16 shapes to time distgemm.gemm against torch.matmul (cuBLAS) on, "
+                             "instead of the sweep's model shapes, e.g. 4096x2112x7168,128x4096x4096; "
+                             "@FILE reads one MxNxK a line ('#' starts a comment). Runs the sweep suite "
+                             "on these rows only (its grouped part only with --grouped-shapes)")
+    parser.add_argument("--grouped-shapes", default=None, metavar="GxPERxNxK[,...] | @FILE",
+                        help="grouped (MoE) bf16 shapes: G experts of PER tokens each, w (G, N, K), e.g. "
+                             "8x1024x4096x7168; forward, dgrad and wgrad against torch.bmm and "
+                             "torch._grouped_mm, in the sweep suite (its dense part only with --shapes)")
+    return parser
+
+
+def parse_args(argv=None):
+    """The parsed arguments, with `suites` (a list), `shapes` and `grouped_shapes` (lists of
+    tuples, or None) checked: a bad value exits with a usage error naming it."""
+    from .sweep_suite import parse_shapes
+
+    parser = build_parser()
     args = parser.parse_args(argv)
-    suites = [s for s in args.suites.split(",") if s]
-    unknown = set(suites) - set(SUITES)
-    if unknown:
-        parser.error(f"unknown suites {sorted(unknown)}; choose from {SUITES}")
+    try:
+        args.shapes = parse_shapes(args.shapes, 3, "--shapes") if args.shapes is not None else None
+        args.grouped_shapes = (parse_shapes(args.grouped_shapes, 4, "--grouped-shapes")
+                               if args.grouped_shapes is not None else None)
+    except ValueError as e:
+        parser.error(str(e))
+    custom = args.shapes is not None or args.grouped_shapes is not None
+    if args.suites is None:
+        suites = ["sweep"] if custom else list(SUITES)
+    else:
+        suites = [s.strip() for s in args.suites.split(",") if s.strip()]
+        unknown = set(suites) - set(SUITES)
+        if unknown:
+            parser.error(f"unknown suites {sorted(unknown)}; choose from {SUITES}")
+        if custom and "sweep" not in suites:
+            suites.append("sweep")
+    args.suites = suites
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    suites = args.suites
 
     import distgemm
 
@@ -82,6 +139,10 @@ def main(argv=None) -> None:
         from . import grouped_fp8_suite
 
         summary.update(grouped_fp8_suite.run(args.out, args.quick))
+    if "sweep" in suites:
+        from . import sweep_suite
+
+        summary.update(sweep_suite.run(args.out, args.quick, args.shapes, args.grouped_shapes))
     if "tp" in suites:
         if gpus < 2:
             print("\n== tensor-parallel suite skipped: it needs 2 or more GPUs")
