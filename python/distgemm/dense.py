@@ -186,7 +186,7 @@ def _autotuned_gemm(a, b, c, alpha, beta, out_dtype, arch):
     configs = ops.gemm_configs(a.dtype, b.dtype, out_dtype, _k_major(kb), arch, False)
     candidates = {f"cutlass:{name}": (lambda i=i: ops.gemm(ka, kb, kc, alpha, beta, out_dtype, None, None, False, i))
                   for i, name in enumerate(configs)}
-    if alpha == 1.0 and (c is None or beta == 1.0):
+    if alpha == 1.0 and (c is None or beta == 1.0) and out_dtype == a.dtype:
         candidates["cublas"] = lambda: _cublas_gemm(a, b, c, out_dtype)
     if len(candidates) < 2:
         return None
