@@ -73,7 +73,10 @@ def _may_time(device: torch.device) -> bool:
 
 
 def _time_ms(fn: Callable[[], object], reps: int) -> float:
+    """Device time per call of `fn`: the GPU is kept busy while the calls are enqueued, so the
+    host's launch cost, which differs between candidates, does not count."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(200_000 * reps)  # ~100 us of GPU time per call to enqueue
     start.record()
     for _ in range(reps):
         fn()
@@ -82,12 +85,18 @@ def _time_ms(fn: Callable[[], object], reps: int) -> float:
     return start.elapsed_time(end) / reps
 
 
+def lookup(key: str) -> Optional[str]:
+    """The remembered choice for `key`, if any (reads the file on first use)."""
+    if not _LOADED:
+        with _LOCK:
+            _load()
+    return _CHOICES.get(key)
+
+
 def choose(key: str, candidates: Dict[str, Callable[[], object]], device: torch.device) -> Optional[str]:
     """The fastest candidate's name for `key` (timed now if never timed), or None where this
     call may not time and nothing is cached."""
-    with _LOCK:
-        _load()
-        known = _CHOICES.get(key)
+    known = lookup(key)
     if known in candidates:
         return known
     if not _may_time(device):
