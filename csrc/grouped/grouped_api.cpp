@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "common/buffer_check.h"
 #include "common/checked_math.h"
 #include "common/device.h"
 #include "common/dtype.h"
@@ -98,26 +99,6 @@ dg_status check_shape(const dg_grouped_shape& s, const char* name, const char* r
   DG_REQUIRE(same, name, " (", role, ") must have shape ", expected, ", got ", shape_str(s));
   return DG_SUCCESS;
 }
-
-// `name` holds the product of `sizes` elements of `bytes` each at `p`: its byte extent fits in
-// int64 and in the address space after p; p is `align`-byte aligned, and NULL only when there
-// is nothing to read.
-dg_status check_extent(const void* p, const char* name, std::initializer_list<int64_t> sizes,
-                       int bytes, unsigned align = 16) {
-  int64_t elements = 0, extent = 0;
-  DG_REQUIRE(checked_product(sizes, &elements) && checked_mul(elements, bytes, &extent), name,
-             " spans more than 2^63 bytes");
-  DG_REQUIRE(p != nullptr || elements == 0, name, " must not be NULL");
-  DG_REQUIRE((reinterpret_cast<uintptr_t>(p) & (align - 1)) == 0, name, " must be a ", align,
-             "-byte aligned device pointer, got ", p);
-  DG_REQUIRE(static_cast<uint64_t>(extent) <= UINTPTR_MAX - reinterpret_cast<uintptr_t>(p), name,
-             " runs past the end of the address space (", extent, " bytes from ", p, ")");
-  return DG_SUCCESS;
-}
-
-}  // namespace
-
-namespace {
 
 // FP8: the dtypes, kind and scale mode this build's kernels take.
 dg_status check_fp8_mode(const dg_grouped_desc& d, int in, int out) {

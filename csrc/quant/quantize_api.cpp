@@ -2,6 +2,7 @@
 #include <cstdint>
 #include <string>
 
+#include "common/buffer_check.h"
 #include "common/checked_math.h"
 #include "common/device.h"
 #include "common/dtype.h"
@@ -104,34 +105,21 @@ dg_status check_shape(const dg_quantize_desc& d, Layout* l) {
   return DG_SUCCESS;
 }
 
-// `name` holds `elements` of `bytes` each at p: p is `align`-byte aligned, NULL only when
-// there is nothing to address, and the extent does not run past the address space.
-dg_status check_buffer(const void* p, const char* name, int64_t elements, int bytes, unsigned align) {
-  int64_t extent = 0;
-  DG_REQUIRE(checked_mul(elements, bytes, &extent), name, " spans more than 2^63 bytes");
-  DG_REQUIRE(p != nullptr || elements == 0, name, " must not be NULL");
-  DG_REQUIRE((reinterpret_cast<uintptr_t>(p) & (align - 1)) == 0, name, " must be a ", align,
-             "-byte aligned device pointer, got ", p);
-  DG_REQUIRE(static_cast<uint64_t>(extent) <= UINTPTR_MAX - reinterpret_cast<uintptr_t>(p), name,
-             " runs past the end of the address space (", extent, " bytes from ", p, ")");
-  return DG_SUCCESS;
-}
-
 dg_status lower(const dg_quantize_desc* desc, QuantizeProblem* p) {
   DG_REQUIRE(desc != nullptr, "desc must not be NULL");
   const dg_quantize_desc& d = *desc;
   Layout l;
   DG_RETURN_IF_ERROR(check_shape(d, &l));
   const int in_bytes = dtype_bytes(d.x_dtype);
-  DG_RETURN_IF_ERROR(check_buffer(d.x, "x", l.x_elems, in_bytes, static_cast<unsigned>(in_bytes)));
-  DG_RETURN_IF_ERROR(check_buffer(d.out, "out", l.data_elems, 1, 1));
-  DG_RETURN_IF_ERROR(check_buffer(d.scale, "scale", l.scale_elems, 4, 4));
-  if (d.num_groups > 0) DG_RETURN_IF_ERROR(check_buffer(d.offs, "offs", d.num_groups, 4, 4));
+  DG_RETURN_IF_ERROR(check_extent(d.x, "x", {l.x_elems}, in_bytes, static_cast<unsigned>(in_bytes)));
+  DG_RETURN_IF_ERROR(check_extent(d.out, "out", {l.data_elems}, 1, 1));
+  DG_RETURN_IF_ERROR(check_extent(d.scale, "scale", {l.scale_elems}, 4, 4));
+  if (d.num_groups > 0) DG_RETURN_IF_ERROR(check_extent(d.offs, "offs", {d.num_groups}, 4, 4));
   const size_t needed = l.sizes.workspace_bytes;
   DG_REQUIRE(d.workspace_bytes >= needed, "workspace of ", d.workspace_bytes, " bytes is smaller than the ",
              needed, " needed");
   if (needed > 0)
-    DG_RETURN_IF_ERROR(check_buffer(d.workspace, "workspace", static_cast<int64_t>(needed), 1, 4));
+    DG_RETURN_IF_ERROR(check_extent(d.workspace, "workspace", {static_cast<int64_t>(needed)}, 1, 4));
 
   p->x = d.x;
   p->x_dtype = d.x_dtype;
