@@ -66,7 +66,7 @@ def _save() -> None:
         pass  # a read-only home still autotunes, per process
 
 
-def _may_time(device: torch.device) -> bool:
+def _may_time() -> bool:
     if torch.compiler.is_compiling():
         return False
     return not torch.cuda.is_current_stream_capturing()
@@ -93,13 +93,13 @@ def lookup(key: str) -> Optional[str]:
     return _CHOICES.get(key)
 
 
-def choose(key: str, candidates: Dict[str, Callable[[], object]], device: torch.device) -> Optional[str]:
+def choose(key: str, candidates: Dict[str, Callable[[], object]]) -> Optional[str]:
     """The fastest candidate's name for `key` (timed now if never timed), or None where this
     call may not time and nothing is cached."""
     known = lookup(key)
     if known in candidates:
         return known
-    if not _may_time(device):
+    if not _may_time():
         return None
     for fn in candidates.values():  # warm-up: module load, handles, cuBLAS heuristics
         fn()

@@ -202,7 +202,7 @@ def _autotuned_gemm(a, b, c, alpha, beta, out_dtype, arch):
     if len(candidates) < 2:
         return None
     if choice not in candidates:
-        choice = autotune.choose(key, candidates, a.device)
+        choice = autotune.choose(key, candidates)
         if choice is None:
             return None
     autotune.record(choice)

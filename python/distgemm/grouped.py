@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 
 from ._library import device_arch, env_flag, has_kernels, ops, warn_once
+from ._routing import group_bounds
 from .grouped_fp8 import FLOAT8, grouped_mm_fp8, grouped_mm_wgrad_fp8
 
 _BACKENDS = ("auto", "cutlass", "cublas", "torch")
@@ -116,16 +117,9 @@ def _backend(op: str, device, n: int, k: int, in_dtype, out_dtype, kind: int,
     return "loop"
 
 
-def _group_bounds(offs: torch.Tensor, tokens: int):
-    """(start, end) row pairs, clamped exactly as the core does."""
-    ends = [min(max(e, 0), tokens) for e in offs.tolist()]
-    starts = [0] + ends[:-1]
-    return [(s, max(s, e)) for s, e in zip(starts, ends)]
-
-
 def reference_grouped_mm(x, w, offs, out, accumulate, trans_w):
     """Per-group PyTorch loop with FP32 accumulation, into `out`."""
-    for g, (s, e) in enumerate(_group_bounds(offs, x.shape[0])):
+    for g, (s, e) in enumerate(group_bounds(offs, x.shape[0])):
         if e > s:
             y = x[s:e].float() @ (w[g].float().T if trans_w else w[g].float())
             out[s:e] = (out[s:e].float() + y) if accumulate else y
@@ -133,7 +127,7 @@ def reference_grouped_mm(x, w, offs, out, accumulate, trans_w):
 
 
 def reference_grouped_mm_wgrad(dy, x, offs, out, accumulate):
-    for g, (s, e) in enumerate(_group_bounds(offs, x.shape[0])):
+    for g, (s, e) in enumerate(group_bounds(offs, x.shape[0])):
         y = dy[s:e].float().T @ x[s:e].float()
         out[g] = (out[g].float() + y) if accumulate else y
     return out

@@ -20,11 +20,11 @@ and no 128-token scale block mixes two experts.
 
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
 
 from ._library import device_arch, has_kernels, ops
+from ._routing import group_bounds
 
 FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 SCALE_ROW, SCALE_BLOCK = 1, 2
@@ -46,7 +46,7 @@ def _require_tensor(op, name, t, dtype=None):
         raise ValueError(f"{op}: {name} must be {dtype}, got {t.dtype}")
 
 
-def _check_common(op, x, w_or_x2, offs, pairs):
+def _check_common(op, x, offs, pairs):
     for name, t in pairs:
         _require_tensor(op, name, t)
         if t.device != x.device:
@@ -59,12 +59,6 @@ def _check_common(op, x, w_or_x2, offs, pairs):
 
 def _use_kernel(device) -> bool:
     return device.type == "cuda" and has_kernels(device) and device_arch(device) == 90
-
-
-def _group_bounds(offs: torch.Tensor, tokens: int):
-    ends = [min(max(e, 0), tokens) for e in offs.tolist()]
-    starts = [0] + ends[:-1]
-    return [(s, max(s, e)) for s, e in zip(starts, ends)]
 
 
 # ---------------------------------------------------------------- forward / dgrad
@@ -129,7 +123,7 @@ def reference_grouped_mm_fp8(x, w_nk, offs, mode, scale_x, scale_w_kn, out, accu
     else:
         xd = x.float() * scale_x.float().reshape(-1, 1)
         wd = w_nk.float() * scale_w_kn.float().unsqueeze(-1)
-    for g, (s, e) in enumerate(_group_bounds(offs, x.shape[0])):
+    for g, (s, e) in enumerate(group_bounds(offs, x.shape[0])):
         if e > s:
             y = xd[s:e] @ wd[g].T
             out[s:e] = (out[s:e].float() + y) if accumulate else y
@@ -140,7 +134,7 @@ def grouped_mm_fp8(x, w, offs, *, scale_x, scale_w, out=None, accumulate=False,
                    out_dtype=None, trans_w=True, use_fast_accum=False):
     """The FP8 case of ``distgemm.grouped_mm`` (see the module docstring)."""
     op = "distgemm.grouped_mm"
-    _check_common(op, x, w, offs, [("x", x), ("w", w)])
+    _check_common(op, x, offs, [("x", x), ("w", w)])
     if x.dtype != torch.float8_e4m3fn or w.dtype != torch.float8_e4m3fn:
         raise ValueError(f"{op}: FP8 grouped GEMMs take float8_e4m3fn x and w, got {x.dtype} "
                          f"and {w.dtype}")
@@ -183,7 +177,7 @@ def grouped_mm_fp8(x, w, offs, *, scale_x, scale_w, out=None, accumulate=False,
 
 def padded_columns(offs: torch.Tensor, tokens: int):
     """Each group's (first padded column, token count) in quantize_fp8's padded layout."""
-    return [(BLOCK * (g + s // BLOCK), e - s) for g, (s, e) in enumerate(_group_bounds(offs, tokens))]
+    return [(BLOCK * (g + s // BLOCK), e - s) for g, (s, e) in enumerate(group_bounds(offs, tokens))]
 
 
 def reference_grouped_mm_wgrad_fp8(dy_t, x_t, offs, scale_dy, scale_x, out, accumulate):
@@ -208,7 +202,7 @@ def grouped_mm_wgrad_fp8(dy_t, x_t, offs, *, scale_dy, scale_x, out=None, accumu
     (``quantize_fp8(t, (1, 128), transpose=True, offs=offs)``): dy_t (N, Tp), x_t (K, Tp),
     scales (N, Tp/128) and (K, Tp/128). Returns (G, N, K) float32."""
     op = "distgemm.grouped_mm_wgrad"
-    _check_common(op, dy_t, x_t, offs, [("dy", dy_t), ("x", x_t)])
+    _check_common(op, dy_t, offs, [("dy", dy_t), ("x", x_t)])
     if dy_t.dtype != torch.float8_e4m3fn or x_t.dtype != torch.float8_e4m3fn:
         raise ValueError(f"{op}: FP8 wgrad takes float8_e4m3fn dy and x, got {dy_t.dtype} and {x_t.dtype}")
     _require_tensor(op, "scale_dy", scale_dy, torch.float32)
