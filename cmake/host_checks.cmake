@@ -1,6 +1,6 @@
 # DISTGEMM_HOST_CHECKS: the host code of the core (C API checks, heuristics, TP planning) built
-# with AddressSanitizer + UndefinedBehaviorSanitizer, and its CPU tests under ctest: a GoogleTest
-# binary of the C API's argument checks and a deterministic fuzzer of them. No CUTLASS kernel
+# with AddressSanitizer + UndefinedBehaviorSanitizer, and its CPU tests under ctest: GoogleTest
+# binaries of the C API's argument checks and of the TP plans, and a deterministic fuzzer of the checks. No CUTLASS kernel
 # instances (the instance tables are empty), no torch, no GPU needed: without a device every
 # path stops at its checks or at a clean DG_ERROR_CUDA / DG_ERROR_NOT_SUPPORTED.
 #
@@ -28,6 +28,10 @@ set_target_properties(distgemm_host_checks PROPERTIES CUDA_ARCHITECTURES OFF)
 add_executable(distgemm_host_tests tests/cpp/test_c_api.cpp)
 target_link_libraries(distgemm_host_tests PRIVATE distgemm_host_checks GTest::gtest GTest::gtest_main)
 
+# The tensor-parallel plans of every rank checked together (CPU only).
+add_executable(distgemm_plan_tests tests/cpp/test_tp_plan.cpp)
+target_link_libraries(distgemm_plan_tests PRIVATE distgemm_host_checks GTest::gtest GTest::gtest_main)
+
 add_executable(distgemm_fuzz_checks tests/cpp/fuzz_checks.cpp)
 target_link_libraries(distgemm_fuzz_checks PRIVATE distgemm_host_checks)
 
@@ -37,8 +41,9 @@ set(DISTGEMM_SANITIZER_ENV
   "ASAN_OPTIONS=halt_on_error=1:detect_leaks=1:protect_shadow_gap=0:abort_on_error=0"
   "UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1")
 add_test(NAME c_api_checks COMMAND distgemm_host_tests)
+add_test(NAME tp_plans COMMAND distgemm_plan_tests)
 set(DISTGEMM_FUZZ_ITERATIONS 200000 CACHE STRING "Random descriptors per run of the C API fuzzer")
 set(DISTGEMM_FUZZ_FAMILIES "gemm,grouped,tp,quant" CACHE STRING "What the C API fuzzer calls: gemm,grouped,tp,quant")
 add_test(NAME c_api_fuzz
          COMMAND distgemm_fuzz_checks ${DISTGEMM_FUZZ_ITERATIONS} 20260101 ${DISTGEMM_FUZZ_FAMILIES})
-set_tests_properties(c_api_checks c_api_fuzz PROPERTIES ENVIRONMENT "${DISTGEMM_SANITIZER_ENV}")
+set_tests_properties(c_api_checks tp_plans c_api_fuzz PROPERTIES ENVIRONMENT "${DISTGEMM_SANITIZER_ENV}")

@@ -293,6 +293,7 @@ def env_set(values: dict):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = str(v)
+        _reload_tp_settings(values)
         yield
     finally:
         for k, v in old.items():
@@ -300,6 +301,15 @@ def env_set(values: dict):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+        _reload_tp_settings(values)
+
+
+def _reload_tp_settings(values: dict) -> None:
+    """distgemm reads its tensor-parallel settings once: re-read them where they changed."""
+    if any(k.startswith(("DISTGEMM_TP_", "DISTGEMM_RS_")) for k in values):
+        import distgemm.tp
+
+        distgemm.tp.reload_settings()
 
 
 # ---------------------------------------------------------------- tallies

@@ -70,6 +70,7 @@ def check_all_gather_matmul_fp8(rank, world):
     if dist.get_backend() != "nccl":  # the algorithms are the fused backend's
         return
     os.environ["DISTGEMM_TP_ALGO"] = "decomposed"  # cuBLASLt pieces: bf16/fp16 only, said so
+    distgemm.tp.reload_settings()
     try:
         distgemm.all_gather_matmul(a, b, scale_a=rowwise[rank * m:(rank + 1) * m].contiguous(), scale_b=sb)
     except NotImplementedError as e:
@@ -78,6 +79,7 @@ def check_all_gather_matmul_fp8(rank, world):
         raise AssertionError("DISTGEMM_TP_ALGO=decomposed ran float8 inputs")
     finally:
         del os.environ["DISTGEMM_TP_ALGO"]
+        distgemm.tp.reload_settings()
 
 
 # (m_local, N, K_local); 520 rows: four pieces of a chunk where they are asked for, the last of 8 rows
@@ -208,7 +210,8 @@ def check_mismatched_shapes(rank, world):
     # a malformed split setting is refused by name before anything is enqueued (no peer waits)
     a = full((256, 128), torch.bfloat16, dev, 403)
     os.environ.update(DISTGEMM_TP_ALGO="decomposed", DISTGEMM_TP_PIECES="5")
-    try:
+    try:  # read with the environment: by reload_settings here, at the first TP call of a process
+        distgemm.tp.reload_settings()
         distgemm.all_gather_matmul(a, b)
     except (ValueError, RuntimeError) as e:
         assert "DISTGEMM_TP_PIECES must be 'auto', N or Nt" in str(e), e
@@ -216,9 +219,11 @@ def check_mismatched_shapes(rank, world):
         raise AssertionError("DISTGEMM_TP_PIECES=5 was not refused")
     # settings that differ between the ranks: every rank names the disagreement
     os.environ["DISTGEMM_TP_PIECES"] = "2" if rank == 0 else "3"
+    distgemm.tp.reload_settings()
     a_big = full((1024, 128), torch.bfloat16, dev, 404)
     _expect_disagreement(dev, lambda: distgemm.all_gather_matmul(a_big, b), "DISTGEMM_TP_PIECES differing")
     del os.environ["DISTGEMM_TP_ALGO"], os.environ["DISTGEMM_TP_PIECES"]
+    distgemm.tp.reload_settings()
     out = distgemm.all_gather_matmul(a, b)  # and the next call runs
     assert_close(out, ref(torch.cat([a] * world), b))
 

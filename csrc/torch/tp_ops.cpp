@@ -11,7 +11,8 @@ namespace {
 
 dg_tp_desc tp_desc(const dg_gemm_desc& gemm, int64_t rank, int64_t world,
                    const std::vector<int64_t>& workspaces, std::vector<void*>& storage,
-                   int64_t workspace_bytes, double timeout_s, int64_t algo, bool agree_only) {
+                   int64_t workspace_bytes, double timeout_s, const std::vector<double>& settings,
+                   bool agree_only) {
   storage.clear();
   for (int64_t ptr : workspaces) storage.push_back(reinterpret_cast<void*>(ptr));
   TORCH_CHECK_VALUE(static_cast<int64_t>(storage.size()) == world,
@@ -23,7 +24,12 @@ dg_tp_desc tp_desc(const dg_gemm_desc& gemm, int64_t rank, int64_t world,
   d.peer_workspaces = storage.data();
   d.workspace_bytes = static_cast<size_t>(workspace_bytes);
   d.timeout_s = timeout_s;
-  d.algo = static_cast<dg_tp_algo>(algo);
+  // settings: (algo, pieces, tapered, rs_split_gflops), as distgemm/tp.py reads them
+  TORCH_CHECK_VALUE(settings.size() == 4, "distgemm: tp settings must be (algo, pieces, tapered, rs_split_gflops)");
+  d.settings.algo = static_cast<dg_tp_algo>(static_cast<int>(settings[0]));
+  d.settings.pieces = static_cast<int>(settings[1]);
+  d.settings.tapered = settings[2] != 0.0;
+  d.settings.rs_split_gflops = settings[3];
   d.agree_only = agree_only;
   return d;
 }
@@ -33,7 +39,7 @@ std::tuple<at::Tensor, at::Tensor> tp_all_gather_gemm(
     double beta, at::ScalarType out_dtype, const c10::optional<at::Tensor>& scale_a,
     const c10::optional<at::Tensor>& scale_b, bool fast_accum, int64_t rank, int64_t world,
     const std::vector<int64_t>& workspaces, int64_t workspace_bytes, double timeout_s,
-    bool return_gathered, int64_t algo, bool agree_only) {
+    bool return_gathered, const std::vector<double>& settings, bool agree_only) {
   const char* op = "distgemm.all_gather_matmul";
   TORCH_CHECK_VALUE(a.dim() == 2 && b.dim() == 2, op, ": a and b must be 2-D");
   const c10::cuda::CUDAGuard guard(a.device());
@@ -42,7 +48,7 @@ std::tuple<at::Tensor, at::Tensor> tp_all_gather_gemm(
                                         : at::empty({0}, a.options());
   std::vector<void*> storage;
   dg_tp_desc d = tp_desc(gemm_desc(op, a, b, c, out, alpha, beta, scale_a, scale_b, fast_accum),
-                         rank, world, workspaces, storage, workspace_bytes, timeout_s, algo, agree_only);
+                         rank, world, workspaces, storage, workspace_bytes, timeout_s, settings, agree_only);
   if (return_gathered) d.gathered_out = gathered.data_ptr();
   check(dg_all_gather_gemm(&d, current_stream()), op);
   return {out, gathered};
@@ -53,7 +59,8 @@ at::Tensor tp_gemm_reduce_scatter(const at::Tensor& a, const at::Tensor& b,
                                   at::ScalarType out_dtype, const c10::optional<at::Tensor>& scale_a,
                                   const c10::optional<at::Tensor>& scale_b, bool fast_accum,
                                   int64_t rank, int64_t world, const std::vector<int64_t>& workspaces,
-                                  int64_t workspace_bytes, double timeout_s, int64_t algo, bool agree_only) {
+                                  int64_t workspace_bytes, double timeout_s, const std::vector<double>& settings,
+                   bool agree_only) {
   const char* op = "distgemm.matmul_reduce_scatter";
   TORCH_CHECK_VALUE(a.dim() == 2 && b.dim() == 2, op, ": a and b must be 2-D");
   TORCH_CHECK_VALUE(a.size(0) % world == 0, op, ": a's ", a.size(0), " rows must divide by the world size ", world);
@@ -61,7 +68,7 @@ at::Tensor tp_gemm_reduce_scatter(const at::Tensor& a, const at::Tensor& b,
   at::Tensor out = at::empty({a.size(0) / world, b.size(0)}, a.options().dtype(out_dtype));
   std::vector<void*> storage;
   dg_tp_desc d = tp_desc(gemm_desc(op, a, b, bias, out, alpha, beta, scale_a, scale_b, fast_accum),
-                         rank, world, workspaces, storage, workspace_bytes, timeout_s, algo, agree_only);
+                         rank, world, workspaces, storage, workspace_bytes, timeout_s, settings, agree_only);
   check(dg_gemm_reduce_scatter(&d, current_stream()), op);
   return out;
 }
@@ -92,10 +99,10 @@ TORCH_LIBRARY_FRAGMENT(distgemm, m) {
   m.def("tp_all_gather_gemm(Tensor a, Tensor b, Tensor? c, float alpha, float beta, "
         "ScalarType out_dtype, Tensor? scale_a, Tensor? scale_b, bool fast_accum, int rank, "
         "int world, int[] workspaces, int workspace_bytes, float timeout_s, bool return_gathered, "
-        "int algo, bool agree_only=False) -> (Tensor, Tensor)");
+        "float[] settings, bool agree_only=False) -> (Tensor, Tensor)");
   m.def("tp_gemm_reduce_scatter(Tensor a, Tensor b, Tensor? bias, float alpha, float beta, "
         "ScalarType out_dtype, Tensor? scale_a, Tensor? scale_b, bool fast_accum, int rank, "
-        "int world, int[] workspaces, int workspace_bytes, float timeout_s, int algo, "
+        "int world, int[] workspaces, int workspace_bytes, float timeout_s, float[] settings, "
         "bool agree_only=False) -> Tensor");
   m.def("tp_workspace_size(int kind, int rows, int k, int n, ScalarType in_dtype, "
         "ScalarType out_dtype, int world) -> int",

@@ -2,12 +2,11 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
-#include <string_view>
 
 #include "common/checked_math.h"
 #include "common/device.h"
 #include "common/dtype.h"
+#include "common/error_state.h"
 #include "common/status.h"
 #include "tp/tp_kernels.cuh"
 
@@ -22,6 +21,13 @@ dg_status check_tp(const dg_tp_desc* d, Peers* peers) {
   DG_REQUIRE(d->peer_workspaces != nullptr, "peer_workspaces must not be NULL");
   DG_REQUIRE(std::isfinite(d->timeout_s) && d->timeout_s > 0,
              "timeout_s must be a finite positive number of seconds, got ", d->timeout_s);
+  const dg_tp_settings& set = d->settings;
+  const int algo = raw_enum(set.algo);
+  DG_REQUIRE(algo == DG_TP_ALGO_AUTO || algo == DG_TP_ALGO_FUSED || algo == DG_TP_ALGO_DECOMPOSED,
+             "settings.algo must be DG_TP_ALGO_AUTO, _FUSED or _DECOMPOSED, got ", algo);
+  DG_REQUIRE(set.pieces >= 0 && set.pieces <= kMaxPieces, "settings.pieces must be 0 (automatic) or in [1, ",
+             kMaxPieces, "], got ", set.pieces);
+  DG_REQUIRE(!std::isnan(set.rs_split_gflops), "settings.rs_split_gflops must be a number, got NaN");
   for (int r = 0; r < d->world; ++r) {
     DG_REQUIRE(d->peer_workspaces[r] != nullptr &&
                    (reinterpret_cast<uintptr_t>(d->peer_workspaces[r]) & 255u) == 0,
@@ -43,8 +49,8 @@ const char* reason_text(int reason) {
   switch (reason) {
     case kReasonOutOfStep: return "is at another call (the ranks' call counts differ: an earlier call failed or "
                                   "was skipped on one side)";
-    case kReasonPlan: return "runs another op, algorithm or piece split (DISTGEMM_TP_ALGO, DISTGEMM_TP_PIECES "
-                             "and DISTGEMM_RS_SPLIT_GFLOPS must match on every rank)";
+    case kReasonPlan: return "runs another op, algorithm or piece split (the settings: algo, pieces and "
+                             "rs_split_gflops must match on every rank)";
     case kReasonRows: return "passed another number of rows";
     case kReasonWidth: return "passed another K (all-gather) or N (reduce-scatter)";
     case kReasonDtypes: return "passed other dtypes or FP8 scale modes";
@@ -74,61 +80,26 @@ dg_status check_no_earlier_failure(int device) {
                   "re-synchronised (dg_tp_clear_error on every rank, and new workspaces) before the next call"));
 }
 
-dg_status start_call(const dg_tp_desc& d, const Peers& peers, int tag, int device, cudaStream_t stream,
-                     const CallSignature& sig, CallStart* out) {
-  const ErrorState* err = error_state(device);
-  out->pool = stream_pool(device);
-  if (!err || !out->pool) return DG_ERROR_CUDA;
-  SyncParams& s = out->sync;
-  s.epoch = peers.word(d.rank, TpHeader::kEpoch);
-  // The largest timeout a uint64 of nanoseconds holds (~584 years) bounds what the clock can count.
-  s.timeout_ns = d.timeout_s >= 1.8e10 ? UINT64_MAX : static_cast<uint64_t>(d.timeout_s * 1e9);
-  s.error = err->device_word;
-  s.error_host = err->host_word_device;
-  s.error_tag = tag;
-  out->sig = sig;
-  PeerTargets targets{};
-  for (int p = 0; p < d.world; ++p) {
-    if (p == d.rank) continue;
-    targets.started[targets.count] = peers.word(p, TpHeader::kConsumed, d.rank);
-    targets.sig_slots[targets.count++] = peers.signature(p, d.rank);
-  }
-  DG_CUDA_RETURN(launch_begin_call(peers.word(d.rank, TpHeader::kEpoch), targets, sig, stream));
-  return DG_SUCCESS;
-}
-
-dg_status check_peers(const dg_tp_desc& d, const Peers& peers, const CallStart& call, cudaStream_t stream) {
-  PeerChecks checks{};
-  // Nearest peers first: they are the first this rank exchanges with.
-  for (int i = 1; i < d.world; ++i) {
-    const int p = (d.rank + i) % d.world;
-    checks.started[checks.count] = peers.word(d.rank, TpHeader::kConsumed, p);
-    checks.sig[checks.count] = peers.signature(d.rank, p);
-    checks.rank[checks.count++] = p;
-  }
-  DG_CUDA_RETURN(launch_check_peers(checks, call.sig, call.sync, stream));
-  return DG_SUCCESS;
-}
-
-CallSignature call_signature(dg_tp_kind kind, const dg_tp_desc& d, int64_t rows, int64_t width,
-                             uint32_t dtypes, bool decomposed, const PieceSplit& split) {
+CallSignature call_signature(const TpPlan& plan, uint32_t dtypes) {
+  const TpShape& s = plan.shape;
+  const int64_t width = s.kind == DG_TP_ALL_GATHER_GEMM ? s.k : s.n;
   CallSignature sig;
-  sig.words[CallSignature::kPlan] = static_cast<uint32_t>(kind) | (decomposed ? 1u << 4 : 0u) |
-                                    static_cast<uint32_t>(split.count) << 8 | (split.tapered ? 1u << 12 : 0u);
-  sig.words[CallSignature::kRows] = static_cast<uint32_t>(rows);
-  sig.words[CallSignature::kRowsHigh] = static_cast<uint32_t>(static_cast<uint64_t>(rows) >> 32);
+  sig.words[CallSignature::kPlan] = static_cast<uint32_t>(s.kind) | (s.decomposed ? 1u << 4 : 0u) |
+                                    static_cast<uint32_t>(plan.cut.count) << 8 |
+                                    (s.split.tapered ? 1u << 12 : 0u);
+  sig.words[CallSignature::kRows] = static_cast<uint32_t>(s.m);
+  sig.words[CallSignature::kRowsHigh] = static_cast<uint32_t>(static_cast<uint64_t>(s.m) >> 32);
   sig.words[CallSignature::kWidth] = static_cast<uint32_t>(width);
   sig.words[CallSignature::kDtypes] = dtypes;
-  sig.words[CallSignature::kWorld] = static_cast<uint32_t>(d.world);
+  sig.words[CallSignature::kWorld] = static_cast<uint32_t>(s.world);
   return sig;
 }
 
 dg_status use_decomposed(const dg_tp_desc& d, const char* why_not, bool auto_fused, bool* decomposed) {
-  DG_REQUIRE(d.algo == DG_TP_ALGO_AUTO || d.algo == DG_TP_ALGO_FUSED || d.algo == DG_TP_ALGO_DECOMPOSED,
-             "algo must be DG_TP_ALGO_AUTO, _FUSED or _DECOMPOSED, got ", static_cast<int>(d.algo));
-  if (d.algo == DG_TP_ALGO_DECOMPOSED && why_not)
+  const dg_tp_algo algo = d.settings.algo;
+  if (algo == DG_TP_ALGO_DECOMPOSED && why_not)
     return fail(DG_ERROR_NOT_SUPPORTED, cat("the decomposed algorithm does not take ", why_not));
-  *decomposed = !why_not && (d.algo == DG_TP_ALGO_DECOMPOSED || (d.algo == DG_TP_ALGO_AUTO && !auto_fused));
+  *decomposed = !why_not && (algo == DG_TP_ALGO_DECOMPOSED || (algo == DG_TP_ALGO_AUTO && !auto_fused));
   return DG_SUCCESS;
 }
 
@@ -145,39 +116,19 @@ dg_status check_exchange_size(int world, int64_t rows, int64_t cols, const dg_dt
   return DG_SUCCESS;
 }
 
-RowPieces::RowPieces(int64_t rows, PieceSplit split) {
-  count = std::clamp(split.count, 1, kMaxPieces);
-  while (count > 1 && rows < count * kPieceRowAlign) --count;
-  int weight[kMaxPieces];
-  int total = 0;
-  for (int j = 0; j < count; ++j) {
-    weight[j] = split.tapered && count > 2 && j > 0 && j < count - 1 ? 2 : 1;
-    total += weight[j];
-  }
-  if (rows < total * kPieceRowAlign) {  // a tapered end piece would round to nothing
-    for (int j = 0; j < count; ++j) weight[j] = 1;
-    total = count;
-  }
-  int64_t cumulative = 0;
-  for (int j = 0; j < count; ++j) {
-    bound[j] = (rows * cumulative / total + kPieceRowAlign - 1) / kPieceRowAlign * kPieceRowAlign;
-    cumulative += weight[j];
-  }
-  bound[count] = rows;
+bool needs_scaled_bias(const dg_gemm_desc& g) {
+  return g.c.data && g.c.rows == 1 && g.beta != 0.f && g.beta != 1.f;
 }
 
-dg_status tp_pieces(PieceSplit automatic, PieceSplit* split) {
-  *split = automatic;
-  const char* v = std::getenv("DISTGEMM_TP_PIECES");
-  if (!v || !*v || std::string_view(v) == "auto") return DG_SUCCESS;
-  char* end = nullptr;
-  const long count = std::strtol(v, &end, 10);
-  const bool tapered = *end == 't';
-  DG_REQUIRE(end != v && (*end == '\0' || (tapered && end[1] == '\0')) && count >= 1 && count <= kMaxPieces,
-             "DISTGEMM_TP_PIECES must be 'auto', N or Nt (tapered) with N in [1, ", kMaxPieces, "], got '", v,
-             "'");
-  *split = {static_cast<int>(count), tapered};
-  return DG_SUCCESS;
+TpShape base_shape(dg_tp_kind kind, const dg_tp_desc& d) {
+  TpShape s;
+  s.kind = kind;
+  s.rank = d.rank;
+  s.world = d.world;
+  s.in_bytes = dtype_bytes(d.gemm.a.dtype);
+  s.out_bytes = dtype_bytes(d.gemm.d.dtype);
+  s.agree_only = d.agree_only != 0;
+  return s;
 }
 
 }  // namespace distgemm::tp
@@ -185,29 +136,27 @@ dg_status tp_pieces(PieceSplit automatic, PieceSplit* split) {
 using namespace distgemm;
 using namespace distgemm::tp;
 
-namespace {
-
-size_t all_gather_bytes(const dg_tp_desc& d) {
-  return AllGatherLayout(d.gemm.a.rows * d.world, d.gemm.a.cols, dtype_bytes(d.gemm.a.dtype)).bytes;
-}
-
-size_t reduce_scatter_bytes(const dg_tp_desc& d) {
-  return ReduceScatterLayout(d.world, d.gemm.d.rows, d.gemm.d.cols, dtype_bytes(d.gemm.d.dtype)).bytes;
-}
-
-}  // namespace
-
 extern "C" dg_status dg_tp_workspace_size(dg_tp_kind kind, const dg_tp_desc* desc, size_t* bytes) {
   DG_REQUIRE(desc != nullptr && bytes != nullptr, "desc and bytes must not be NULL");
   DG_REQUIRE(kind == DG_TP_ALL_GATHER_GEMM || kind == DG_TP_GEMM_REDUCE_SCATTER,
              "kind must be DG_TP_ALL_GATHER_GEMM or DG_TP_GEMM_REDUCE_SCATTER");
   DG_REQUIRE(desc->world >= 2 && desc->world <= kMaxWorld, "world size must be in [2, ", kMaxWorld, "]");
-  if (kind == DG_TP_ALL_GATHER_GEMM)
-    DG_RETURN_IF_ERROR(check_exchange_size(desc->world, desc->gemm.a.rows, desc->gemm.a.cols, desc->gemm.a.dtype,
-                                           "a (this rank's shard)"));
-  else
-    DG_RETURN_IF_ERROR(check_exchange_size(desc->world, desc->gemm.d.rows, desc->gemm.d.cols, desc->gemm.d.dtype,
-                                           "out (this rank's shard)"));
-  *bytes = kind == DG_TP_ALL_GATHER_GEMM ? all_gather_bytes(*desc) : reduce_scatter_bytes(*desc);
+  const dg_gemm_desc& g = desc->gemm;
+  if (kind == DG_TP_ALL_GATHER_GEMM) {
+    DG_RETURN_IF_ERROR(check_exchange_size(desc->world, g.a.rows, g.a.cols, g.a.dtype, "a (this rank's shard)"));
+    // out's width (N) and dtype size the region of the scaled bias
+    DG_RETURN_IF_ERROR(check_exchange_size(desc->world, 1, g.d.cols, g.d.dtype, "out"));
+  } else {
+    DG_RETURN_IF_ERROR(check_exchange_size(desc->world, g.d.rows, g.d.cols, g.d.dtype, "out (this rank's shard)"));
+  }
+  TpShape shape;  // a's dtype is not read for a reduce-scatter: its workspace holds none of a
+  shape.kind = kind;
+  shape.world = desc->world;
+  shape.in_bytes = kind == DG_TP_ALL_GATHER_GEMM ? dtype_bytes(g.a.dtype) : 0;
+  shape.out_bytes = dtype_bytes(g.d.dtype);
+  shape.m = kind == DG_TP_ALL_GATHER_GEMM ? g.a.rows : g.d.rows;
+  shape.k = g.a.cols;
+  shape.n = g.d.cols;
+  *bytes = tp_regions(shape).bytes;
   return DG_SUCCESS;
 }

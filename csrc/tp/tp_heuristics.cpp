@@ -1,9 +1,5 @@
 #include "tp/tp_heuristics.h"
 
-#include <cstdlib>
-
-#include "common/status.h"
-
 namespace distgemm::tp {
 namespace {
 
@@ -23,17 +19,9 @@ bool rs_auto_prefers_fused(double flops) {
   return flops < 50e9;
 }
 
-dg_status rs_fused_split(double half_step_flops, PieceSplit* split) {
-  const char* v = std::getenv("DISTGEMM_RS_SPLIT_GFLOPS");
-  double gflops = 25.0;
-  if (v && *v) {
-    char* end = nullptr;
-    gflops = std::strtod(v, &end);
-    DG_REQUIRE(*end == '\0' && gflops >= 0.0,
-               "DISTGEMM_RS_SPLIT_GFLOPS must be a non-negative number of GFLOP, got '", v, "'");
-  }
-  *split = {half_step_flops >= gflops * 1e9 ? 2 : 1, false};
-  return DG_SUCCESS;
+PieceSplit rs_fused_split(const dg_tp_settings& settings, double half_step_flops) {
+  const double gflops = settings.rs_split_gflops == 0.0 ? 25.0 : settings.rs_split_gflops;
+  return {half_step_flops >= gflops * 1e9 ? 2 : 1, false};
 }
 
 PieceSplit rs_decomposed_split(double flops, double pushed_bytes, int64_t step_rows) {
@@ -47,6 +35,11 @@ PieceSplit ag_decomposed_split(double flops, double pushed_bytes) {
   // 8B QKV at 16384 tokens: 0.590 ms in halves vs 0.627 whole; below 0.3 no shard waits.
   if (flops >= 200e9 && push_over_gemm(flops, pushed_bytes) >= 0.3) return {2, false};
   return {1, false};
+}
+
+PieceSplit decomposed_split(const dg_tp_settings& settings, PieceSplit automatic) {
+  if (settings.pieces == 0) return automatic;
+  return {settings.pieces, settings.tapered != 0};
 }
 
 }  // namespace distgemm::tp

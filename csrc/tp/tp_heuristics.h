@@ -5,7 +5,7 @@
 
 #include <cstdint>
 
-#include "tp/tp_call.h"
+#include "tp/tp_plan.h"
 #include "distgemm/distgemm.h"
 
 namespace distgemm::tp {
@@ -15,18 +15,21 @@ namespace distgemm::tp {
 bool rs_auto_prefers_fused(double flops);
 
 // The fused reduce-scatter's steps: halves where half a step is worth its own launch (at least
-// DISTGEMM_RS_SPLIT_GFLOPS, default 25; the tests set 0 to force them), else whole.
-dg_status rs_fused_split(double half_step_flops, PieceSplit* split);
+// settings.rs_split_gflops, default 25; negative: always), else whole.
+PieceSplit rs_fused_split(const dg_tp_settings& settings, double half_step_flops);
 
-// The decomposed reduce-scatter's steps, before DISTGEMM_TP_PIECES: halves; from ~100 GFLOP
+// The decomposed reduce-scatter's steps, unless settings.pieces names them: halves; from ~100 GFLOP
 // where the pushes take 0.4 of the GEMM's time or more (attention-out projections), or the
 // steps are long (8192+ rows), three tapered pieces, so that the first push starts sooner and
 // the last GEMM, which waits for the last push, is short.
 PieceSplit rs_decomposed_split(double flops, double pushed_bytes, int64_t step_rows);
 
-// The decomposed all-gather's peer shards, before DISTGEMM_TP_PIECES: whole; in halves from
+// The decomposed all-gather's peer shards, unless settings.pieces names them: whole; in halves from
 // ~200 GFLOP where the pushes take 0.3 of the GEMM's time or more (the 8B QKV projection), so
 // that the first peer GEMM starts before the whole shard is in.
 PieceSplit ag_decomposed_split(double flops, double pushed_bytes);
+
+// settings.pieces / tapered where set, else `automatic`.
+PieceSplit decomposed_split(const dg_tp_settings& settings, PieceSplit automatic);
 
 }  // namespace distgemm::tp

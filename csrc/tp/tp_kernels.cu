@@ -1,4 +1,6 @@
 #include <algorithm>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 
 #include "common/sync.cuh"
 #include "tp/tp_kernels.cuh"
@@ -89,7 +91,33 @@ __global__ void scatter_scales_kernel(const float* src, int64_t count, int64_t r
   __threadfence_system();
 }
 
+template <class T>
+__global__ void scale_row_kernel(const T* src, T* dst, int64_t n, float beta) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += gridDim.x * int64_t(blockDim.x))
+    dst[i] = static_cast<T>(beta * static_cast<float>(src[i]));
+}
+
 }  // namespace
+
+cudaError_t launch_scale_row(const void* src, void* dst, int64_t n, dg_dtype dtype, float beta,
+                             cudaStream_t stream) {
+  const int blocks = static_cast<int>(std::min<int64_t>((n + 255) / 256, 256));
+  switch (dtype) {
+    case DG_F32:
+      scale_row_kernel<<<blocks, 256, 0, stream>>>(static_cast<const float*>(src), static_cast<float*>(dst), n, beta);
+      break;
+    case DG_F16:
+      scale_row_kernel<<<blocks, 256, 0, stream>>>(static_cast<const __half*>(src), static_cast<__half*>(dst), n, beta);
+      break;
+    case DG_BF16:
+      scale_row_kernel<<<blocks, 256, 0, stream>>>(static_cast<const __nv_bfloat16*>(src),
+                                                   static_cast<__nv_bfloat16*>(dst), n, beta);
+      break;
+    default:
+      return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
 
 cudaError_t launch_scatter_scales(const float* src, int64_t count, int64_t rows,
                                   const ScaleTargets& targets, cudaStream_t stream) {

@@ -8,6 +8,7 @@
 
 #include "common/sync.h"
 #include "tp/tp_layout.h"
+#include "distgemm/types.h"
 
 namespace distgemm::tp {
 
@@ -76,5 +77,10 @@ struct ScaleTargets {
 };
 cudaError_t launch_scatter_scales(const float* src, int64_t count, int64_t rows,
                                   const ScaleTargets& targets, cudaStream_t stream);
+
+// dst[i] = beta * src[i] for a row of n values of `dtype` (float32, float16 or bfloat16): the
+// bias the cuBLASLt pieces add unscaled, scaled once per call.
+cudaError_t launch_scale_row(const void* src, void* dst, int64_t n, dg_dtype dtype, float beta,
+                             cudaStream_t stream);
 
 }  // namespace distgemm::tp

@@ -1,16 +1,18 @@
-// Layout of the symmetric workspace of a tensor-parallel GEMM: every rank allocates the same
-// bytes (PyTorch symmetric memory, or any peer-mapped allocation) and passes the mapped base
-// address of each rank's copy. Host-only arithmetic, shared by the size query and the ops.
+// The header of the symmetric workspace of a tensor-parallel GEMM: every rank allocates the same
+// bytes (PyTorch symmetric memory, distgemm_nccl, or any peer-mapped allocation) and passes the
+// mapped base address of each rank's copy. The regions after the header: tp_plan.h.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 
+#include "distgemm/distgemm.h"
+
 namespace distgemm::tp {
 
 constexpr int kMaxWorld = 64;
 // The most pieces one rank's chunk travels in (each piece: its own copy, flag and GEMM).
-constexpr int kMaxPieces = 4;
+constexpr int kMaxPieces = DG_TP_MAX_PIECES;
 
 // Header: monotonic epoch flags, one 32-bit word each, written by the rank named in the
 // comment and read by the owner of the workspace.
@@ -43,36 +45,5 @@ inline size_t align_up(size_t bytes, size_t to) { return (bytes + to - 1) / to *
 
 // Device scratch of the cuBLASLt GEMMs of the decomposed algorithm (local use only).
 constexpr size_t kGemmScratchBytes = size_t{32} << 20;
-
-// All-gather + GEMM: the gathered operand (M = world * m_local rows of K), for FP8 with
-// per-row scales the gathered scales (M floats), and the GEMMs' scratch.
-struct AllGatherLayout {
-  size_t gathered = TpHeader::kBytes;
-  size_t scales = 0;
-  size_t scratch = 0;
-  size_t bytes = 0;
-  AllGatherLayout(int64_t m, int64_t k, size_t elem_bytes) {
-    scales = align_up(gathered + static_cast<size_t>(m * k) * elem_bytes, 256);
-    scratch = align_up(scales + static_cast<size_t>(m) * sizeof(float), 4096);
-    bytes = scratch + kGemmScratchBytes;
-  }
-};
-
-// GEMM + reduce-scatter: per ring step before the last, a slot of partial sums this rank
-// computed (m_local x N in the output dtype), a slot the previous rank pushes its own into,
-// and the GEMMs' scratch.
-struct ReduceScatterLayout {
-  size_t slots = TpHeader::kBytes;
-  size_t received = 0;
-  size_t slot_bytes = 0;
-  size_t scratch = 0;
-  size_t bytes = 0;
-  ReduceScatterLayout(int world, int64_t m_local, int64_t n, size_t out_bytes) {
-    slot_bytes = align_up(static_cast<size_t>(m_local * n) * out_bytes, 256);
-    received = slots + slot_bytes * static_cast<size_t>(world - 1);
-    scratch = align_up(received + slot_bytes * static_cast<size_t>(world - 1), 4096);
-    bytes = scratch + kGemmScratchBytes;
-  }
-};
 
 }  // namespace distgemm::tp

@@ -5,6 +5,7 @@ from .dense import gemm
 from .grouped import grouped_mm, grouped_mm_wgrad
 from .quantize import quantize_fp8
 from .tp import all_gather_matmul, check_errors, dist_matmul, matmul_reduce_scatter, recover
+from . import tp
 from . import nn
 
 __all__ = [

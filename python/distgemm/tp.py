@@ -171,15 +171,61 @@ def _backend() -> str:
     return value
 
 
-def _algo() -> int:
-    """DISTGEMM_TP_ALGO: how the fused backend hides the communication. `fused`: one CUTLASS
-    GEMM per ring step waiting on per-tile-row flags; `decomposed`: one cuBLASLt GEMM per chunk
-    piece after a bounded wait for it (bf16/fp16); `auto` (default): decomposed where it
-    applies, except reduce-scatters of under ~50 GFLOP per rank."""
-    value = os.environ.get("DISTGEMM_TP_ALGO", "auto").lower()
-    if value not in _ALGOS:
-        raise ValueError(f"DISTGEMM_TP_ALGO must be one of {tuple(_ALGOS)}, got {value!r}")
-    return _ALGOS[value]
+_MAX_PIECES = 4  # DG_TP_MAX_PIECES
+
+
+def _read_settings() -> list:
+    """The TP settings the core takes as descriptor fields (dg_tp_settings: algo, pieces, tapered,
+    rs_split_gflops), read from the environment:
+
+    - DISTGEMM_TP_ALGO: how the fused backend hides the communication. `fused`: one CUTLASS
+      GEMM per ring step waiting on per-tile-row flags; `decomposed`: one cuBLASLt GEMM per chunk
+      piece after a bounded wait for it (bf16/fp16); `auto` (default): decomposed where it
+      applies, except reduce-scatters of under ~50 GFLOP per rank.
+    - DISTGEMM_TP_PIECES: `auto`, N or Nt (tapered), N in [1, 4]: how many pieces a chunk of
+      the decomposed algorithm travels in.
+    - DISTGEMM_RS_SPLIT_GFLOPS: the fused reduce-scatter halves a ring step when each half is at
+      least this many GFLOP (default 25; 0 halves every step)."""
+    algo = os.environ.get("DISTGEMM_TP_ALGO", "auto").lower()
+    if algo not in _ALGOS:
+        raise ValueError(f"DISTGEMM_TP_ALGO must be one of {tuple(_ALGOS)}, got {algo!r}")
+    pieces_env = os.environ.get("DISTGEMM_TP_PIECES", "auto").strip() or "auto"
+    pieces, tapered = 0, False
+    if pieces_env != "auto":
+        tapered = pieces_env.endswith("t")
+        digits = pieces_env[:-1] if tapered else pieces_env
+        if not digits.isdigit() or not 1 <= int(digits) <= _MAX_PIECES:
+            raise ValueError(f"DISTGEMM_TP_PIECES must be 'auto', N or Nt (tapered) with N in [1, {_MAX_PIECES}], "
+                             f"got {pieces_env!r}")
+        pieces = int(digits)
+    split_env = os.environ.get("DISTGEMM_RS_SPLIT_GFLOPS", "").strip()
+    split = 0.0  # the core's default (25 GFLOP)
+    if split_env:
+        try:
+            gflops = float(split_env)
+        except ValueError:
+            gflops = -1.0
+        if not math.isfinite(gflops) or gflops < 0:
+            raise ValueError(f"DISTGEMM_RS_SPLIT_GFLOPS must be a non-negative number of GFLOP, got {split_env!r}")
+        split = gflops if gflops > 0 else -1.0  # the core: negative halves every step
+    return [float(_ALGOS[algo]), float(pieces), 1.0 if tapered else 0.0, split]
+
+
+_settings: Optional[list] = None
+
+
+def reload_settings() -> None:
+    """Reads DISTGEMM_TP_ALGO / DISTGEMM_TP_PIECES / DISTGEMM_RS_SPLIT_GFLOPS again (they are read
+    once, at the first tensor-parallel call). Every rank must hold the same settings: a call
+    whose ranks differ fails on every rank with a ValueError naming them."""
+    global _settings
+    _settings = _read_settings()
+
+
+def _tp_settings() -> list:
+    if _settings is None:
+        reload_settings()
+    return _settings
 
 
 def _use_fused(group: dist.ProcessGroup, device: torch.device) -> bool:
@@ -298,11 +344,11 @@ def _fused_all_gather_matmul(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, 
     state = _state(group)
     world, rank = state.size, state.rank
     nbytes = _workspace_bytes(_AG, a.shape[0], a.shape[1], b.shape[0], a.dtype, out_dtype, world)
-    timeout, algo = timeout_s(), _algo()
+    timeout, settings = timeout_s(), _tp_settings()
 
     def call(ws, agree_only):
         return ops.tp_all_gather_gemm(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, rank,
-                                      world, ws.ptrs, ws.nbytes, timeout, return_gathered, algo, agree_only)
+                                      world, ws.ptrs, ws.nbytes, timeout, return_gathered, settings, agree_only)
 
     return _run_on_workspace(state, nbytes, a.device, call)
 
@@ -311,11 +357,11 @@ def _fused_matmul_reduce_scatter(a, b, bias, alpha, beta, out_dtype, scale_a, sc
     state = _state(group)
     world, rank = state.size, state.rank
     nbytes = _workspace_bytes(_RS, a.shape[0] // world, a.shape[1], b.shape[0], a.dtype, out_dtype, world)
-    timeout, algo = timeout_s(), _algo()
+    timeout, settings = timeout_s(), _tp_settings()
 
     def call(ws, agree_only):
         return ops.tp_gemm_reduce_scatter(a, b, bias, alpha, beta, out_dtype, scale_a, scale_b, fast_accum,
-                                          rank, world, ws.ptrs, ws.nbytes, timeout, algo, agree_only)
+                                          rank, world, ws.ptrs, ws.nbytes, timeout, settings, agree_only)
 
     return _run_on_workspace(state, nbytes, a.device, call)
 
@@ -391,15 +437,14 @@ def _gathered_scale_a(scale_a, rows: int, group) -> Optional[torch.Tensor]:
 # ---------------------------------------------------------------- public ops
 
 
-def _scaled_bias(c, beta, out_dtype):
-    """(c, beta) for the fused ops: a bias ((N,) or (1, N)) comes pre-multiplied by beta, with
-    beta 1 (the decomposed algorithm adds a bias unscaled); a full C keeps its beta (row-major
-    and aligned, as the kernels read it)."""
+def _kernel_c(c, beta, out_dtype):
+    """(c, beta) as the fused ops take them: in the output dtype, a bias as one (N,) row, a full C
+    row-major and aligned; beta unchanged (the core scales the bias itself)."""
     if c is None or beta == 0.0:
         return None, 0.0
     if c.dim() == 2 and c.shape[0] != 1:
         return aligned16(c.to(out_dtype).contiguous()), beta
-    return (c.reshape(-1).float() * beta).to(out_dtype), 1.0
+    return aligned16(c.reshape(-1).to(out_dtype).contiguous()), beta
 
 
 def _check_tp(op, a, b, c, out_dtype, scale_a, scale_b, c_rows: int):
@@ -467,7 +512,7 @@ def _all_gather_matmul_eager(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, 
     fused = _use_fused(group, a.device) and _fused_operands(a, b, out_dtype, fast_accum)
     if fused:
         a, b, fast = fused
-        bias_or_c, beta = _scaled_bias(c, beta, out_dtype)
+        bias_or_c, beta = _kernel_c(c, beta, out_dtype)
         out, gathered = _fused_all_gather_matmul(a, b, bias_or_c, alpha, beta, out_dtype, _flat(scale_a),
                                                  _flat(scale_b), fast, group, return_gathered)
         return out, (gathered if return_gathered else None)
@@ -500,8 +545,8 @@ def _matmul_reduce_scatter_eager(a, b, c, alpha, beta, out_dtype, scale_a, scale
                                                             a.shape[0] // world)
     if fused:
         a, b, fast = fused
-        scaled, bias_beta = _scaled_bias(bias, beta, out_dtype)
-        out = _fused_matmul_reduce_scatter(a, b, scaled, alpha, bias_beta, out_dtype, _flat(scale_a),
+        bias_c, bias_beta = _kernel_c(bias, beta, out_dtype)
+        out = _fused_matmul_reduce_scatter(a, b, bias_c, alpha, bias_beta, out_dtype, _flat(scale_a),
                                            _flat(scale_b), fast, group)
     else:
         _agree_collectively(group, _OP_NAMES[_RS], (a.shape[0], b.shape[0], str(out_dtype)))

@@ -171,9 +171,8 @@ typedef enum dg_tp_kind {
  *   DG_TP_ALGO_FUSED: one persistent CUTLASS GEMM per ring step that waits, tile row by tile
  *     row, on per-chunk ready flags (all-gather) or on the previous rank's partial sums in its
  *     epilogue (reduce-scatter). Every dtype, FP8 scales included.
- *   DG_TP_ALGO_DECOMPOSED: one cuBLASLt GEMM per piece of a chunk (pieces: DISTGEMM_TP_PIECES,
- *     chosen from the shape by default), each after a bounded wait for its piece's flag on the
- *     caller's stream. bf16/fp16 only.
+ *   DG_TP_ALGO_DECOMPOSED: one cuBLASLt GEMM per piece of a chunk, each after a bounded wait
+ *     for its piece's flag on the caller's stream. bf16/fp16 only.
  *   DG_TP_ALGO_AUTO: decomposed where it applies, except reduce-scatters of under ~50 GFLOP
  *     per rank (there the fused ring's fewer launches win); else fused. */
 typedef enum dg_tp_algo {
@@ -181,6 +180,27 @@ typedef enum dg_tp_algo {
   DG_TP_ALGO_FUSED = 1,
   DG_TP_ALGO_DECOMPOSED = 2,
 } dg_tp_algo;
+
+/* The most pieces a chunk travels in (dg_tp_settings.pieces). */
+#define DG_TP_MAX_PIECES 4
+
+/* How a tensor-parallel call is cut up. Every rank must pass the same settings (each call
+ * checks: a difference is DG_ERROR_PEER_MISMATCH on every rank). All zero: the defaults. */
+typedef struct dg_tp_settings {
+  dg_tp_algo algo;
+  /* Decomposed algorithm: 0 chooses from the shape (all-gathers: whole shards, halves from
+   * ~200 GFLOP where the pushes take 0.3 of the GEMM's time; reduce-scatters: halves of every
+   * ring step, three tapered pieces from ~100 GFLOP where the pushes take 0.4 of the GEMM's
+   * time or a step has 8192+ rows); 1..DG_TP_MAX_PIECES: every chunk in that many pieces,
+   * each with its own copy, flag and GEMM (fewer where a chunk has under 128 rows a piece). */
+  int pieces;
+  /* With pieces >= 3: the first and last piece half as large as the others. */
+  int tapered;
+  /* Fused reduce-scatter: a ring step runs as two launches (the first half's partial sums
+   * travel while the second half is computed) when each half is at least this many GFLOP.
+   * 0: the default, 25; negative: every step in halves. */
+  double rs_split_gflops;
+} dg_tp_settings;
 
 typedef struct dg_tp_desc {
   dg_gemm_desc gemm;
@@ -190,7 +210,7 @@ typedef struct dg_tp_desc {
   size_t workspace_bytes;       /* the size of each */
   double timeout_s;
   void* gathered_out;           /* all-gather only: optional (world*m, K) copy of gathered a */
-  dg_tp_algo algo;
+  dg_tp_settings settings;
   /* Nonzero: only the per-call agreement (below) runs, on `stream`, and nothing is read or
    * written but the workspace header (which may then be smaller than this call needs): what a
    * caller runs on its current workspaces before it makes larger ones for this call. */

@@ -114,6 +114,7 @@ def with_envs(envs: Dict[str, str], fn: Callable[[], object]) -> Callable[[], ob
     def call():
         old = {var: os.environ.get(var) for var in envs}
         os.environ.update(envs)
+        reload_tp_settings()
         try:
             return fn()
         finally:
@@ -122,7 +123,15 @@ def with_envs(envs: Dict[str, str], fn: Callable[[], object]) -> Callable[[], ob
                     del os.environ[var]
                 else:
                     os.environ[var] = value
+            reload_tp_settings()
     return call
+
+
+def reload_tp_settings() -> None:
+    """distgemm reads its tensor-parallel settings (DISTGEMM_TP_*) once: re-read them."""
+    import distgemm.tp
+
+    distgemm.tp.reload_settings()
 
 
 def parse_variants(spec: str) -> Dict[str, Dict[str, str]]:

@@ -1,0 +1,49 @@
+// Runs a tensor-parallel plan: binds its references to this process's pointers (the caller's
+// matrices, the ranks' mapped workspaces) and enqueues its steps on the caller's stream and a
+// side stream, the GEMM steps through a GemmConsumer. Host-only.
+#pragma once
+
+#include <cstdint>
+
+#include "tp/tp_call.h"
+#include "tp/tp_consumer.h"
+#include "tp/tp_plan.h"
+#include "distgemm/distgemm.h"
+
+namespace distgemm::tp {
+
+// A plan's references bound to pointers: pure host arithmetic, nothing dereferenced.
+class TpBuffers {
+ public:
+  TpBuffers(const dg_tp_desc& d, const Peers& peers, const TpPlan& plan) : d_(d), peers_(peers), plan_(plan) {}
+
+  // Rows of a row-major matrix: the first row's address, the row pitch and width (elements).
+  struct Rows {
+    char* data = nullptr;
+    int64_t pitch = 0;
+    int64_t cols = 0;
+    int elem_bytes = 0;
+  };
+  Rows rows(const RowsRef& ref) const;
+  uint32_t* flag(const FlagRef& f) const;
+  // A kGemm step's GEMM: the caller's desc on the step's rows (FP8 row scales and full C rows
+  // follow them; the bias only where the step adds it, scaled in the workspace where planned).
+  StepGemm gemm(const Step& step) const;
+
+ private:
+  const dg_tp_desc& d_;
+  const Peers& peers_;
+  const TpPlan& plan_;
+};
+
+// Why `consumer` cannot take one of `plan`'s GEMMs (nullptr if it takes them all).
+const char* unsupported_gemm(const dg_tp_desc& d, const Peers& peers, const TpPlan& plan,
+                             const GemmConsumer& consumer);
+
+// Checks every GEMM of `plan` with `consumer`, then enqueues the plan on `stream` (kMain) and a
+// pool stream forked from it (kPush). `dtypes` and the plan make the call's signature; `tag`
+// names the op in the error word.
+dg_status execute(const dg_tp_desc& d, const Peers& peers, const TpPlan& plan, uint32_t dtypes, int tag,
+                  const GemmConsumer& consumer, cudaStream_t stream);
+
+}  // namespace distgemm::tp
