@@ -3,7 +3,7 @@
 # steps named in $STEPS, logs under $OUT. Not part of the package.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-export CUTLASS_DIR="${CUTLASS_DIR:-$PWD/.cutlass}" DISTGEMM_CUDA_ARCHS=90a CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)"
+export CUTLASS_DIR="${CUTLASS_DIR:-$PWD/.cutlass}" GTEST_SOURCE_DIR="${GTEST_SOURCE_DIR:-$PWD/.googletest}" DISTGEMM_CUDA_ARCHS=90a CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)"
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 t0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - t0 )) s] $*" | tee -a "$OUT/steps.log"; }

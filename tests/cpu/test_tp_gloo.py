@@ -17,28 +17,48 @@ def test_mismatched_shapes_are_reported():
 
 
 @pytest.mark.parametrize("var,value", [("DISTGEMM_TP_ALGO", "fastest"), ("DISTGEMM_TP_BACKEND", "nvshmem"),
-                                       ("DISTGEMM_TIMEOUT_S", "-1"), ("DISTGEMM_TIMEOUT_S", "soon")])
+                                       ("DISTGEMM_TIMEOUT_S", "-1"), ("DISTGEMM_TIMEOUT_S", "soon"),
+                                       ("DISTGEMM_TP_PIECES", "5"), ("DISTGEMM_TP_PIECES", "2x"),
+                                       ("DISTGEMM_RS_SPLIT_GFLOPS", "-3"), ("DISTGEMM_RS_SPLIT_GFLOPS", "nan")])
 def test_malformed_environment_is_named(monkeypatch, var, value):
     from distgemm import tp
 
     monkeypatch.setenv(var, value)
-    read = {"DISTGEMM_TP_ALGO": tp._algo, "DISTGEMM_TP_BACKEND": tp._backend,
-            "DISTGEMM_TIMEOUT_S": tp.timeout_s}[var]
+    read = {"DISTGEMM_TP_BACKEND": tp._backend, "DISTGEMM_TIMEOUT_S": tp.timeout_s}.get(var, tp.reload_settings)
     with pytest.raises(ValueError, match=var):
         read()
 
 
-@pytest.mark.parametrize("value,code", [("auto", 0), ("fused", 1), ("DECOMPOSED", 2)])
-def test_algo_environment_maps_to_the_c_api(monkeypatch, value, code):
+@pytest.mark.parametrize("env,settings", [
+    ({}, [0, 0, 0, 0]),  # every field zero: the core's defaults
+    ({"DISTGEMM_TP_ALGO": "fused"}, [1, 0, 0, 0]),
+    ({"DISTGEMM_TP_ALGO": "DECOMPOSED", "DISTGEMM_TP_PIECES": "3t"}, [2, 3, 1, 0]),
+    ({"DISTGEMM_TP_PIECES": "4"}, [0, 4, 0, 0]),
+    ({"DISTGEMM_RS_SPLIT_GFLOPS": "0"}, [0, 0, 0, -1]),  # the core: negative halves every step
+    ({"DISTGEMM_RS_SPLIT_GFLOPS": "12.5"}, [0, 0, 0, 12.5]),
+])
+def test_environment_maps_to_the_c_api_settings(monkeypatch, env, settings):
+    """dg_tp_settings (algo, pieces, tapered, rs_split_gflops), read once and re-read on request."""
     from distgemm import tp
 
-    monkeypatch.setenv("DISTGEMM_TP_ALGO", value)
-    assert tp._algo() == code  # dg_tp_algo: AUTO 0, FUSED 1, DECOMPOSED 2
+    for var in ("DISTGEMM_TP_ALGO", "DISTGEMM_TP_PIECES", "DISTGEMM_RS_SPLIT_GFLOPS"):
+        monkeypatch.delenv(var, raising=False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    tp.reload_settings()
+    try:
+        assert tp._tp_settings() == [float(v) for v in settings]
+        monkeypatch.setenv("DISTGEMM_TP_PIECES", "2")  # not read again until reload_settings
+        assert tp._tp_settings() == [float(v) for v in settings]
+    finally:
+        monkeypatch.undo()
+        tp.reload_settings()
 
 
 def test_workspace_sizes_follow_the_layout():
     """Host arithmetic of the symmetric workspaces (no device needed): an 8 KiB flag header, the
-    exchanged data, and the decomposed algorithm's 32 MiB cuBLASLt scratch."""
+    exchanged data, N output elements for the scaled bias, and the decomposed algorithm's 32 MiB
+    cuBLASLt scratch."""
     import torch
 
     from distgemm._library import ops
@@ -50,11 +70,12 @@ def test_workspace_sizes_follow_the_layout():
     for world, rows, k, n in ((2, 2048, 4096, 3072), (4, 333, 512, 1032), (8, 1, 64, 264)):
         # all-gather: gathered operand (world * rows, K) bf16, then world * rows FP32 scales
         gathered = header + world * rows * k * 2
-        expect = up(up(gathered, 256) + world * rows * 4, 4096) + scratch
+        bias = up(up(gathered, 256) + world * rows * 4, 256)
+        expect = up(bias + n * 2, 4096) + scratch
         assert ops.tp_workspace_size(1, rows, k, n, torch.bfloat16, torch.bfloat16, world) == expect
         # reduce-scatter: (world - 1) slots to send and (world - 1) received, (rows, N) fp32 each
         slot = up(rows * n * 4, 256)
-        expect = up(header + 2 * (world - 1) * slot, 4096) + scratch
+        expect = up(header + 2 * (world - 1) * slot + n * 4, 4096) + scratch
         assert ops.tp_workspace_size(2, rows, k, n, torch.bfloat16, torch.float32, world) == expect
     with pytest.raises(ValueError, match="world size"):
         ops.tp_workspace_size(1, 16, 64, 64, torch.bfloat16, torch.bfloat16, 1)

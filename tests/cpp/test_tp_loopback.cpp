@@ -1,0 +1,355 @@
+// The tensor-parallel C API on one GPU: two ranks of one process, each with its own workspace
+// and stream on the same device (every rank's workspace is then mapped in the process by
+// construction). It runs the plan executor, both GEMM consumers, the bias the cuBLASLt pieces
+// scale, and the per-call agreement for real, against a host reference in double. Skips
+// without an sm_90 GPU; the NCCL path across GPUs is test_nccl_tp.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <distgemm/distgemm.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace {
+
+constexpr int kWorld = 2;
+
+// One process plays both ranks, so before CUDA starts: load every kernel up front (with lazy
+// loading, a kernel's first launch waits for the device to go idle, which never happens while
+// rank 0 spins waiting for rank 1's launches behind it on the host), and give every stream its
+// own hardware queue (shared queues would serialize the ranks' streams).
+const bool kOneProcessEnvironment = [] {
+  setenv("CUDA_MODULE_LOADING", "EAGER", 1);
+  setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
+  return true;
+}();
+
+bool have_sm90() {
+  int devices = 0, major = 0;
+  return cudaGetDeviceCount(&devices) == cudaSuccess && devices > 0 &&
+         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0) == cudaSuccess && major == 9;
+}
+
+#define REQUIRE_SM90() \
+  if (!have_sm90()) GTEST_SKIP() << "needs an sm_90 GPU"
+
+std::vector<float> random_values(size_t count, uint32_t seed, float scale) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.f, scale);
+  std::vector<float> v(count);
+  for (auto& x : v) x = __bfloat162float(__float2bfloat16(normal(rng)));  // exactly representable
+  return v;
+}
+
+// A device buffer of bf16 or fp32 values.
+struct Buffer {
+  void* ptr = nullptr;
+  size_t bytes = 0;
+  Buffer() = default;
+  explicit Buffer(size_t n) : bytes(n) { EXPECT_EQ(cudaMalloc(&ptr, n), cudaSuccess); }
+  ~Buffer() { cudaFree(ptr); }
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+};
+
+void upload_bf16(Buffer& dst, const std::vector<float>& v) {
+  std::vector<__nv_bfloat16> h(v.size());
+  for (size_t i = 0; i < v.size(); ++i) h[i] = __float2bfloat16(v[i]);
+  ASSERT_EQ(cudaMemcpy(dst.ptr, h.data(), h.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+}
+
+std::vector<float> download(const Buffer& src, size_t count, dg_dtype dtype) {
+  std::vector<float> out(count);
+  if (dtype == DG_F32) {
+    EXPECT_EQ(cudaMemcpy(out.data(), src.ptr, count * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+  } else {
+    std::vector<__nv_bfloat16> h(count);
+    EXPECT_EQ(cudaMemcpy(h.data(), src.ptr, count * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+    for (size_t i = 0; i < count; ++i) out[i] = __bfloat162float(h[i]);
+  }
+  return out;
+}
+
+dg_matrix matrix(const void* data, dg_dtype dtype, int64_t rows, int64_t cols) {
+  return {data, dtype, rows, cols, cols, 1};
+}
+
+// Largest |got - want| over the largest |want|.
+double rel_error(const std::vector<float>& got, const std::vector<double>& want) {
+  double err = 0, ref = 1e-30;
+  for (size_t i = 0; i < want.size(); ++i) {
+    err = std::max(err, std::fabs(static_cast<double>(got[i]) - want[i]));
+    ref = std::max(ref, std::fabs(want[i]));
+  }
+  return err / ref;
+}
+
+// Two ranks' workspaces (zeroed) and streams on device 0.
+struct LoopbackGroup {
+  Buffer ws[kWorld];
+  void* ptrs[kWorld] = {};
+  size_t bytes = 0;
+  cudaStream_t streams[kWorld] = {};
+  explicit LoopbackGroup(size_t need) : bytes(need) {
+    for (int r = 0; r < kWorld; ++r) {
+      new (&ws[r]) Buffer(need);
+      EXPECT_EQ(cudaMemset(ws[r].ptr, 0, need), cudaSuccess);
+      ptrs[r] = ws[r].ptr;
+      EXPECT_EQ(cudaStreamCreateWithFlags(&streams[r], cudaStreamNonBlocking), cudaSuccess);
+    }
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  }
+  ~LoopbackGroup() {
+    for (auto s : streams) cudaStreamDestroy(s);
+  }
+  dg_tp_desc desc(int rank, const dg_gemm_desc& gemm, const dg_tp_settings& settings) const {
+    dg_tp_desc d{};
+    d.gemm = gemm;
+    d.rank = rank;
+    d.world = kWorld;
+    d.peer_workspaces = ptrs;
+    d.workspace_bytes = bytes;
+    d.timeout_s = 30.0;
+    d.settings = settings;
+    return d;
+  }
+};
+
+using TpOp = dg_status (*)(const dg_tp_desc*, cudaStream_t);
+
+// Each rank's call once alone first, on its own fresh workspaces, running 1 s past its timeout
+// (its peer never calls): so that every kernel and cuBLASLt algorithm the call launches is
+// loaded before the ranks run together. Loading one from the host while the other rank's
+// kernels spin on the same GPU would block this one host thread until they time out (separate
+// processes on separate GPUs, as in use, never wait on each other that way).
+template <class MakeDesc>
+void load_each_rank_alone(size_t need, TpOp op, MakeDesc make_desc) {
+  for (int r = 0; r < kWorld; ++r) {
+    LoopbackGroup lone(need);
+    dg_tp_desc d = make_desc(lone, r);
+    d.timeout_s = 1.0;
+    EXPECT_EQ(op(&d, lone.streams[r]), DG_SUCCESS) << dg_last_error();
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    EXPECT_EQ(dg_tp_error(0) >> 24, 0) << "rank " << r << " alone must time out";
+    EXPECT_EQ(dg_tp_clear_error(0), DG_SUCCESS) << dg_last_error();
+  }
+}
+
+struct AllGatherCase {
+  const char* name;
+  dg_tp_settings settings;
+  float beta;
+};
+
+// all-gather + GEMM: out (2m, N) = allgather(a) @ b^T + beta * bias, b different per rank.
+TEST(TpLoopback, AllGatherGemmMatchesTheReference) {
+  REQUIRE_SM90();
+  const int64_t m = 300, k = 512, n = 384;
+  const std::vector<AllGatherCase> cases = {
+      {"fused", {DG_TP_ALGO_FUSED, 0, 0, 0.0}, 1.0f},
+      {"decomposed, 2 pieces, bias scaled by the core", {DG_TP_ALGO_DECOMPOSED, 2, 0, 0.0}, 0.5f},
+      {"auto", {DG_TP_ALGO_AUTO, 0, 0, 0.0}, -2.0f},
+  };
+  const std::vector<float> a_all = random_values(kWorld * m * k, 1, 1.f);
+  const std::vector<float> bias = random_values(n, 2, 1.f);
+  std::vector<std::vector<float>> b(kWorld);
+  for (int r = 0; r < kWorld; ++r) b[r] = random_values(n * k, 10 + r, 0.05f);
+  for (const AllGatherCase& c : cases) {
+    SCOPED_TRACE(c.name);
+    Buffer a[kWorld], bw[kWorld], out[kWorld], gathered[kWorld], bias_d(n * 2);
+    upload_bf16(bias_d, bias);
+    size_t need = 0;
+    dg_gemm_desc gemms[kWorld];
+    for (int r = 0; r < kWorld; ++r) {
+      new (&a[r]) Buffer(m * k * 2);
+      new (&bw[r]) Buffer(n * k * 2);
+      new (&out[r]) Buffer(kWorld * m * n * 2);
+      new (&gathered[r]) Buffer(kWorld * m * k * 2);
+      upload_bf16(a[r], std::vector<float>(a_all.begin() + r * m * k, a_all.begin() + (r + 1) * m * k));
+      upload_bf16(bw[r], b[r]);
+      dg_gemm_desc& g = gemms[r];
+      g = {};
+      g.a = matrix(a[r].ptr, DG_BF16, m, k);
+      g.b = matrix(bw[r].ptr, DG_BF16, n, k);
+      g.c = matrix(bias_d.ptr, DG_BF16, 1, n);
+      g.d = matrix(out[r].ptr, DG_BF16, kWorld * m, n);
+      g.alpha = 1.f;
+      g.beta = c.beta;
+      g.config = -1;
+      dg_tp_desc d{};
+      d.gemm = g;
+      d.world = kWorld;
+      size_t bytes = 0;
+      ASSERT_EQ(dg_tp_workspace_size(DG_TP_ALL_GATHER_GEMM, &d, &bytes), DG_SUCCESS) << dg_last_error();
+      need = std::max(need, bytes);
+    }
+    auto make_desc = [&](const LoopbackGroup& group, int r) {
+      dg_tp_desc d = group.desc(r, gemms[r], c.settings);
+      d.gathered_out = gathered[r].ptr;
+      return d;
+    };
+    load_each_rank_alone(need, dg_all_gather_gemm, make_desc);
+    LoopbackGroup group(need);
+    for (int r = 0; r < kWorld; ++r) {
+      const dg_tp_desc d = make_desc(group, r);
+      ASSERT_EQ(dg_all_gather_gemm(&d, group.streams[r]), DG_SUCCESS) << dg_last_error();
+    }
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    ASSERT_EQ(dg_tp_error(0), 0);
+    for (int r = 0; r < kWorld; ++r) {
+      std::vector<double> want(kWorld * m * n);
+      for (int64_t i = 0; i < kWorld * m; ++i)
+        for (int64_t j = 0; j < n; ++j) {
+          double acc = 0;
+          for (int64_t p = 0; p < k; ++p) acc += double(a_all[i * k + p]) * b[r][j * k + p];
+          want[i * n + j] = acc + double(c.beta) * bias[j];
+        }
+      EXPECT_LT(rel_error(download(out[r], want.size(), DG_BF16), want), 1e-2) << "rank " << r;
+      const std::vector<float> got_a = download(gathered[r], a_all.size(), DG_BF16);
+      EXPECT_EQ(got_a, a_all) << "rank " << r << ": gathered_out";
+    }
+  }
+}
+
+// GEMM + reduce-scatter: out (m, N) = rows of rank r of sum_q a_q @ b_q^T, + beta * bias.
+TEST(TpLoopback, GemmReduceScatterMatchesTheReference) {
+  REQUIRE_SM90();
+  const int64_t m = 200, k = 256, n = 264;
+  struct Case {
+    const char* name;
+    dg_tp_settings settings;
+    dg_dtype out;
+  };
+  const std::vector<Case> cases = {
+      {"fused, every step in halves", {DG_TP_ALGO_FUSED, 0, 0, -1.0}, DG_F32},
+      {"fused", {DG_TP_ALGO_FUSED, 0, 0, 0.0}, DG_BF16},
+      {"decomposed, 3 tapered pieces", {DG_TP_ALGO_DECOMPOSED, 3, 1, 0.0}, DG_F32},
+      {"decomposed", {DG_TP_ALGO_DECOMPOSED, 0, 0, 0.0}, DG_BF16},
+  };
+  const float beta = -1.5f;
+  std::vector<std::vector<float>> a(kWorld), b(kWorld);
+  for (int q = 0; q < kWorld; ++q) {
+    a[q] = random_values(kWorld * m * k, 20 + q, 1.f);
+    b[q] = random_values(n * k, 30 + q, 0.05f);
+  }
+  const std::vector<float> bias = random_values(n, 3, 1.f);
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    const int out_bytes = c.out == DG_F32 ? 4 : 2;
+    Buffer ad[kWorld], bd[kWorld], out[kWorld], bias_d(n * out_bytes);
+    if (c.out == DG_F32)
+      ASSERT_EQ(cudaMemcpy(bias_d.ptr, bias.data(), n * 4, cudaMemcpyHostToDevice), cudaSuccess);
+    else
+      upload_bf16(bias_d, bias);
+    dg_gemm_desc gemms[kWorld];
+    size_t need = 0;
+    for (int r = 0; r < kWorld; ++r) {
+      new (&ad[r]) Buffer(kWorld * m * k * 2);
+      new (&bd[r]) Buffer(n * k * 2);
+      new (&out[r]) Buffer(m * n * out_bytes);
+      upload_bf16(ad[r], a[r]);
+      upload_bf16(bd[r], b[r]);
+      dg_gemm_desc& g = gemms[r];
+      g = {};
+      g.a = matrix(ad[r].ptr, DG_BF16, kWorld * m, k);
+      g.b = matrix(bd[r].ptr, DG_BF16, n, k);
+      g.c = matrix(bias_d.ptr, c.out, 1, n);
+      g.d = matrix(out[r].ptr, c.out, m, n);
+      g.alpha = 1.f;
+      g.beta = beta;
+      g.config = -1;
+      dg_tp_desc d{};
+      d.gemm = g;
+      d.world = kWorld;
+      size_t bytes = 0;
+      ASSERT_EQ(dg_tp_workspace_size(DG_TP_GEMM_REDUCE_SCATTER, &d, &bytes), DG_SUCCESS) << dg_last_error();
+      need = std::max(need, bytes);
+    }
+    auto make_desc = [&](const LoopbackGroup& group, int r) { return group.desc(r, gemms[r], c.settings); };
+    load_each_rank_alone(need, dg_gemm_reduce_scatter, make_desc);
+    LoopbackGroup group(need);
+    for (int r = 0; r < kWorld; ++r) {
+      const dg_tp_desc d = make_desc(group, r);
+      ASSERT_EQ(dg_gemm_reduce_scatter(&d, group.streams[r]), DG_SUCCESS) << dg_last_error();
+    }
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    ASSERT_EQ(dg_tp_error(0), 0);
+    for (int r = 0; r < kWorld; ++r) {
+      std::vector<double> want(m * n);
+      for (int64_t i = 0; i < m; ++i)
+        for (int64_t j = 0; j < n; ++j) {
+          double acc = 0;
+          for (int q = 0; q < kWorld; ++q)
+            for (int64_t p = 0; p < k; ++p) acc += double(a[q][(r * m + i) * k + p]) * b[q][j * k + p];
+          want[i * n + j] = acc + double(beta) * bias[j];
+        }
+      EXPECT_LT(rel_error(download(out[r], want.size(), c.out), want), c.out == DG_F32 ? 1e-4 : 1e-2)
+          << "rank " << r;
+    }
+  }
+}
+
+// Ranks whose settings differ: the call's outputs are NaN, the error word names the
+// disagreement, the next call is refused until dg_tp_clear_error; a rank whose peer never
+// calls times out within its bound.
+TEST(TpLoopback, DisagreementAndTimeoutAreReported) {
+  REQUIRE_SM90();
+  const int64_t m = 512, k = 128, n = 128;
+  Buffer a(m * k * 2), b(n * k * 2), out[kWorld];
+  upload_bf16(a, random_values(m * k, 5, 1.f));
+  upload_bf16(b, random_values(n * k, 6, 0.1f));
+  dg_gemm_desc g{};
+  g.a = matrix(a.ptr, DG_BF16, m, k);
+  g.b = matrix(b.ptr, DG_BF16, n, k);
+  g.alpha = 1.f;
+  g.config = -1;
+  dg_tp_desc probe{};
+  probe.gemm = g;
+  probe.gemm.d = matrix(nullptr, DG_BF16, kWorld * m, n);
+  probe.world = kWorld;
+  size_t need = 0;
+  ASSERT_EQ(dg_tp_workspace_size(DG_TP_ALL_GATHER_GEMM, &probe, &need), DG_SUCCESS) << dg_last_error();
+  for (int r = 0; r < kWorld; ++r) new (&out[r]) Buffer(kWorld * m * n * 2);
+  auto make_desc = [&](const LoopbackGroup& group, int r) {
+    dg_gemm_desc gr = g;
+    gr.d = matrix(out[r].ptr, DG_BF16, kWorld * m, n);
+    return group.desc(r, gr, {DG_TP_ALGO_DECOMPOSED, r == 0 ? 2 : 3, 0, 0.0});
+  };
+  load_each_rank_alone(need, dg_all_gather_gemm, make_desc);
+  {
+    LoopbackGroup group(need);
+    for (int r = 0; r < kWorld; ++r) {
+      const dg_tp_desc d = make_desc(group, r);
+      ASSERT_EQ(dg_all_gather_gemm(&d, group.streams[r]), DG_SUCCESS) << dg_last_error();
+    }
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const int word = dg_tp_error(0);
+    EXPECT_EQ(word >> 24, 2) << "expected 'another op, algorithm or piece split', error word " << word;
+    const std::vector<float> got = download(out[0], kWorld * m * n, DG_BF16);
+    EXPECT_TRUE(std::isnan(got[0]) && std::isnan(got.back())) << "a failed call's output must be NaN";
+    dg_tp_desc again = group.desc(0, g, {});
+    again.gemm.d = matrix(out[0].ptr, DG_BF16, kWorld * m, n);
+    EXPECT_EQ(dg_all_gather_gemm(&again, group.streams[0]), DG_ERROR_PEER_MISMATCH);
+    EXPECT_NE(std::string(dg_last_error()).find("settings"), std::string::npos) << dg_last_error();
+    ASSERT_EQ(dg_tp_clear_error(0), DG_SUCCESS) << dg_last_error();
+  }
+  {
+    LoopbackGroup group(need);  // fresh workspaces, as the recovery contract asks
+    dg_gemm_desc g0 = g;
+    g0.d = matrix(out[0].ptr, DG_BF16, kWorld * m, n);
+    dg_tp_desc d = group.desc(0, g0, {});
+    d.timeout_s = 1.0;  // rank 1 never calls
+    ASSERT_EQ(dg_all_gather_gemm(&d, group.streams[0]), DG_SUCCESS) << dg_last_error();
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    EXPECT_EQ(dg_tp_error(0) >> 24, 0) << "expected a timeout, error word " << dg_tp_error(0);
+    EXPECT_EQ(dg_all_gather_gemm(&d, group.streams[0]), DG_ERROR_TIMEOUT);
+    ASSERT_EQ(dg_tp_clear_error(0), DG_SUCCESS) << dg_last_error();
+  }
+}
+
+}  // namespace
