@@ -35,4 +35,5 @@ def test_cpp_tests_pass_under_ctest():
     rc, out = _run([ctest, "--test-dir", str(BUILD), "--output-on-failure", "--timeout", "300"], 1200)
     print(out[-6000:])
     assert rc == 0, f"ctest failed:\n{out[-8000:]}"
-    assert "tests passed" in out and ", 0 tests failed" in out, out[-2000:]
+    # "100% tests passed, 0 tests failed out of N", or "100% tests passed out of N" when some skipped
+    assert "100% tests passed" in out, out[-2000:]
