@@ -3,14 +3,11 @@
 // consumer the settings and the shape choose. Host-only.
 #include <cstdint>
 
-#include "common/device.h"
 #include "common/dtype.h"
 #include "common/status.h"
 #include "tp/tp_call.h"
-#include "tp/tp_consumer.h"
 #include "tp/tp_executor.h"
 #include "tp/tp_heuristics.h"
-#include "tp/tp_plan.h"
 #include "distgemm/distgemm.h"
 
 using namespace distgemm;
@@ -37,32 +34,13 @@ extern "C" dg_status dg_all_gather_gemm(const dg_tp_desc* desc, cudaStream_t str
   shape.n = g.d.cols;
   shape.row_scales = g.scale_a != nullptr;
   shape.gathered_out = d.gathered_out != nullptr;
-  const TpRegions regions = tp_regions(shape);
-  DG_REQUIRE(d.agree_only || d.workspace_bytes >= regions.bytes, "the workspace of ", d.workspace_bytes,
-             " bytes is smaller than the ", regions.bytes, " needed");
-
-  const DeviceInfo& dev = device_info(peers.device);
-  const CutlassRingGemm fused(dev.sm_count);
-  const CublasLtPieces pieces(dev.arch, peers.base[d.rank] + regions.scratch, kGemmScratchBytes);
-  // Decomposed where cuBLASLt takes every piece (and the settings allow): a peer's shard
-  // travels in pieces, each multiplied as soon as it is in. Fused: one piece (the kernel waits
-  // per tile row anyway).
+  // Decomposed: a peer's shard travels in pieces, each multiplied as soon as it is in. Fused:
+  // one piece (the kernel waits per tile row anyway).
   const double flops = 2.0 * static_cast<double>(rows) * shape.n * k;
   const double pushed_bytes = static_cast<double>(world - 1) * m * k * shape.in_bytes;  // into each rank
-  TpShape candidate = shape;
-  candidate.decomposed = true;
-  candidate.split = decomposed_split(d.settings, ag_decomposed_split(flops, pushed_bytes));
-  candidate.scale_bias = needs_scaled_bias(g);
-  candidate.agree_only = false;  // its GEMMs tell whether cuBLASLt takes the call
-  bool decomposed = false;
-  DG_RETURN_IF_ERROR(use_decomposed(d, unsupported_gemm(d, peers, make_plan(candidate), pieces), false, &decomposed));
-  if (decomposed) {
-    candidate.agree_only = shape.agree_only;
-    shape = candidate;
-  }
-  const TpPlan plan = make_plan(shape);
-  // What the peers must agree on besides the plan: the dtype and scale mode they push.
-  const uint32_t dtypes = static_cast<uint32_t>(g.a.dtype) | (g.scale_a ? 1u << 8 : 0u);
-  return execute(d, peers, plan, dtypes, kTagAllGather, decomposed ? static_cast<const GemmConsumer&>(pieces) : fused,
-                 stream);
+  TpChoices choices;
+  choices.decomposed = ag_decomposed_split(flops, pushed_bytes);
+  choices.dtypes = static_cast<uint32_t>(g.a.dtype) | (g.scale_a ? 1u << 8 : 0u);  // what is pushed
+  choices.tag = kTagAllGather;
+  return plan_and_execute(d, peers, shape, choices, stream);
 }

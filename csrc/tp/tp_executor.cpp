@@ -1,5 +1,6 @@
 #include "tp/tp_executor.h"
 
+#include "common/device.h"
 #include "common/dtype.h"
 #include "common/error_state.h"
 #include "common/status.h"
@@ -212,6 +213,32 @@ dg_status execute(const dg_tp_desc& d, const Peers& peers, const TpPlan& plan, u
     }
   }
   return DG_SUCCESS;
+}
+
+dg_status plan_and_execute(const dg_tp_desc& d, const Peers& peers, TpShape shape, const TpChoices& choices,
+                           cudaStream_t stream) {
+  const TpRegions regions = tp_regions(shape);
+  DG_REQUIRE(d.agree_only || d.workspace_bytes >= regions.bytes, "the workspace of ", d.workspace_bytes,
+             " bytes is smaller than the ", regions.bytes, " needed");
+  const DeviceInfo& dev = device_info(peers.device);
+  const CutlassRingGemm fused(dev.sm_count);
+  const CublasLtPieces pieces(dev.arch, peers.base[d.rank] + regions.scratch, kGemmScratchBytes);
+  TpShape candidate = shape;
+  candidate.decomposed = true;
+  candidate.split = decomposed_split(d.settings, choices.decomposed);
+  candidate.scale_bias = needs_scaled_bias(d.gemm);
+  candidate.agree_only = false;  // its GEMMs tell whether cuBLASLt takes the call
+  bool decomposed = false;
+  DG_RETURN_IF_ERROR(
+      use_decomposed(d, unsupported_gemm(d, peers, make_plan(candidate), pieces), choices.auto_fused, &decomposed));
+  if (decomposed) {
+    candidate.agree_only = shape.agree_only;
+    shape = candidate;
+  } else {
+    shape.split = choices.fused;
+  }
+  const GemmConsumer& consumer = decomposed ? static_cast<const GemmConsumer&>(pieces) : fused;
+  return execute(d, peers, make_plan(shape), choices.dtypes, choices.tag, consumer, stream);
 }
 
 }  // namespace distgemm::tp

@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "tp/tp_call.h"
+#include "tp/tp_heuristics.h"
 #include "tp/tp_consumer.h"
 #include "tp/tp_plan.h"
 #include "distgemm/distgemm.h"
@@ -45,5 +46,20 @@ const char* unsupported_gemm(const dg_tp_desc& d, const Peers& peers, const TpPl
 // names the op in the error word.
 dg_status execute(const dg_tp_desc& d, const Peers& peers, const TpPlan& plan, uint32_t dtypes, int tag,
                   const GemmConsumer& consumer, cudaStream_t stream);
+
+// How a call may be cut, as its op works it out from the shape and the settings.
+struct TpChoices {
+  PieceSplit decomposed;  // the pieces of the decomposed algorithm
+  PieceSplit fused;       // the pieces of the fused one
+  bool auto_fused = false;  // DG_TP_ALGO_AUTO picks the fused algorithm even where cuBLASLt could run
+  uint32_t dtypes = 0;      // what the ranks must agree on besides the plan (dtypes, scale modes)
+  int tag = 0;              // the op, in the error word
+};
+
+// The rest of every TP call once its op has checked its arguments and filled `shape` (m, k, n,
+// what travels): the workspace size check, the algorithm (decomposed where cuBLASLt takes every
+// piece of the decomposed plan and the settings allow), the plan, and its execution.
+dg_status plan_and_execute(const dg_tp_desc& d, const Peers& peers, TpShape shape, const TpChoices& choices,
+                           cudaStream_t stream);
 
 }  // namespace distgemm::tp

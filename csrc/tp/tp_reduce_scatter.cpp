@@ -3,14 +3,11 @@
 // consumer the settings and the shape choose. Host-only.
 #include <cstdint>
 
-#include "common/device.h"
 #include "common/dtype.h"
 #include "common/status.h"
 #include "tp/tp_call.h"
-#include "tp/tp_consumer.h"
 #include "tp/tp_executor.h"
 #include "tp/tp_heuristics.h"
-#include "tp/tp_plan.h"
 #include "distgemm/distgemm.h"
 
 using namespace distgemm;
@@ -35,33 +32,15 @@ extern "C" dg_status dg_gemm_reduce_scatter(const dg_tp_desc* desc, cudaStream_t
   shape.m = m;
   shape.k = g.a.cols;
   shape.n = n;
-  const TpRegions regions = tp_regions(shape);
-  DG_REQUIRE(d.agree_only || d.workspace_bytes >= regions.bytes, "the workspace of ", d.workspace_bytes,
-             " bytes is smaller than the ", regions.bytes, " needed");
-
-  const DeviceInfo& dev = device_info(peers.device);
-  const CutlassRingGemm fused(dev.sm_count);
-  const CublasLtPieces pieces(dev.arch, peers.base[d.rank] + regions.scratch, kGemmScratchBytes);
   // Ring steps in pieces of their rows (tp_heuristics), so that the first piece travels while
   // the next is computed and the next rank's GEMMs wait for a piece, not a whole step.
   const double flops = 2.0 * static_cast<double>(g.a.rows) * n * g.a.cols;
   const double pushed_bytes = static_cast<double>(world - 1) * m * n * shape.out_bytes;  // by each rank
-  TpShape candidate = shape;
-  candidate.decomposed = true;
-  candidate.split = decomposed_split(d.settings, rs_decomposed_split(flops, pushed_bytes, m));
-  candidate.scale_bias = needs_scaled_bias(g);
-  candidate.agree_only = false;  // its GEMMs tell whether cuBLASLt takes the call
-  bool decomposed = false;
-  DG_RETURN_IF_ERROR(use_decomposed(d, unsupported_gemm(d, peers, make_plan(candidate), pieces),
-                                    rs_auto_prefers_fused(flops), &decomposed));
-  if (decomposed) {
-    candidate.agree_only = shape.agree_only;
-    shape = candidate;
-  } else {
-    shape.split = rs_fused_split(d.settings, flops / world / 2);
-  }
-  const TpPlan plan = make_plan(shape);
-  // What the peers must agree on besides the plan: the dtype of the partial sums they push.
-  return execute(d, peers, plan, static_cast<uint32_t>(g.d.dtype), kTagReduceScatter,
-                 decomposed ? static_cast<const GemmConsumer&>(pieces) : fused, stream);
+  TpChoices choices;
+  choices.decomposed = rs_decomposed_split(flops, pushed_bytes, m);
+  choices.fused = rs_fused_split(d.settings, flops / world / 2);
+  choices.auto_fused = rs_auto_prefers_fused(flops);
+  choices.dtypes = static_cast<uint32_t>(g.d.dtype);  // of the partial sums pushed
+  choices.tag = kTagReduceScatter;
+  return plan_and_execute(d, peers, shape, choices, stream);
 }

@@ -99,14 +99,18 @@ int check_group(TpShape base) {
     for (const Step& st : plan.steps) {
       const int lane = static_cast<int>(st.lane);
       if (st.kind == StepKind::kFork) forked = true;
-      if (st.lane == Lane::kPush) EXPECT_TRUE(forked) << ctx << ": a push before the fork";
+      if (st.lane == Lane::kPush) {
+        EXPECT_TRUE(forked) << ctx << ": a push before the fork";
+      }
       if (st.kind == StepKind::kCheckPeers) {
         agreed[lane] = true;
         EXPECT_EQ(static_cast<int>(st.waits.size()), world - 1) << ctx;
       }
       const bool writes_peer = (st.kind == StepKind::kCopy && st.dst.space == Space::kWorkspace && st.dst.owner != r) ||
                                (st.kind == StepKind::kScatterScales && st.peer != r);
-      if (writes_peer) EXPECT_TRUE(agreed[lane]) << ctx << ": rank " << r << " writes into a peer before it agreed";
+      if (writes_peer) {
+        EXPECT_TRUE(agreed[lane]) << ctx << ": rank " << r << " writes into a peer before it agreed";
+      }
       if (st.kind == StepKind::kCopy && st.dst.space == Space::kWorkspace && st.dst.owner == r)
         own_writes.push_back(st.dst);
       std::vector<RowsRef> published = published_main;
@@ -159,7 +163,9 @@ int check_group(TpShape base) {
       EXPECT_EQ(lo, next) << ctx << ": rank " << r << " output rows computed twice or skipped";
       next = hi;
     }
-    if (!base.agree_only) EXPECT_EQ(next, total) << ctx;
+    if (!base.agree_only) {
+      EXPECT_EQ(next, total) << ctx;
+    }
   }
   for (auto& [region, spans] : into) {
     std::sort(spans.begin(), spans.end());
@@ -245,9 +251,13 @@ TEST(TpPlan, PiecesFollowTheSettingAndCoverTheRows) {
       EXPECT_EQ(cut.bound[cut.count], rows);
       for (int j = 0; j < cut.count; ++j) {
         EXPECT_GT(cut.rows(j), 0) << rows << " rows, piece " << j;
-        if (j > 0) EXPECT_EQ(cut.row0(j) % kPieceRowAlign, 0);
+        if (j > 0) {
+          EXPECT_EQ(cut.row0(j) % kPieceRowAlign, 0);
+        }
       }
-      if (rows >= split.count * 2 * kPieceRowAlign) EXPECT_EQ(cut.count, split.count) << rows;
+      if (rows >= split.count * 2 * kPieceRowAlign) {
+        EXPECT_EQ(cut.count, split.count) << rows;
+      }
     }
   // tapered: the end pieces about half the inner ones (bounds on 128-row multiples)
   const RowPieces tapered(4096, {4, true});
