@@ -25,6 +25,7 @@ _LOCK = threading.Lock()
 _CHOICES: Dict[str, str] = {}
 _LOADED = False
 _LAST: Optional[str] = None  # the implementation the last dense call ran, for the benchmarks
+_ON_CLEAR: list = []  # what else forgets the choices with clear() (dense's table of repeat calls)
 
 
 def enabled() -> bool:
@@ -131,4 +132,11 @@ def clear() -> None:
     """Forgets every choice (in memory; the file stays)."""
     with _LOCK:
         _CHOICES.clear()
+        for forget in _ON_CLEAR:
+            forget()
+
+
+def on_clear(forget: Callable[[], None]) -> None:
+    """Registers what clear() must also forget."""
+    _ON_CLEAR.append(forget)
 

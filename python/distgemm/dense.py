@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from typing import Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -127,12 +127,62 @@ def gemm(
     of b, promoted to FP32 every 128 of K (the grouped FP8 kernel with one group).
     Differentiable for bfloat16/float16 in a, b and c.
     """
+    if scale_a is None and scale_b is None and not use_fast_accum:
+        run = _repeat_call(a, b, c, alpha, beta, out_dtype)
+        if run is not None:
+            return run(a, b, c)
     out_dtype = check_operands("distgemm.gemm", a, b, c, out_dtype, scale_a, scale_b)
     if is_block_scaled(a, b, scale_a, scale_b):
         return _block_scaled_gemm(a, b, alpha, scale_a, scale_b)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (a, b, c)):
         return _GemmFunction.apply(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, use_fast_accum)
     return gemm_unchecked(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, use_fast_accum)
+
+
+# Calls seen before: the signature of a 16-bit call without scales that the checks accepted and
+# the autotuner settled (its operands read in place) -> the runner it chose. A repeated call is
+# then one dict lookup: the checks are functions of the signature, and so is the choice.
+_REPEAT_CALLS: Dict[tuple, Callable] = {}
+_REPEAT_CALLS_MAX = 4096  # shapes; beyond it the table starts again (dynamic shapes stay bounded)
+
+
+def _call_signature(a, b, c, alpha, beta, out_dtype) -> Optional[tuple]:
+    try:
+        return (a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype, b.device,
+                None if c is None else (c.shape, c.stride(), c.dtype, c.device), alpha, beta, out_dtype)
+    except AttributeError:  # not tensors: the checks name the argument
+        return None
+
+
+def _repeat_call(a, b, c, alpha, beta, out_dtype) -> Optional[Callable]:
+    """The runner of a call seen before with this signature, where it may run as is (eager, no
+    autograd, autotuning on); else None (the full path)."""
+    if not _REPEAT_CALLS or torch.compiler.is_compiling():
+        return None
+    if out_dtype is None:  # the default of 16-bit inputs (only they are remembered)
+        out_dtype = getattr(a, "dtype", None)
+    key = _call_signature(a, b, c, alpha, beta, out_dtype)
+    try:
+        run = _REPEAT_CALLS.get(key)
+    except TypeError:  # unhashable alpha/beta: the checks will say
+        return None
+    if run is None or not autotune.enabled():
+        return None
+    if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad or (c is not None and c.requires_grad)):
+        return None
+    return run
+
+
+def _remember_call(a, b, c, alpha, beta, out_dtype, run: Callable) -> None:
+    key = _call_signature(a, b, c, alpha, beta, out_dtype)
+    if key is None:
+        return
+    if len(_REPEAT_CALLS) >= _REPEAT_CALLS_MAX:
+        _REPEAT_CALLS.clear()
+    _REPEAT_CALLS[key] = run
+
+
+autotune.on_clear(_REPEAT_CALLS.clear)
 
 
 def _block_scaled_gemm(a, b, alpha, scale_a, scale_b):
@@ -191,23 +241,48 @@ def _autotuned_gemm(a, b, c, alpha, beta, out_dtype, arch):
     key = f"sm{arch}|{m}x{n}x{k}|{a.dtype}->{out_dtype}|b:{b_layout}|c:{c_form}|cublas:{int(cublas_ok)}"
     choice = autotune.lookup(key)
     if choice == "cublas" and cublas_ok:  # the common case after the first call: no set-up
+        _remember_call(a, b, c, alpha, beta, out_dtype, _run_cublas(out_dtype))
         autotune.record(choice)
         return _cublas_gemm(a, b, c, out_dtype)
     ka, kb, kc, _, n_kernel = _kernel_operands(a, b, c, out_dtype, None)
     names = _config_names(a.dtype, b.dtype, out_dtype, _k_major(kb), arch)
-    candidates = {f"cutlass:{name}": (lambda i=i: ops.gemm(ka, kb, kc, alpha, beta, out_dtype, None, None, False, i))
-                  for i, name in enumerate(names)}
-    if cublas_ok:
-        candidates["cublas"] = lambda: _cublas_gemm(a, b, c, out_dtype)
-    if len(candidates) < 2:
-        return None
-    if choice not in candidates:
+    prefix = "cutlass:"
+    if choice is not None and choice.startswith(prefix) and choice[len(prefix):] in names:
+        index = names.index(choice[len(prefix):])  # a cached tile choice: no candidates to build
+    else:
+        candidates = {f"{prefix}{name}": (lambda i=i: ops.gemm(ka, kb, kc, alpha, beta, out_dtype, None, None,
+                                                                 False, i))
+                      for i, name in enumerate(names)}
+        if cublas_ok:
+            candidates["cublas"] = lambda: _cublas_gemm(a, b, c, out_dtype)
+        if len(candidates) < 2:
+            return None
         choice = autotune.choose(key, candidates)
         if choice is None:
             return None
+        if choice == "cublas":
+            autotune.record(choice)
+            return candidates[choice]()
+        index = names.index(choice[len(prefix):])
+    if c is None and n_kernel == n and ka is a and kb is b:  # operands read in place
+        _remember_call(a, b, c, alpha, beta, out_dtype, _run_cutlass(alpha, beta, out_dtype, index, choice))
     autotune.record(choice)
-    out = candidates[choice]()
-    return out if choice == "cublas" or out.shape[1] == n else out[:, :n].contiguous()
+    out = ops.gemm(ka, kb, kc, alpha, beta, out_dtype, None, None, False, index)
+    return out if out.shape[1] == n else out[:, :n].contiguous()
+
+
+def _run_cublas(out_dtype):
+    def run(a, b, c):
+        autotune.record("cublas")
+        return _cublas_gemm(a, b, c, out_dtype)
+    return run
+
+
+def _run_cutlass(alpha, beta, out_dtype, index: int, choice: str):
+    def run(a, b, c):
+        autotune.record(choice)
+        return ops.gemm(a, b, None, alpha, beta, out_dtype, None, None, False, index)
+    return run
 
 
 def _compiled_combinations() -> frozenset:

@@ -85,3 +85,31 @@ def test_autograd_through_autotuned_calls(cache):
     out.float().sum().backward()
     ga = torch.ones(300, 200, device=DEV, dtype=torch.bfloat16) @ b.detach()
     assert_close(a.grad, ga)
+
+
+def test_repeated_calls_take_the_remembered_choice(cache):
+    """A call whose signature was seen before runs the remembered choice through one table
+    lookup: same result, same backend; another signature, autograd, disabled autotuning and bad
+    input still take the full path."""
+    from distgemm import dense
+
+    a = torch.randn(384, 640, device=DEV, dtype=torch.bfloat16)
+    b = torch.randn(896, 640, device=DEV, dtype=torch.bfloat16)
+    out1 = distgemm.gemm(a, b)
+    first = autotune.last_backend()
+    assert dense._REPEAT_CALLS, "the settled call should have been remembered"
+    out2 = distgemm.gemm(a, b)
+    assert autotune.last_backend() == first
+    assert torch.equal(out1, out2)
+    assert_close(out2, ref_gemm(a, b))
+    assert_close(distgemm.gemm(a, b, alpha=0.5), ref_gemm(a, b, alpha=0.5))  # another signature
+    bias = torch.randn(896, device=DEV, dtype=torch.bfloat16)
+    for _ in range(2):
+        assert_close(distgemm.gemm(a, b, bias, beta=1.0), ref_gemm(a, b, bias, beta=1.0))
+    leaf = a.clone().requires_grad_()
+    distgemm.gemm(leaf, b).float().sum().backward()
+    assert leaf.grad is not None and torch.isfinite(leaf.grad).all()
+    with pytest.raises(ValueError, match="b must have shape"):
+        distgemm.gemm(a[:, :320], b)
+    autotune.clear()
+    assert not dense._REPEAT_CALLS, "clear() forgets the remembered calls too"
