@@ -261,6 +261,7 @@ def _autotuned_gemm(a, b, c, alpha, beta, out_dtype, arch):
         if choice is None:
             return None
         if choice == "cublas":
+            _remember_call(a, b, c, alpha, beta, out_dtype, _run_cublas(out_dtype))
             autotune.record(choice)
             return candidates[choice]()
         index = names.index(choice[len(prefix):])
