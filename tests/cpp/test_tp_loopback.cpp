@@ -140,6 +140,20 @@ void load_each_rank_alone(size_t need, TpOp op, MakeDesc make_desc) {
   }
 }
 
+// Both ranks' calls on fresh workspaces (each rank's kernels loaded alone first), the device
+// drained, and no error recorded.
+template <class MakeDesc>
+void run_together(size_t need, TpOp op, MakeDesc make_desc) {
+  load_each_rank_alone(need, op, make_desc);
+  LoopbackGroup group(need);
+  for (int r = 0; r < kWorld; ++r) {
+    const dg_tp_desc d = make_desc(group, r);
+    ASSERT_EQ(op(&d, group.streams[r]), DG_SUCCESS) << dg_last_error();
+  }
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  ASSERT_EQ(dg_tp_error(0), 0);
+}
+
 struct AllGatherCase {
   const char* name;
   dg_tp_settings settings;
@@ -193,14 +207,7 @@ TEST(TpLoopback, AllGatherGemmMatchesTheReference) {
       d.gathered_out = gathered[r].ptr;
       return d;
     };
-    load_each_rank_alone(need, dg_all_gather_gemm, make_desc);
-    LoopbackGroup group(need);
-    for (int r = 0; r < kWorld; ++r) {
-      const dg_tp_desc d = make_desc(group, r);
-      ASSERT_EQ(dg_all_gather_gemm(&d, group.streams[r]), DG_SUCCESS) << dg_last_error();
-    }
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    ASSERT_EQ(dg_tp_error(0), 0);
+    ASSERT_NO_FATAL_FAILURE(run_together(need, dg_all_gather_gemm, make_desc));
     for (int r = 0; r < kWorld; ++r) {
       std::vector<double> want(kWorld * m * n);
       for (int64_t i = 0; i < kWorld * m; ++i)
@@ -271,14 +278,7 @@ TEST(TpLoopback, GemmReduceScatterMatchesTheReference) {
       need = std::max(need, bytes);
     }
     auto make_desc = [&](const LoopbackGroup& group, int r) { return group.desc(r, gemms[r], c.settings); };
-    load_each_rank_alone(need, dg_gemm_reduce_scatter, make_desc);
-    LoopbackGroup group(need);
-    for (int r = 0; r < kWorld; ++r) {
-      const dg_tp_desc d = make_desc(group, r);
-      ASSERT_EQ(dg_gemm_reduce_scatter(&d, group.streams[r]), DG_SUCCESS) << dg_last_error();
-    }
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    ASSERT_EQ(dg_tp_error(0), 0);
+    ASSERT_NO_FATAL_FAILURE(run_together(need, dg_gemm_reduce_scatter, make_desc));
     for (int r = 0; r < kWorld; ++r) {
       std::vector<double> want(m * n);
       for (int64_t i = 0; i < m; ++i)
