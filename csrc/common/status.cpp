@@ -12,7 +12,10 @@ thread_local std::string last_error;
 
 namespace distgemm {
 
-dg_status fail(dg_status status, const std::string& message) {
+// Exported (the attribute on the definition; status.h, which every kernel instance includes,
+// stays as it is) so that distgemm's other libraries (distgemm_nccl) report through the same
+// dg_last_error.
+DG_API dg_status fail(dg_status status, const std::string& message) {
   last_error = message;
   return status;
 }

@@ -11,10 +11,8 @@
 
 namespace distgemm {
 
-// Records `message` as the thread's last error (dg_last_error) and returns `status`. Exported
-// (not in the public headers) so that distgemm's other libraries (distgemm_nccl) report through
-// the same dg_last_error.
-DG_API dg_status fail(dg_status status, const std::string& message);
+// Records `message` as the thread's last error and returns `status`.
+dg_status fail(dg_status status, const std::string& message);
 
 template <class... Args>
 std::string cat(Args&&... args) {
