@@ -4,13 +4,15 @@
 #   bash scripts/gpu_check.sh OUT_DIR
 # Needs torch (CUDA 13), scikit-build-core and ninja installed, and CUTLASS 4.5 headers
 # (CUTLASS_DIR on an offline machine; otherwise cmake/fetch_cutlass.py fetches them). Set DISTGEMM_PREBUILT_WHEEL=path.whl to install
-# a wheel built elsewhere instead of building.
+# a wheel built elsewhere instead of building. The C++ tests need GoogleTest: libgtest-dev, or its
+# sources at GTEST_SOURCE_DIR (default here: a copy at .googletest, if there is one).
 set -uo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 out="$(mkdir -p "${1:-gpu_check_out}" && cd "${1:-gpu_check_out}" && pwd)"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" DISTGEMM_CUDA_ARCHS="${DISTGEMM_CUDA_ARCHS:-90a}"
 cd "$repo"
+if [ -z "${GTEST_SOURCE_DIR:-}" ] && [ -d .googletest ]; then export GTEST_SOURCE_DIR="$repo/.googletest"; fi
 status=0
 nvidia-smi --query-gpu=index,name,clocks.sm,clocks.max.sm,power.draw,power.limit --format=csv > "$out/gpu.txt" 2>&1
 if [ -n "${DISTGEMM_PREBUILT_WHEEL:-}" ]; then

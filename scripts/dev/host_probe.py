@@ -14,7 +14,7 @@ import torch
 import distgemm
 from distgemm._library import ops
 
-from distgemm.bench.common import host_ms, with_env
+from distgemm.bench.common import env_info, host_ms, with_env
 
 
 def host_us(fn) -> float:
@@ -82,6 +82,7 @@ def main() -> None:
     else:
         rank, res = 0, single_gpu()
     if rank == 0:
+        res = {"env": env_info(int(os.environ.get("WORLD_SIZE", "1"))), "results": res}
         print(json.dumps(res, indent=1), flush=True)
         if os.environ.get("PROBE_OUT"):
             with open(os.environ["PROBE_OUT"], "w") as f:
