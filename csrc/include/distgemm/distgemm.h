@@ -225,6 +225,9 @@ typedef struct dg_tp_desc {
  * until dg_tp_clear_error has run on every rank and the workspaces were zeroed again (the ranks'
  * call counters are then out of step). The workspaces of all ranks must be the same size, so
  * that what a rank with other shapes writes stays inside its peers' allocations. */
+/* Calls are ordered per group: a group's calls go one at a time, in the same order on every
+ * rank (a call from another stream than the previous one must wait for it), and two host threads
+ * must not call the TP ops of one device at once (they share the device's side streams). */
 DG_API dg_status dg_tp_workspace_size(dg_tp_kind kind, const dg_tp_desc* desc, size_t* bytes);
 DG_API dg_status dg_all_gather_gemm(const dg_tp_desc* desc, cudaStream_t stream);
 DG_API dg_status dg_gemm_reduce_scatter(const dg_tp_desc* desc, cudaStream_t stream);
