@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <climits>
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <thread>
@@ -887,3 +888,24 @@ TEST(PerDevice, CoreCachesFailCleanlyWithoutADevice) {
 }
 
 }  // namespace
+
+// ---------------------------------------------------------------- ABI
+
+// The C structs' layouts as of this soversion (0.2): a change to any of them must come with a new
+// soversion (project VERSION's minor while the major is 0), and then new figures here.
+TEST(Abi, StructLayoutsBelongToTheSoversion) {
+  ASSERT_EQ(DG_VERSION_MAJOR, 0);
+  ASSERT_EQ(DG_VERSION_MINOR, 2) << "a new soversion: record its struct layouts below";
+  EXPECT_EQ(sizeof(dg_matrix), 48u);
+  EXPECT_EQ(sizeof(dg_gemm_desc), 248u);
+  EXPECT_EQ(offsetof(dg_gemm_desc, swizzle), 240u);
+  EXPECT_EQ(sizeof(dg_grouped_shape), 32u);
+  EXPECT_EQ(sizeof(dg_grouped_desc), 256u);
+  EXPECT_EQ(offsetof(dg_grouped_desc, scale_b_shape), 224u);
+  EXPECT_EQ(sizeof(dg_tp_settings), 24u);
+  EXPECT_EQ(sizeof(dg_tp_desc), 320u);
+  EXPECT_EQ(offsetof(dg_tp_desc, settings), 288u);
+  EXPECT_EQ(offsetof(dg_tp_desc, agree_only), 312u);
+  EXPECT_EQ(sizeof(dg_quantize_desc), 104u);
+  EXPECT_EQ(offsetof(dg_quantize_desc, workspace_bytes), 96u);
+}
