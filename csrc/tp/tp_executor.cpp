@@ -217,22 +217,27 @@ dg_status execute(const dg_tp_desc& d, const Peers& peers, const TpPlan& plan, u
 
 dg_status plan_and_execute(const dg_tp_desc& d, const Peers& peers, TpShape shape, const TpChoices& choices,
                            cudaStream_t stream) {
-  const TpRegions regions = tp_regions(shape);
+  // The decomposed plan first: its GEMMs tell whether cuBLASLt takes the call, and it is the
+  // plan that runs when it does (the workspace regions are the same for either algorithm).
+  TpShape candidate = shape;
+  candidate.decomposed = true;
+  candidate.split = decomposed_split(d.settings, choices.decomposed);
+  candidate.scale_bias = needs_scaled_bias(d.gemm);
+  candidate.agree_only = false;
+  const TpPlan decomposed_plan = make_plan(candidate);
+  const TpRegions& regions = decomposed_plan.regions;
   DG_REQUIRE(d.agree_only || d.workspace_bytes >= regions.bytes, "the workspace of ", d.workspace_bytes,
              " bytes is smaller than the ", regions.bytes, " needed");
   const DeviceInfo& dev = device_info(peers.device);
   const CutlassRingGemm fused(dev.sm_count);
   const CublasLtPieces pieces(dev.arch, peers.base[d.rank] + regions.scratch, kGemmScratchBytes);
-  TpShape candidate = shape;
-  candidate.decomposed = true;
-  candidate.split = decomposed_split(d.settings, choices.decomposed);
-  candidate.scale_bias = needs_scaled_bias(d.gemm);
-  candidate.agree_only = false;  // its GEMMs tell whether cuBLASLt takes the call
   bool decomposed = false;
   DG_RETURN_IF_ERROR(
-      use_decomposed(d, unsupported_gemm(d, peers, make_plan(candidate), pieces), choices.auto_fused, &decomposed));
+      use_decomposed(d, unsupported_gemm(d, peers, decomposed_plan, pieces), choices.auto_fused, &decomposed));
+  if (decomposed && !shape.agree_only)
+    return execute(d, peers, decomposed_plan, choices.dtypes, choices.tag, pieces, stream);
   if (decomposed) {
-    candidate.agree_only = shape.agree_only;
+    candidate.agree_only = true;
     shape = candidate;
   } else {
     shape.split = choices.fused;
