@@ -22,11 +22,12 @@
 #include <vector>
 
 #include "common/status.h"
+#include "tp/tp_layout.h"
 
 namespace {
 
 constexpr int kMinWorld = 2;
-constexpr int kMaxWorld = 64;              // as the TP core's
+using distgemm::tp::kMaxWorld;  // the largest group the TP core takes
 constexpr size_t kGranularity = size_t{2} << 20;  // whole 2 MiB pages: 256-byte aligned, IPC-able
 
 // What each rank tells the others about its workspace (one all-gather of world records).
