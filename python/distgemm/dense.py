@@ -127,16 +127,18 @@ def gemm(
     of b, promoted to FP32 every 128 of K (the grouped FP8 kernel with one group).
     Differentiable for bfloat16/float16 in a, b and c.
     """
-    if scale_a is None and scale_b is None and not use_fast_accum:
-        run = _repeat_call(a, b, c, alpha, beta, out_dtype)
+    autograd = torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (a, b, c))
+    looked_up = not autograd and scale_a is None and scale_b is None and not use_fast_accum
+    if looked_up:  # a repeated call skips the checks too (they are functions of its signature)
+        run = _repeat_call(a, b, c, alpha, beta, getattr(a, "dtype", None) if out_dtype is None else out_dtype)
         if run is not None:
             return run(a, b, c)
     out_dtype = check_operands("distgemm.gemm", a, b, c, out_dtype, scale_a, scale_b)
     if is_block_scaled(a, b, scale_a, scale_b):
         return _block_scaled_gemm(a, b, alpha, scale_a, scale_b)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (a, b, c)):
+    if autograd:
         return _GemmFunction.apply(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, use_fast_accum)
-    return gemm_unchecked(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, use_fast_accum)
+    return gemm_unchecked(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, use_fast_accum, looked_up=looked_up)
 
 
 # Calls seen before: the signature of a 16-bit call without scales that the checks accepted and
@@ -155,22 +157,16 @@ def _call_signature(a, b, c, alpha, beta, out_dtype) -> Optional[tuple]:
 
 
 def _repeat_call(a, b, c, alpha, beta, out_dtype) -> Optional[Callable]:
-    """The runner of a call seen before with this signature, where it may run as is (eager, no
-    autograd, autotuning on); else None (the full path)."""
+    """The runner of a call (no scales, no autograd) seen before with this signature, where it
+    may run as is (eager, autotuning on); else None (the full path)."""
     if not _REPEAT_CALLS or torch.compiler.is_compiling():
         return None
-    if out_dtype is None:  # the default of 16-bit inputs (only they are remembered)
-        out_dtype = getattr(a, "dtype", None)
     key = _call_signature(a, b, c, alpha, beta, out_dtype)
     try:
         run = _REPEAT_CALLS.get(key)
     except TypeError:  # unhashable alpha/beta: the checks will say
         return None
-    if run is None or not autotune.enabled():
-        return None
-    if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad or (c is not None and c.requires_grad)):
-        return None
-    return run
+    return run if run is not None and autotune.enabled() else None
 
 
 def _remember_call(a, b, c, alpha, beta, out_dtype, run: Callable) -> None:
@@ -193,8 +189,15 @@ def _block_scaled_gemm(a, b, alpha, scale_a, scale_b):
     return out if alpha == 1.0 else (out.float() * alpha).to(out.dtype)
 
 
-def gemm_unchecked(a, b, c, alpha, beta, out_dtype, scale_a=None, scale_b=None, fast_accum=False):
-    """gemm for arguments check_operands accepted, without autograd."""
+def gemm_unchecked(a, b, c, alpha, beta, out_dtype, scale_a=None, scale_b=None, fast_accum=False, *,
+                   looked_up=False):
+    """gemm for arguments check_operands accepted, without autograd. A call the autotuner settled
+    before runs its remembered choice (every caller: gemm, its autograd, the modules, the TP
+    fallback); `looked_up`: gemm already looked for it."""
+    if not looked_up and scale_a is None and scale_b is None and not fast_accum:
+        run = _repeat_call(a, b, c, alpha, beta, out_dtype)
+        if run is not None:
+            return run(a, b, c)
     if a.shape[1] == 0 or not has_kernels(a.device):
         if a.device.type == "cuda" and a.shape[1] > 0:
             warn_once(f"distgemm: no CUTLASS kernels for {torch.cuda.get_device_name(a.device)}; "
