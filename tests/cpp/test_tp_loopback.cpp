@@ -84,17 +84,23 @@ void load_each_rank_alone(size_t need, TpOp op, MakeDesc make_desc) {
   }
 }
 
-// Both ranks' calls on fresh workspaces (each rank's kernels loaded alone first), the device
-// drained, and no error recorded.
+// Both ranks' calls on `group`, each enqueued without error, then the device drained.
 template <class MakeDesc>
-void run_together(size_t need, TpOp op, MakeDesc make_desc) {
-  load_each_rank_alone(need, op, make_desc);
-  LoopbackGroup group(need);
+void call_both(const LoopbackGroup& group, TpOp op, MakeDesc make_desc) {
   for (int r = 0; r < kWorld; ++r) {
     const dg_tp_desc d = make_desc(group, r);
     ASSERT_EQ(op(&d, group.streams[r]), DG_SUCCESS) << dg_last_error();
   }
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+}
+
+// Both ranks' calls on fresh workspaces (each rank's kernels loaded alone first), and no error
+// recorded.
+template <class MakeDesc>
+void run_together(size_t need, TpOp op, MakeDesc make_desc) {
+  load_each_rank_alone(need, op, make_desc);
+  LoopbackGroup group(need);
+  ASSERT_NO_FATAL_FAILURE(call_both(group, op, make_desc));
   ASSERT_EQ(dg_tp_error(0), 0);
 }
 
@@ -267,11 +273,7 @@ TEST(TpLoopback, DisagreementAndTimeoutAreReported) {
   load_each_rank_alone(need, dg_all_gather_gemm, make_desc);
   {
     LoopbackGroup group(need);
-    for (int r = 0; r < kWorld; ++r) {
-      const dg_tp_desc d = make_desc(group, r);
-      ASSERT_EQ(dg_all_gather_gemm(&d, group.streams[r]), DG_SUCCESS) << dg_last_error();
-    }
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    ASSERT_NO_FATAL_FAILURE(call_both(group, dg_all_gather_gemm, make_desc));
     const int word = dg_tp_error(0);
     EXPECT_EQ(word >> 24, 2) << "expected 'another op, algorithm or piece split', error word " << word;
     const std::vector<float> got = download(out[0], kWorld * m * n, DG_BF16);
