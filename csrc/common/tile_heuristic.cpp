@@ -1,5 +1,6 @@
 #include "common/tile_heuristic.h"
 
+#include <algorithm>
 #include <cmath>
 
 namespace distgemm {
@@ -43,6 +44,21 @@ double estimate_cost(const TileConfig& c, int64_t m, int64_t n, double k, int64_
   // must not overflow on whatever it is asked about (exact below 2^53 tiles).
   const double waves = std::ceil(static_cast<double>(tiles_m) * static_cast<double>(tiles_n) *
                                  static_cast<double>(batches) / static_cast<double>(usable_sms));
+  const TileCost cost = tile_cost(c);
+  return waves * c.tile_m * c.tile_n * (k + cost.epilogue_k) / cost.efficiency;
+}
+
+double estimate_grouped_cost(const TileConfig& c, int64_t tokens, int64_t groups, int64_t n,
+                             double k, int sm_count) {
+  const int cluster = c.cluster_m * c.cluster_n;
+  const int64_t usable_sms = (sm_count / cluster) * cluster;
+  if (usable_sms <= 0 || tokens < 0 || groups <= 0 || n <= 0) return 1e300;
+  const double granule = static_cast<double>(c.tile_m) * c.cluster_m;
+  const double busy_groups = static_cast<double>(std::min(groups, tokens));  // others are empty
+  const double rows = static_cast<double>(tokens) + busy_groups * granule / 2;
+  const double tiles_m = std::ceil(rows / granule) * c.cluster_m;
+  const int64_t tiles_n = ceil_div(ceil_div(n, c.tile_n), c.cluster_n) * c.cluster_n;
+  const double waves = std::ceil(tiles_m * static_cast<double>(tiles_n) / static_cast<double>(usable_sms));
   const TileCost cost = tile_cost(c);
   return waves * c.tile_m * c.tile_n * (k + cost.epilogue_k) / cost.efficiency;
 }

@@ -25,20 +25,36 @@ TileConfig tile_config(const Instance& inst) {
 double estimate_cost(const TileConfig& c, int64_t m, int64_t n, double k, int64_t batches,
                      int sm_count);
 
+// Relative time of a grouped GEMM (forward or dgrad): `groups` problems of unknown row counts
+// summing to `tokens` (the routing lives on the device), each n x k. CUTLASS's group scheduler
+// rounds every group's rows up to whole clusters of tiles (tile_m * cluster_m rows), so the
+// model charges each non-empty group half of that granule: the expected padding when group
+// sizes are not multiples of it, which real routing makes the common case.
+double estimate_grouped_cost(const TileConfig& c, int64_t tokens, int64_t groups, int64_t n,
+                             double k, int sm_count);
+
+// The candidate of lowest `cost(TileConfig)` (the first on near-ties); nullptr if none.
+template <class Instance, class Cost>
+const Instance* select_cheapest_by(const std::vector<const Instance*>& candidates, Cost cost) {
+  const Instance* best = nullptr;
+  double best_cost = 0;
+  for (const Instance* inst : candidates) {
+    const double c = cost(tile_config(*inst));
+    if (!best || c < best_cost * 0.999) {
+      best = inst;
+      best_cost = c;
+    }
+  }
+  return best;
+}
+
 // The candidate with the lowest estimate_cost (the first on near-ties); nullptr if none.
 template <class Instance>
 const Instance* select_cheapest(const std::vector<const Instance*>& candidates, int64_t m,
                                 int64_t n, double k, int64_t batches, int sm_count) {
-  const Instance* best = nullptr;
-  double best_cost = 0;
-  for (const Instance* inst : candidates) {
-    const double cost = estimate_cost(tile_config(*inst), m, n, k, batches, sm_count);
-    if (!best || cost < best_cost * 0.999) {
-      best = inst;
-      best_cost = cost;
-    }
-  }
-  return best;
+  return select_cheapest_by(candidates, [&](const TileConfig& c) {
+    return estimate_cost(c, m, n, k, batches, sm_count);
+  });
 }
 
 }  // namespace distgemm

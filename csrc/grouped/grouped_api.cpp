@@ -305,8 +305,10 @@ dg_status plan(const dg_grouped_desc* desc, int device_arch, int sm_count, Group
     const int64_t mean_rows = std::max<int64_t>(1, p->tokens / p->groups);
     if (p->kind == DG_GROUPED_WGRAD)  // every group is an N x K tile grid, its tokens deep
       *chosen = select_cheapest(list, p->n, p->k, per_16bit * mean_rows, p->groups, sm_count);
-    else  // balanced routing as the model: the mean group size, G problems
-      *chosen = select_cheapest(list, mean_rows, p->n, per_16bit * p->k, p->groups, sm_count);
+    else  // forward and dgrad: G groups of unknown sizes, each padded to its cluster granule
+      *chosen = select_cheapest_by(list, [&](const TileConfig& c) {
+        return estimate_grouped_cost(c, p->tokens, p->groups, p->n, per_16bit * p->k, sm_count);
+      });
   }
   p->sm_count = sm_count;
   return DG_SUCCESS;

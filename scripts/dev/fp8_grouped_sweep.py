@@ -12,6 +12,7 @@ import torch
 import distgemm
 from distgemm._library import ops
 from distgemm.bench.common import Timer
+from distgemm.bench.grouped_suite import counts_for
 
 E4M3 = torch.float8_e4m3fn
 
@@ -28,28 +29,31 @@ rows = []
 timer = Timer()
 
 
-def sweep(op, shape, names, call):
+def sweep(op, shape, names, call, routing="balanced"):
     """Times call(config) for the heuristic (-1) and every config, interleaved."""
     g, per, n, k = shape
     fns = {"heuristic": lambda: call(-1)}
     fns.update({name: (lambda c=c: call(c)) for c, name in enumerate(names)})
     flop = 2 * g * per * n * k
     for config, ms in timer.compare(fns).items():
-        r = dict(op=op, g=g, per=per, n=n, k=k, config=config, ms=ms, tflops=flop / ms / 1e9)
+        r = dict(op=op, routing=routing, g=g, per=per, n=n, k=k, config=config, ms=ms,
+                 tflops=flop / ms / 1e9)
         print(json.dumps(r), flush=True)
         rows.append(r)
 
 
 for g, per, n, k in SHAPES:
     t = g * per
-    offs = offs_of([per] * g)
     x, w = torch.randn(t, k, device="cuda").to(E4M3), torch.randn(g, n, k, device="cuda").to(E4M3)
     kb, nb = (k + 127) // 128, (n + 127) // 128
     sx_b, sw_b = (torch.rand(kb, t, device="cuda") + 0.5).t(), torch.rand(g, kb, nb, device="cuda") + 0.5
     sx_r, sw_r = torch.rand(t, device="cuda") + 0.5, torch.rand(g, n, device="cuda") + 0.5
-    for mode, code, sx, sw in (("block", 2, sx_b, sw_b), ("row", 1, sx_r, sw_r)):
-        sweep(f"forward_{mode}", (g, per, n, k), ops.grouped_configs(0, E4M3, torch.bfloat16, 90, code),
-              lambda c: ops.grouped_mm_fp8(x, w, offs, sx, sw, code, torch.bfloat16, c))
+    for routing in ("balanced", "zipf"):  # zipf: the bench suites' skewed routing
+        offs = offs_of(counts_for(g, per, routing))
+        for mode, code, sx, sw in (("block", 2, sx_b, sw_b), ("row", 1, sx_r, sw_r)):
+            sweep(f"forward_{mode}", (g, per, n, k), ops.grouped_configs(0, E4M3, torch.bfloat16, 90, code),
+                  lambda c: ops.grouped_mm_fp8(x, w, offs, sx, sw, code, torch.bfloat16, c), routing)
+    offs = offs_of([per] * g)
     # wgrad: dy^T (N, Tp), x^T (K, Tp), padded per expert (balanced: per is a multiple of 128).
     tp = 128 * ((t + 127) // 128 + g)
     dy_t, x_t = torch.randn(n, tp, device="cuda").to(E4M3), torch.randn(k, tp, device="cuda").to(E4M3)

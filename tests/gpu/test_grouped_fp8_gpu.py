@@ -141,10 +141,11 @@ def test_rows_past_the_last_offset_are_untouched_and_accumulate_adds():
     bound_check(out[:-tail], base[:-tail].double() + ref, terms + base[:-tail].double().abs())
 
 
-def test_every_compiled_config_matches():
-    counts, n, k = random_counts(4, 700, zero_groups=(1,)), 256, 512
+@pytest.mark.parametrize("n,k", [(256, 512), (384, 640)])  # 384: an odd count of 128-wide N tiles
+def test_every_compiled_config_matches(n, k):
+    counts = random_counts(4, 700, zero_groups=(1,))
     offs = make_offs(counts)
-    for mode, sx_sw in (("block", None), ("row", None)):
+    for mode in ("block", "row"):
         if mode == "block":
             x, w, sx, sw, xd, wd = block_inputs(counts, n, k)
             code = 2

@@ -1,0 +1,97 @@
+// The tile-choice cost model on the CPU: what it predicts for the grouped GEMM's padding, and
+// which configuration it picks among candidates shaped like the compiled instances.
+#include <gtest/gtest.h>
+
+#include <vector>
+
+#include "common/tile_heuristic.h"
+
+using distgemm::estimate_cost;
+using distgemm::estimate_grouped_cost;
+using distgemm::select_cheapest_by;
+using distgemm::TileConfig;
+namespace gemm = distgemm::gemm;
+
+namespace {
+
+constexpr int kH200Sms = 132;
+
+struct Candidate {
+  gemm::Schedule schedule;
+  int tile_m, tile_n, cluster_m, cluster_n;
+};
+
+const Candidate* pick_grouped(const std::vector<const Candidate*>& list, int64_t tokens,
+                              int64_t groups, int64_t n, double k) {
+  return select_cheapest_by(list, [&](const TileConfig& c) {
+    return estimate_grouped_cost(c, tokens, groups, n, k, kH200Sms);
+  });
+}
+
+const Candidate kFp8ClusterM{gemm::kCooperative, 256, 128, 2, 1};
+const Candidate kFp8ClusterN{gemm::kCooperative, 256, 128, 1, 2};
+const Candidate kFp8Small{gemm::kCooperative, 128, 128, 1, 1};
+
+}  // namespace
+
+TEST(GroupedCost, ChargesHalfAClusterGranuleOfPaddingPerGroup) {
+  const TileConfig along_m{gemm::kCooperative, 256, 128, 2, 1};
+  const TileConfig along_n{gemm::kCooperative, 256, 128, 1, 2};
+  // Many small groups: 512-row granules pad far more than 256-row ones.
+  EXPECT_GT(estimate_grouped_cost(along_m, 32768, 64, 4096, 3584, kH200Sms),
+            1.15 * estimate_grouped_cost(along_n, 32768, 64, 4096, 3584, kH200Sms));
+  // One group: the padding is a rounding error, both equal within a wave.
+  EXPECT_NEAR(estimate_grouped_cost(along_m, 32768, 1, 4096, 3584, kH200Sms) /
+                  estimate_grouped_cost(along_n, 32768, 1, 4096, 3584, kH200Sms),
+              1.0, 0.05);
+  // Empty groups add no padding: more groups than tokens costs what `tokens` groups cost.
+  EXPECT_DOUBLE_EQ(estimate_grouped_cost(along_n, 8, 4096, 4096, 3584, kH200Sms),
+                   estimate_grouped_cost(along_n, 8, 8, 4096, 3584, kH200Sms));
+}
+
+TEST(GroupedCost, PadsNToWholeClustersToo) {
+  // N = 384 is three 128-wide tiles: a cluster of two along N computes a fourth.
+  const TileConfig along_m{gemm::kCooperative, 256, 128, 2, 1};
+  const TileConfig along_n{gemm::kCooperative, 256, 128, 1, 2};
+  EXPECT_LT(estimate_grouped_cost(along_m, 1 << 20, 1, 384, 3584, kH200Sms),
+            estimate_grouped_cost(along_n, 1 << 20, 1, 384, 3584, kH200Sms));
+}
+
+TEST(GroupedCost, RefusesNothingAndNeverDividesByZero) {
+  const TileConfig c{gemm::kCooperative, 256, 128, 2, 1};
+  EXPECT_EQ(estimate_grouped_cost(c, 0, 8, 4096, 3584, kH200Sms),
+            estimate_grouped_cost(c, 0, 8, 4096, 3584, kH200Sms));  // not NaN
+  EXPECT_GE(estimate_grouped_cost(c, 1024, 0, 4096, 3584, kH200Sms), 1e299);
+  EXPECT_GE(estimate_grouped_cost(c, 1024, 8, 4096, 3584, 1), 1e299);  // no whole cluster fits
+  EXPECT_GE(estimate_grouped_cost(c, INT64_MAX / 2, 1 << 30, 1 << 30, 1e9, kH200Sms), 0.0);
+}
+
+TEST(GroupedCost, PicksTheClusterAlongNForManyExperts) {
+  // DeepSeek-V3's MoE GEMMs (N 4096 or 7168, K 7168 or 2048) over 32768 tokens. The cluster
+  // along M comes first, so only a lower cost makes the model pick the other.
+  const std::vector<const Candidate*> fp8 = {&kFp8ClusterM, &kFp8ClusterN, &kFp8Small};
+  for (int64_t groups : {32, 64}) {
+    for (int64_t n : {4096, 7168}) {
+      for (double k : {7168 / 2.0, 2048 / 2.0}) {
+        EXPECT_EQ(pick_grouped(fp8, 32768, groups, n, k), &kFp8ClusterN)
+            << groups << " groups, n " << n << ", k " << k;
+      }
+    }
+  }
+  // Few large experts: the padding is within a wave; either 256-row tile, never the small one.
+  for (int64_t groups : {1, 4, 8})
+    EXPECT_NE(pick_grouped(fp8, 32768, groups, 4096, 3584), &kFp8Small) << groups;
+}
+
+TEST(GroupedCost, PicksTheSmallTileForFewTokensPerGroup) {
+  // 64 groups of ~16 tokens: a 256-row tile is 94% padding; 128 rows waste half as much.
+  const std::vector<const Candidate*> fp8 = {&kFp8ClusterM, &kFp8ClusterN, &kFp8Small};
+  EXPECT_EQ(pick_grouped(fp8, 1024, 64, 4096, 3584), &kFp8Small);
+}
+
+TEST(DenseCost, RoundsTilesToWholeClusters) {
+  const TileConfig c{gemm::kCooperative, 128, 256, 2, 1};
+  // 129 rows are two tiles, and a cluster of two: the same cost as 256 rows.
+  EXPECT_DOUBLE_EQ(estimate_cost(c, 129, 4096, 4096, 1, kH200Sms),
+                   estimate_cost(c, 256, 4096, 4096, 1, kH200Sms));
+}
