@@ -213,6 +213,11 @@ def gemm_unchecked(a, b, c, alpha, beta, out_dtype, scale_a=None, scale_b=None, 
         out = _autotuned_gemm(a, b, c, alpha, beta, out_dtype, arch)
         if out is not None:
             return out
+    if a.dtype in FLOAT8 and autotune.enabled():
+        out = _autotuned_fp8_gemm(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum,
+                                  kernel_dtype, arch)
+        if out is not None:
+            return out
     a, b, c, scale_b, n = _kernel_operands(a, b, c, kernel_dtype, scale_b)
     autotune.record("cutlass")
     out = ops.gemm(a, b, c, alpha, beta, kernel_dtype, _flat(scale_a), scale_b, fast_accum)
@@ -273,6 +278,85 @@ def _autotuned_gemm(a, b, c, alpha, beta, out_dtype, arch):
     autotune.record(choice)
     out = ops.gemm(ka, kb, kc, alpha, beta, out_dtype, None, None, False, index)
     return out if out.shape[1] == n else out[:, :n].contiguous()
+
+
+_SCALED_MM = "torch._scaled_mm"
+
+
+def _scaled_mm_peer(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum) -> Optional[Callable]:
+    """The same FP8 call through torch._scaled_mm (cuBLAS for per-tensor scales, PyTorch's
+    row-wise kernel), the FP8 autotuner's peer candidate; None where it cannot compute it: alpha,
+    a c other than a bias with beta 1, K or N not a multiple of 16, operands not contiguous,
+    row-wise scales other than e4m3 x e4m3 to bfloat16."""
+    m, k, n = a.shape[0], a.shape[1], b.shape[0]
+    bias = None
+    if c is not None:
+        if beta != 1.0 or out_dtype not in FLOAT16 or c.numel() != n or not (c.dim() == 1 or c.shape[0] == 1):
+            return None
+        bias = c.reshape(-1).to(out_dtype)
+    if alpha != 1.0 or k % 16 or n % 16 or m == 0 or not (a.is_contiguous() and b.is_contiguous()):
+        return None
+    row_wise = any(s is not None and s.numel() > 1 for s in (scale_a, scale_b))
+    if row_wise and (out_dtype != torch.bfloat16 or a.dtype != torch.float8_e4m3fn or b.dtype != a.dtype):
+        return None
+
+    def as_scale(s, shape):  # torch._scaled_mm's forms: 0-D per tensor; (M, 1) and (1, N) row-wise
+        if s is None:
+            s = torch.ones((), device=a.device, dtype=torch.float32)
+        if not row_wise:
+            return s.reshape(())
+        return (s.reshape(1, 1).expand(shape) if s.numel() == 1 else s.reshape(shape)).contiguous()
+
+    sa, sb = as_scale(scale_a, (m, 1)), as_scale(scale_b, (1, n))
+    return lambda: torch._scaled_mm(a, b.t(), sa, sb, bias=bias, out_dtype=out_dtype, use_fast_accum=fast_accum)
+
+
+def _autotuned_fp8_gemm(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, kernel_dtype, arch):
+    """An FP8 GEMM (per-tensor or row-wise scales) on the fastest of distgemm's compiled tile
+    configurations and torch._scaled_mm where that computes the same call; None where the
+    autotuner cannot choose (then the tile heuristic runs)."""
+    if torch.compiler.is_compiling():
+        return None
+    m, k, n = a.shape[0], a.shape[1], b.shape[0]
+    peer = _scaled_mm_peer(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum)
+    scales = "row" if any(s is not None and s.numel() > 1 for s in (scale_a, scale_b)) else "tensor"
+    c_form = "none" if c is None else ("full" if c.dim() == 2 and c.shape[0] == m and c.stride(0) != 0 else "bias")
+    key = (f"sm{arch}|{m}x{n}x{k}|{a.dtype}x{b.dtype}->{out_dtype}|scales:{scales}|fast:{int(fast_accum)}"
+           f"|c:{c_form}|peer:{int(peer is not None)}")
+    choice = autotune.lookup(key)
+    if choice == _SCALED_MM and peer is not None:
+        autotune.record(choice)
+        return peer()
+    ka, kb, kc, kscale_b, n_kernel = _kernel_operands(a, b, c, kernel_dtype, scale_b)
+    kscale_a = _flat(scale_a)
+    names = tuple(ops.gemm_configs(a.dtype, b.dtype, kernel_dtype, _k_major(kb), arch, fast_accum))
+
+    def finish(out):
+        out = out if out.shape[1] == n else out[:, :n].contiguous()
+        return out if kernel_dtype == out_dtype else out.to(out_dtype)
+
+    def ours(i):
+        return lambda: finish(ops.gemm(ka, kb, kc, alpha, beta, kernel_dtype, kscale_a, kscale_b, fast_accum, i))
+
+    prefix = "cutlass:"
+    if not (choice is not None and choice.startswith(prefix) and choice[len(prefix):] in names):
+        candidates = {f"{prefix}{name}": ours(i) for i, name in enumerate(names)}
+        if peer is not None:
+            try:
+                peer()  # PyTorch's own checks differ by version: a refusal drops the candidate
+                candidates[_SCALED_MM] = peer
+            except RuntimeError:
+                pass
+        if len(candidates) < 2:
+            return None
+        choice = autotune.choose(key, candidates)
+        if choice is None:
+            return None
+        if choice == _SCALED_MM:
+            autotune.record(choice)
+            return peer()
+    autotune.record(choice)
+    return ours(names.index(choice[len(prefix):]))()
 
 
 def _run_cublas(out_dtype):

@@ -113,3 +113,64 @@ def test_repeated_calls_take_the_remembered_choice(cache):
         distgemm.gemm(a[:, :320], b)
     autotune.clear()
     assert not dense._REPEAT_CALLS, "clear() forgets the remembered calls too"
+
+
+E4M3 = torch.float8_e4m3fn
+
+
+def _fp8_operands(m, n, k, scales):
+    a = (torch.randn(m, k, device=DEV) * 0.5).to(E4M3)
+    b = (torch.randn(n, k, device=DEV) * 0.5).to(E4M3)
+    if scales == "tensor":
+        sa, sb = torch.tensor([0.7], device=DEV), torch.tensor([1.3], device=DEV)
+    elif scales == "row":
+        sa, sb = torch.rand(m, device=DEV) + 0.5, torch.rand(n, device=DEV) + 0.5
+    else:  # per tensor for a, per row for b: torch._scaled_mm takes both row-wise
+        sa, sb = torch.tensor([0.7], device=DEV), torch.rand(n, device=DEV) + 0.5
+    return a, b, sa, sb
+
+
+@pytest.mark.parametrize("scales", ["tensor", "row", "mixed"])
+@pytest.mark.parametrize("m, n, k, with_bias", [(4096, 2112, 7168, False), (333, 1024, 512, True),
+                                                (64, 1000, 1000, False)])
+def test_fp8_autotuned_result_is_the_gemm(cache, scales, m, n, k, with_bias):
+    """The FP8 autotuner's candidates (our tiles, torch._scaled_mm where it computes the same
+    call) give the GEMM whichever wins, and the choice is stored."""
+    a, b, sa, sb = _fp8_operands(m, n, k, scales)
+    bias = torch.randn(n, device=DEV, dtype=torch.bfloat16) if with_bias else None
+    out = distgemm.gemm(a, b, bias, beta=1.0, scale_a=sa, scale_b=sb)
+    backend = autotune.last_backend()
+    assert backend is not None and backend != "cutlass", backend
+    assert out.dtype == torch.bfloat16
+    assert_close(out, ref_gemm(a, b, bias, beta=1.0, sa=sa, sb=sb), in_dtype=E4M3)
+    assert any(f"{m}x{n}x{k}" in key and "scales:" in key for key in json.loads(cache.read_text()))
+
+
+@pytest.mark.parametrize("scales", ["tensor", "row"])
+@pytest.mark.parametrize("fast_accum", [False, True])
+def test_fp8_every_candidate_agrees(cache, scales, fast_accum):
+    """Each stored choice, forced through the cache file, computes the same product: ours and
+    torch._scaled_mm alike, promoted and fast accumulation."""
+    a, b, sa, sb = _fp8_operands(512, 768, 1024, scales)
+    ref = ref_gemm(a, b, sa=sa, sb=sb)
+    distgemm.gemm(a, b, scale_a=sa, scale_b=sb, use_fast_accum=fast_accum)
+    key = next(k for k in json.loads(cache.read_text()) if "512x768x1024" in k)
+    assert key.endswith("peer:1"), key  # this call is one torch._scaled_mm computes
+    configs = distgemm._library.ops.gemm_configs(E4M3, E4M3, torch.bfloat16, True, 90, fast_accum)
+    for forced in ["torch._scaled_mm"] + [f"cutlass:{name}" for name in configs]:
+        cache.write_text(json.dumps({key: forced}))
+        autotune.clear()
+        autotune._LOADED = False
+        out = distgemm.gemm(a, b, scale_a=sa, scale_b=sb, use_fast_accum=fast_accum)
+        assert autotune.last_backend() == forced
+        assert_close(out, ref, in_dtype=E4M3)
+
+
+def test_fp8_calls_torch_cannot_take_run_ours(cache):
+    """alpha, a full c and float32 out are beyond torch._scaled_mm's row-wise form: the
+    candidates are ours only, and the result is still the GEMM."""
+    a, b, sa, sb = _fp8_operands(256, 512, 384, "row")
+    c = torch.randn(256, 512, device=DEV, dtype=torch.float32)
+    out = distgemm.gemm(a, b, c, alpha=0.5, beta=2.0, scale_a=sa, scale_b=sb, out_dtype=torch.float32)
+    assert autotune.last_backend() != "torch._scaled_mm"
+    assert_close(out, ref_gemm(a, b, c, alpha=0.5, beta=2.0, sa=sa, sb=sb), in_dtype=E4M3)
