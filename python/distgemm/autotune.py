@@ -94,9 +94,16 @@ def lookup(key: str) -> Optional[str]:
     return _CHOICES.get(key)
 
 
-def choose(key: str, candidates: Dict[str, Callable[[], object]]) -> Optional[str]:
+# How much faster than the `prefer`red candidate another must measure to be chosen: the spread
+# of these short measurements (clocks move with power draw, FP8 most) is a few percent, and a
+# near-tie picked by noise measured up to 8% slower afterwards (bench/NOTES.md, session 8).
+PREFER_MARGIN = 0.03
+
+
+def choose(key: str, candidates: Dict[str, Callable[[], object]], prefer: Optional[str] = None) -> Optional[str]:
     """The fastest candidate's name for `key` (timed now if never timed), or None where this
-    call may not time and nothing is cached."""
+    call may not time and nothing is cached. `prefer` (the vendor library's candidate) keeps
+    the choice unless another is faster by more than PREFER_MARGIN."""
     known = lookup(key)
     if known in candidates:
         return known
@@ -111,6 +118,8 @@ def choose(key: str, candidates: Dict[str, Callable[[], object]]) -> Optional[st
         for name, fn in candidates.items():
             best[name] = min(best[name], _time_ms(fn, reps))
     choice = min(best, key=best.get)
+    if prefer in best and best[choice] > best[prefer] * (1.0 - PREFER_MARGIN):
+        choice = prefer
     with _LOCK:
         _CHOICES[key] = choice
         _save()

@@ -265,7 +265,7 @@ def _autotuned_gemm(a, b, c, alpha, beta, out_dtype, arch):
             candidates["cublas"] = lambda: _cublas_gemm(a, b, c, out_dtype)
         if len(candidates) < 2:
             return None
-        choice = autotune.choose(key, candidates)
+        choice = autotune.choose(key, candidates, prefer="cublas")
         if choice is None:
             return None
         if choice == "cublas":
@@ -349,7 +349,7 @@ def _autotuned_fp8_gemm(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_
                 pass
         if len(candidates) < 2:
             return None
-        choice = autotune.choose(key, candidates)
+        choice = autotune.choose(key, candidates, prefer=_SCALED_MM)
         if choice is None:
             return None
         if choice == _SCALED_MM:

@@ -320,3 +320,35 @@ def test_more_groups_than_one_builder_grid():
     assert not (main_grad != 1).any(dim=(1, 2))[empty].any(), "accumulate touched an empty group"
     for e, (a, b) in rows.items():
         assert_close(main_grad[e], 1 + dy[a:b].double().T @ x[a:b].double())
+
+
+def test_repeated_calls_take_the_remembered_runner(monkeypatch):
+    """A repeated forward/dgrad call with the same signature skips the checks through one
+    lookup and gives the same result; new routing in the same offs is read on the device; a
+    changed backend setting, autograd and bad input take the full path."""
+    from distgemm import grouped
+
+    grouped._REPEAT_CALLS.clear()
+    counts = random_counts(6, 900, (2,))
+    x = torch.randn(900, 256, device=DEV).bfloat16()
+    w = torch.randn(6, 384, 256, device=DEV).bfloat16()
+    offs = make_offs(counts)
+    first = distgemm.grouped_mm(x, w, offs)
+    assert grouped._REPEAT_CALLS, "the call should have been remembered"
+    assert torch.equal(distgemm.grouped_mm(x, w, offs), first)
+    assert_close(first, ref_forward(x, w, counts))
+    new_counts = random_counts(6, 900, (0, 5))
+    offs.copy_(make_offs(new_counts))  # same tensor, new routing
+    assert_close(distgemm.grouped_mm(x, w, offs), ref_forward(x, w, new_counts))
+    w_kn = w.transpose(1, 2).contiguous()  # dgrad layout: another signature
+    for _ in range(2):
+        assert_close(distgemm.grouped_mm(x, w_kn, offs, trans_w=False), ref_forward(x, w_kn, new_counts, False))
+    monkeypatch.setenv("DISTGEMM_GROUPED_BACKEND", "torch")
+    assert_close(distgemm.grouped_mm(x, w, offs), ref_forward(x, w, new_counts))
+    monkeypatch.delenv("DISTGEMM_GROUPED_BACKEND")
+    leaf = x.clone().requires_grad_()
+    distgemm.grouped_mm(leaf, w, offs).float().sum().backward()
+    assert leaf.grad is not None and torch.isfinite(leaf.grad).all()
+    with pytest.raises(ValueError, match="w must have shape"):
+        distgemm.grouped_mm(x[:, :128], w, offs)
+    grouped._REPEAT_CALLS.clear()

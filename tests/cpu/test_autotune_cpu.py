@@ -1,0 +1,42 @@
+"""The autotuner's choice rule with the timing replaced (no GPU needed): the fastest candidate
+wins, except that the preferred one (the vendor library) keeps near-ties."""
+
+import pytest
+
+from distgemm import autotune
+
+
+@pytest.fixture
+def timed(monkeypatch, tmp_path):
+    """choose() with each candidate's measured time given by the test."""
+    monkeypatch.setenv("DISTGEMM_AUTOTUNE_CACHE", str(tmp_path / "cache.json"))
+    monkeypatch.setattr(autotune, "_may_time", lambda: True)
+    monkeypatch.setattr(autotune, "_LOADED", True)
+    autotune.clear()
+    times = {}
+    monkeypatch.setattr(autotune, "_time_ms", lambda fn, reps: times[fn()])
+    yield times
+    autotune.clear()
+
+
+def candidates(names):
+    return {name: (lambda n=name: n) for name in names}
+
+
+def test_fastest_wins_without_a_preference(timed):
+    timed.update({"ours": 0.99, "vendor": 1.0})
+    assert autotune.choose("k1", candidates(["ours", "vendor"])) == "ours"
+
+
+@pytest.mark.parametrize("ours_ms, expected", [(0.99, "vendor"), (0.975, "vendor"), (0.96, "ours"), (1.2, "vendor")])
+def test_preferred_keeps_near_ties(timed, ours_ms, expected):
+    timed.update({"ours": ours_ms, "vendor": 1.0})
+    assert autotune.choose(f"k-{ours_ms}", candidates(["ours", "vendor"]), prefer="vendor") == expected
+
+
+def test_choice_is_remembered(timed):
+    timed.update({"a": 2.0, "b": 1.0})
+    assert autotune.choose("k2", candidates(["a", "b"])) == "b"
+    timed.update({"a": 0.1})  # not timed again: the stored choice stands
+    assert autotune.choose("k2", candidates(["a", "b"])) == "b"
+    assert autotune.lookup("k2") == "b"
