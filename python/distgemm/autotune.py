@@ -1,6 +1,7 @@
 """Runtime autotuning of the dense GEMM: the first eager call of each shape times every
-candidate that computes it (each of distgemm's compiled tile configurations, and cuBLAS through
-PyTorch) on the call's own operands and remembers the fastest, in memory and on disk.
+candidate that computes it (each of distgemm's compiled tile configurations, and the vendor path
+through PyTorch: cuBLAS for bf16/fp16, torch._scaled_mm for FP8) on the call's own operands and
+remembers the fastest, in memory and on disk; the vendor's keeps near-ties (PREFER_MARGIN).
 
 - Keys: device arch and name, M, N, K, dtypes, b's layout and the epilogue's form; the file is
   per GPU model, torch version and distgemm build (``$DISTGEMM_CACHE``, default
@@ -8,7 +9,7 @@ PyTorch) on the call's own operands and remembers the fastest, in memory and on 
 - Never during CUDA-graph capture or torch.compile tracing: those take the cached choice or,
   for a shape never timed, the tile heuristic. The first call of a shape synchronizes the
   device once (it times with CUDA events).
-- ``DISTGEMM_AUTOTUNE=0`` turns it off (the heuristic's configuration, no cuBLAS).
+- ``DISTGEMM_AUTOTUNE=0`` turns it off (the heuristic's configuration, no vendor path).
 """
 
 from __future__ import annotations
