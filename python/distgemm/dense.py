@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import functools
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
 from . import autotune
 from ._library import device_arch, has_kernels, ops, warn_once
+from ._repeat_calls import RepeatCalls
 
 FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 FLOAT16 = (torch.bfloat16, torch.float16)
@@ -141,11 +142,9 @@ def gemm(
     return gemm_unchecked(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, use_fast_accum, looked_up=looked_up)
 
 
-# Calls seen before: the signature of a 16-bit call without scales that the checks accepted and
-# the autotuner settled (its operands read in place) -> the runner it chose. A repeated call is
-# then one dict lookup: the checks are functions of the signature, and so is the choice.
-_REPEAT_CALLS: Dict[tuple, Callable] = {}
-_REPEAT_CALLS_MAX = 4096  # shapes; beyond it the table starts again (dynamic shapes stay bounded)
+# 16-bit calls without scales that the checks accepted and the autotuner settled (operands read
+# in place): the checks are functions of the signature, and so is the choice.
+_REPEAT_CALLS = RepeatCalls()
 
 
 def _call_signature(a, b, c, alpha, beta, out_dtype) -> Optional[tuple]:
@@ -161,21 +160,12 @@ def _repeat_call(a, b, c, alpha, beta, out_dtype) -> Optional[Callable]:
     may run as is (eager, autotuning on); else None (the full path)."""
     if not _REPEAT_CALLS or torch.compiler.is_compiling():
         return None
-    key = _call_signature(a, b, c, alpha, beta, out_dtype)
-    try:
-        run = _REPEAT_CALLS.get(key)
-    except TypeError:  # unhashable alpha/beta: the checks will say
-        return None
+    run = _REPEAT_CALLS.get(_call_signature(a, b, c, alpha, beta, out_dtype))
     return run if run is not None and autotune.enabled() else None
 
 
 def _remember_call(a, b, c, alpha, beta, out_dtype, run: Callable) -> None:
-    key = _call_signature(a, b, c, alpha, beta, out_dtype)
-    if key is None:
-        return
-    if len(_REPEAT_CALLS) >= _REPEAT_CALLS_MAX:
-        _REPEAT_CALLS.clear()
-    _REPEAT_CALLS[key] = run
+    _REPEAT_CALLS.put(_call_signature(a, b, c, alpha, beta, out_dtype), run)
 
 
 autotune.on_clear(_REPEAT_CALLS.clear)

@@ -10,11 +10,12 @@ kernel (no host sync, CUDA-graph safe); ``cublas`` a multi-stream cuBLAS loop in
 from __future__ import annotations
 
 import os
-from typing import Callable, Dict, Optional
+from typing import Callable, Optional
 
 import torch
 
 from ._library import device_arch, env_flag, has_kernels, ops, warn_once
+from ._repeat_calls import RepeatCalls
 from ._routing import group_bounds
 from .grouped_fp8 import FLOAT8, grouped_mm_fp8, grouped_mm_wgrad_fp8
 
@@ -133,12 +134,10 @@ def reference_grouped_mm_wgrad(dy, x, offs, out, accumulate):
     return out
 
 
-# Forward/dgrad calls seen before (16-bit, no out, no scales, no autograd) whose checks passed
-# and which ran distgemm's kernel on x and w in place: their signature -> the runner. A repeated
-# call (every MoE layer, every step) is then one lookup: the checks and the backend choice are
-# functions of the signature (the environment variables they read included).
-_REPEAT_CALLS: Dict[tuple, Callable] = {}
-_REPEAT_CALLS_MAX = 4096
+# Forward/dgrad calls (16-bit, no out, no scales, no autograd) whose checks passed and which ran
+# distgemm's kernel on x and w in place: the checks and the backend choice are functions of the
+# signature (the environment variables they read included).
+_REPEAT_CALLS = RepeatCalls()
 
 
 def _call_signature(x, w, offs, out_dtype, trans_w) -> Optional[tuple]:
@@ -221,9 +220,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *,
         if out is None and code == _CUTLASS and not torch.compiler.is_compiling() and not _needs_autograd(x, w):
             run = _kernel_forward(n, out_dtype, trans_w)
             if in_place and not env_flag("DISTGEMM_DEBUG"):
-                if len(_REPEAT_CALLS) >= _REPEAT_CALLS_MAX:
-                    _REPEAT_CALLS.clear()
-                _REPEAT_CALLS[_call_signature(x, w, offs, requested_dtype, trans_w)] = run
+                _REPEAT_CALLS.put(_call_signature(x, w, offs, requested_dtype, trans_w), run)
             return run(x, w, offs)
         if out is None:
             return ops.grouped_mm(x, w, offs, out_dtype, trans_w, code)
