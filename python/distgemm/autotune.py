@@ -68,7 +68,9 @@ def _save() -> None:
         pass  # a read-only home still autotunes, per process
 
 
-def _may_time() -> bool:
+def may_time() -> bool:
+    """Whether this call may time candidates: not while torch.compile traces, not inside
+    CUDA-graph capture."""
     if torch.compiler.is_compiling():
         return False
     return not torch.cuda.is_current_stream_capturing()
@@ -108,7 +110,7 @@ def choose(key: str, candidates: Dict[str, Callable[[], object]], prefer: Option
     known = lookup(key)
     if known in candidates:
         return known
-    if not _may_time():
+    if not may_time():
         return None
     for fn in candidates.values():  # warm-up: module load, handles, cuBLAS heuristics
         fn()

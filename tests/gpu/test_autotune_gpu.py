@@ -174,3 +174,16 @@ def test_fp8_calls_torch_cannot_take_run_ours(cache):
     out = distgemm.gemm(a, b, c, alpha=0.5, beta=2.0, scale_a=sa, scale_b=sb, out_dtype=torch.float32)
     assert autotune.last_backend() != "torch._scaled_mm"
     assert_close(out, ref_gemm(a, b, c, alpha=0.5, beta=2.0, sa=sa, sb=sb), in_dtype=E4M3)
+
+
+def test_fp8_graph_capture_never_times_nor_tries_the_peer(cache):
+    a, b, sa, sb = _fp8_operands(640, 1024, 512, "tensor")
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # a shape never seen: no timing, no trial call inside the capture
+        out = distgemm.gemm(a, b, scale_a=sa, scale_b=sb)
+    assert autotune.last_backend() == "cutlass"
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_close(out, ref_gemm(a, b, sa=sa, sb=sb), in_dtype=E4M3)
+    assert not cache.exists() or "640x1024x512" not in cache.read_text()
