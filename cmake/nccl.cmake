@@ -75,8 +75,9 @@ add_library(distgemm_nccl SHARED csrc/nccl/nccl_workspace.cpp)
 target_include_directories(distgemm_nccl
   PUBLIC "$<BUILD_INTERFACE:${CMAKE_SOURCE_DIR}/csrc/include>" "$<BUILD_INTERFACE:${DISTGEMM_GENERATED_INCLUDE}>"
   PRIVATE "${CMAKE_SOURCE_DIR}/csrc")
-# distgemm::fail (dg_last_error) comes from the core; the runtime API only (no libcuda).
-target_link_libraries(distgemm_nccl PRIVATE distgemm_core PUBLIC distgemm::nccl_runtime CUDA::cudart)
+# PUBLIC core: what dg_nccl_tp_bind fills is run by the core's dg_all_gather_gemm /
+# dg_gemm_reduce_scatter, so linking distgemm::nccl alone is enough. The runtime API only (no libcuda).
+target_link_libraries(distgemm_nccl PUBLIC distgemm_core distgemm::nccl_runtime CUDA::cudart)
 target_link_options(distgemm_nccl PRIVATE ${DISTGEMM_PRIVATE_STATIC_LIBS} "LINKER:--no-undefined")
 # In the wheel, torch's pip NCCL sits at site-packages/nvidia/nccl/lib (torch has loaded it by
 # then anyway; the rpath serves a C++ program that loads this library first).
