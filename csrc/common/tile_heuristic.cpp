@@ -31,36 +31,48 @@ TileCost tile_cost(const TileConfig& c) {
   }
 }
 
-}  // namespace
+// Whole clusters of tiles covering `extent` (CUTLASS's schedulers round every problem, or
+// every group, up to them).
+int64_t clustered_tiles(int64_t extent, int tile, int cluster) {
+  return ceil_div(ceil_div(extent, tile), cluster) * cluster;
+}
 
-double estimate_cost(const TileConfig& c, int64_t m, int64_t n, double k, int64_t batches,
-                     int sm_count) {
+// SMs the persistent grid uses: whole clusters only; 0 where not one fits.
+int64_t usable_sms(const TileConfig& c, int sm_count) {
   const int cluster = c.cluster_m * c.cluster_n;
-  const int64_t usable_sms = (sm_count / cluster) * cluster;
-  if (usable_sms <= 0 || m <= 0 || n <= 0 || batches <= 0) return 1e300;
-  const int64_t tiles_m = ceil_div(ceil_div(m, c.tile_m), c.cluster_m) * c.cluster_m;
-  const int64_t tiles_n = ceil_div(ceil_div(n, c.tile_n), c.cluster_n) * c.cluster_n;
-  // In double: tiles_m * tiles_n * batches of a checked problem fits int64, but the heuristic
-  // must not overflow on whatever it is asked about (exact below 2^53 tiles).
-  const double waves = std::ceil(static_cast<double>(tiles_m) * static_cast<double>(tiles_n) *
-                                 static_cast<double>(batches) / static_cast<double>(usable_sms));
+  return (sm_count / cluster) * cluster;
+}
+
+// `tiles` tiles in whole waves over `sms` SMs, times the work per tile (mainloop + epilogue)
+// over the tile's measured efficiency. In double: a checked problem's tile count fits int64,
+// but the heuristic must not overflow on whatever it is asked about (exact below 2^53 tiles).
+double waves_cost(const TileConfig& c, double tiles, double k, int64_t sms) {
+  const double waves = std::ceil(tiles / static_cast<double>(sms));
   const TileCost cost = tile_cost(c);
   return waves * c.tile_m * c.tile_n * (k + cost.epilogue_k) / cost.efficiency;
 }
 
+}  // namespace
+
+double estimate_cost(const TileConfig& c, int64_t m, int64_t n, double k, int64_t batches,
+                     int sm_count) {
+  const int64_t sms = usable_sms(c, sm_count);
+  if (sms <= 0 || m <= 0 || n <= 0 || batches <= 0) return 1e300;
+  const double tiles = static_cast<double>(clustered_tiles(m, c.tile_m, c.cluster_m)) *
+                       static_cast<double>(clustered_tiles(n, c.tile_n, c.cluster_n)) *
+                       static_cast<double>(batches);
+  return waves_cost(c, tiles, k, sms);
+}
+
 double estimate_grouped_cost(const TileConfig& c, int64_t tokens, int64_t groups, int64_t n,
                              double k, int sm_count) {
-  const int cluster = c.cluster_m * c.cluster_n;
-  const int64_t usable_sms = (sm_count / cluster) * cluster;
-  if (usable_sms <= 0 || tokens < 0 || groups <= 0 || n <= 0) return 1e300;
+  const int64_t sms = usable_sms(c, sm_count);
+  if (sms <= 0 || tokens < 0 || groups <= 0 || n <= 0) return 1e300;
   const double granule = static_cast<double>(c.tile_m) * c.cluster_m;
   const double busy_groups = static_cast<double>(std::min(groups, tokens));  // others are empty
   const double rows = static_cast<double>(tokens) + busy_groups * granule / 2;
   const double tiles_m = std::ceil(rows / granule) * c.cluster_m;
-  const int64_t tiles_n = ceil_div(ceil_div(n, c.tile_n), c.cluster_n) * c.cluster_n;
-  const double waves = std::ceil(tiles_m * static_cast<double>(tiles_n) / static_cast<double>(usable_sms));
-  const TileCost cost = tile_cost(c);
-  return waves * c.tile_m * c.tile_n * (k + cost.epilogue_k) / cost.efficiency;
+  return waves_cost(c, tiles_m * static_cast<double>(clustered_tiles(n, c.tile_n, c.cluster_n)), k, sms);
 }
 
 }  // namespace distgemm
