@@ -61,3 +61,9 @@ def warn_once(message: str) -> None:
 
 def env_flag(name: str) -> bool:
     return os.environ.get(name, "0").lower() not in ("", "0", "false", "no")
+
+
+def needs_autograd(*tensors) -> bool:
+    """Whether a call must record autograd: grad mode on and any argument requiring grad
+    (None and non-tensors count as not: the argument checks name the latter)."""
+    return torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in tensors)

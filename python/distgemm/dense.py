@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from . import autotune
-from ._library import device_arch, has_kernels, ops, warn_once
+from ._library import device_arch, has_kernels, needs_autograd, ops, warn_once
 from ._repeat_calls import RepeatCalls
 
 FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -128,7 +128,7 @@ def gemm(
     of b, promoted to FP32 every 128 of K (the grouped FP8 kernel with one group).
     Differentiable for bfloat16/float16 in a, b and c.
     """
-    autograd = torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (a, b, c))
+    autograd = needs_autograd(a, b, c)
     looked_up = not autograd and scale_a is None and scale_b is None and not use_fast_accum
     if looked_up:  # a repeated call skips the checks too (they are functions of its signature)
         run = _repeat_call(a, b, c, alpha, beta, getattr(a, "dtype", None) if out_dtype is None else out_dtype)
@@ -210,9 +210,33 @@ def gemm_unchecked(a, b, c, alpha, beta, out_dtype, scale_a=None, scale_b=None, 
             return out
     a, b, c, scale_b, n = _kernel_operands(a, b, c, kernel_dtype, scale_b)
     autotune.record("cutlass")
-    out = ops.gemm(a, b, c, alpha, beta, kernel_dtype, _flat(scale_a), scale_b, fast_accum)
+    return _trim(ops.gemm(a, b, c, alpha, beta, kernel_dtype, _flat(scale_a), scale_b, fast_accum), n,
+                 kernel_dtype, out_dtype)
+
+
+def _trim(out, n: int, kernel_dtype, out_dtype):
+    """A kernel's output as the caller asked for it: the N columns padding added dropped, cast
+    where the kernel ran in another dtype."""
     out = out if out.shape[1] == n else out[:, :n].contiguous()
     return out if kernel_dtype == out_dtype else out.to(out_dtype)
+
+
+def _c_form(c, m: int) -> str:
+    """How the epilogue reads c, for the autotuner's keys: none, a full (M, N) c, or a bias row."""
+    if c is None:
+        return "none"
+    return "full" if c.dim() == 2 and c.shape[0] == m and c.stride(0) != 0 else "bias"
+
+
+_CUTLASS_PREFIX = "cutlass:"
+
+
+def _cached_index(choice: Optional[str], names: tuple) -> Optional[int]:
+    """The tile index of a stored 'cutlass:<config>' choice that this build still has, else None."""
+    if choice is None or not choice.startswith(_CUTLASS_PREFIX):
+        return None
+    name = choice[len(_CUTLASS_PREFIX):]
+    return names.index(name) if name in names else None
 
 
 def _cublas_gemm(a, b, c, out_dtype):
@@ -223,8 +247,8 @@ def _cublas_gemm(a, b, c, out_dtype):
 
 
 @functools.lru_cache(maxsize=None)
-def _config_names(a_dtype, b_dtype, out_dtype, b_k_major: bool, arch: int) -> tuple:
-    return tuple(ops.gemm_configs(a_dtype, b_dtype, out_dtype, b_k_major, arch, False))
+def _config_names(a_dtype, b_dtype, out_dtype, b_k_major: bool, arch: int, fast_accum: bool = False) -> tuple:
+    return tuple(ops.gemm_configs(a_dtype, b_dtype, out_dtype, b_k_major, arch, fast_accum))
 
 
 def _autotuned_gemm(a, b, c, alpha, beta, out_dtype, arch):
@@ -233,7 +257,7 @@ def _autotuned_gemm(a, b, c, alpha, beta, out_dtype, arch):
     if torch.compiler.is_compiling():
         return None  # traced code takes the heuristic's kernel (no timing, no cache reads)
     m, k, n = a.shape[0], a.shape[1], b.shape[0]
-    c_form = "none" if c is None else ("full" if c.dim() == 2 and c.shape[0] == m and c.stride(0) != 0 else "bias")
+    c_form = _c_form(c, m)
     cublas_ok = alpha == 1.0 and (c is None or beta == 1.0) and out_dtype == a.dtype
     b_layout = "K" if _k_major(b) else "N" if b.stride(0) == 1 else "S"
     key = f"sm{arch}|{m}x{n}x{k}|{a.dtype}->{out_dtype}|b:{b_layout}|c:{c_form}|cublas:{int(cublas_ok)}"
@@ -244,12 +268,10 @@ def _autotuned_gemm(a, b, c, alpha, beta, out_dtype, arch):
         return _cublas_gemm(a, b, c, out_dtype)
     ka, kb, kc, _, n_kernel = _kernel_operands(a, b, c, out_dtype, None)
     names = _config_names(a.dtype, b.dtype, out_dtype, _k_major(kb), arch)
-    prefix = "cutlass:"
-    if choice is not None and choice.startswith(prefix) and choice[len(prefix):] in names:
-        index = names.index(choice[len(prefix):])  # a cached tile choice: no candidates to build
-    else:
-        candidates = {f"{prefix}{name}": (lambda i=i: ops.gemm(ka, kb, kc, alpha, beta, out_dtype, None, None,
-                                                                 False, i))
+    index = _cached_index(choice, names)  # a cached tile choice: no candidates to build
+    if index is None:
+        candidates = {f"{_CUTLASS_PREFIX}{name}": (lambda i=i: ops.gemm(ka, kb, kc, alpha, beta, out_dtype,
+                                                                         None, None, False, i))
                       for i, name in enumerate(names)}
         if cublas_ok:
             candidates["cublas"] = lambda: _cublas_gemm(a, b, c, out_dtype)
@@ -262,31 +284,33 @@ def _autotuned_gemm(a, b, c, alpha, beta, out_dtype, arch):
             _remember_call(a, b, c, alpha, beta, out_dtype, _run_cublas(out_dtype))
             autotune.record(choice)
             return candidates[choice]()
-        index = names.index(choice[len(prefix):])
+        index = _cached_index(choice, names)
     if c is None and n_kernel == n and ka is a and kb is b:  # operands read in place
         _remember_call(a, b, c, alpha, beta, out_dtype, _run_cutlass(alpha, beta, out_dtype, index, choice))
     autotune.record(choice)
-    out = ops.gemm(ka, kb, kc, alpha, beta, out_dtype, None, None, False, index)
-    return out if out.shape[1] == n else out[:, :n].contiguous()
+    return _trim(ops.gemm(ka, kb, kc, alpha, beta, out_dtype, None, None, False, index), n, out_dtype, out_dtype)
 
 
 _SCALED_MM = "torch._scaled_mm"
+
+
+def _row_wise(scale_a, scale_b) -> bool:
+    return any(s is not None and s.numel() > 1 for s in (scale_a, scale_b))
 
 
 def _scaled_mm_peer(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum) -> Optional[Callable]:
     """The same FP8 call through torch._scaled_mm (cuBLAS for per-tensor scales, PyTorch's
     row-wise kernel), the FP8 autotuner's peer candidate; None where it cannot compute it: alpha,
     a c other than a bias with beta 1, K or N not a multiple of 16, operands not contiguous,
-    row-wise scales other than e4m3 x e4m3 to bfloat16."""
+    row-wise scales other than e4m3 x e4m3 to bfloat16. The scales and bias are put in
+    torch._scaled_mm's forms when it runs, not when a call that runs our kernel asks."""
     m, k, n = a.shape[0], a.shape[1], b.shape[0]
-    bias = None
-    if c is not None:
-        if beta != 1.0 or out_dtype not in FLOAT16 or c.numel() != n or not (c.dim() == 1 or c.shape[0] == 1):
-            return None
-        bias = c.reshape(-1).to(out_dtype)
+    if c is not None and (beta != 1.0 or out_dtype not in FLOAT16 or c.numel() != n
+                          or not (c.dim() == 1 or c.shape[0] == 1)):
+        return None
     if alpha != 1.0 or k % 16 or n % 16 or m == 0 or not (a.is_contiguous() and b.is_contiguous()):
         return None
-    row_wise = any(s is not None and s.numel() > 1 for s in (scale_a, scale_b))
+    row_wise = _row_wise(scale_a, scale_b)
     if row_wise and (out_dtype != torch.bfloat16 or a.dtype != torch.float8_e4m3fn or b.dtype != a.dtype):
         return None
 
@@ -297,8 +321,11 @@ def _scaled_mm_peer(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accu
             return s.reshape(())
         return (s.reshape(1, 1).expand(shape) if s.numel() == 1 else s.reshape(shape)).contiguous()
 
-    sa, sb = as_scale(scale_a, (m, 1)), as_scale(scale_b, (1, n))
-    return lambda: torch._scaled_mm(a, b.t(), sa, sb, bias=bias, out_dtype=out_dtype, use_fast_accum=fast_accum)
+    def run():
+        bias = None if c is None else c.reshape(-1).to(out_dtype)
+        return torch._scaled_mm(a, b.t(), as_scale(scale_a, (m, 1)), as_scale(scale_b, (1, n)), bias=bias,
+                                out_dtype=out_dtype, use_fast_accum=fast_accum)
+    return run
 
 
 def _autotuned_fp8_gemm(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, kernel_dtype, arch):
@@ -309,30 +336,26 @@ def _autotuned_fp8_gemm(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_
         return None
     m, k, n = a.shape[0], a.shape[1], b.shape[0]
     peer = _scaled_mm_peer(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum)
-    scales = "row" if any(s is not None and s.numel() > 1 for s in (scale_a, scale_b)) else "tensor"
-    c_form = "none" if c is None else ("full" if c.dim() == 2 and c.shape[0] == m and c.stride(0) != 0 else "bias")
+    scales = "row" if _row_wise(scale_a, scale_b) else "tensor"
     key = (f"sm{arch}|{m}x{n}x{k}|{a.dtype}x{b.dtype}->{out_dtype}|scales:{scales}|fast:{int(fast_accum)}"
-           f"|c:{c_form}|peer:{int(peer is not None)}")
+           f"|c:{_c_form(c, m)}|peer:{int(peer is not None)}")
     choice = autotune.lookup(key)
     if choice == _SCALED_MM and peer is not None:
         autotune.record(choice)
         return peer()
-    ka, kb, kc, kscale_b, n_kernel = _kernel_operands(a, b, c, kernel_dtype, scale_b)
+    ka, kb, kc, kscale_b, _ = _kernel_operands(a, b, c, kernel_dtype, scale_b)
     kscale_a = _flat(scale_a)
-    names = tuple(ops.gemm_configs(a.dtype, b.dtype, kernel_dtype, _k_major(kb), arch, fast_accum))
-
-    def finish(out):
-        out = out if out.shape[1] == n else out[:, :n].contiguous()
-        return out if kernel_dtype == out_dtype else out.to(out_dtype)
+    names = _config_names(a.dtype, b.dtype, kernel_dtype, _k_major(kb), arch, fast_accum)
 
     def ours(i):
-        return lambda: finish(ops.gemm(ka, kb, kc, alpha, beta, kernel_dtype, kscale_a, kscale_b, fast_accum, i))
+        return lambda: _trim(ops.gemm(ka, kb, kc, alpha, beta, kernel_dtype, kscale_a, kscale_b, fast_accum, i),
+                             n, kernel_dtype, out_dtype)
 
-    prefix = "cutlass:"
-    if not (choice is not None and choice.startswith(prefix) and choice[len(prefix):] in names):
+    index = _cached_index(choice, names)
+    if index is None:
         if not autotune.may_time():  # graph capture: no trial call of the peer, the heuristic runs
             return None
-        candidates = {f"{prefix}{name}": ours(i) for i, name in enumerate(names)}
+        candidates = {f"{_CUTLASS_PREFIX}{name}": ours(i) for i, name in enumerate(names)}
         if peer is not None:
             try:
                 peer()  # PyTorch's own checks differ by version: a refusal drops the candidate
@@ -347,8 +370,9 @@ def _autotuned_fp8_gemm(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_
         if choice == _SCALED_MM:
             autotune.record(choice)
             return peer()
+        index = _cached_index(choice, names)
     autotune.record(choice)
-    return ours(names.index(choice[len(prefix):]))()
+    return ours(index)()
 
 
 def _run_cublas(out_dtype):

@@ -14,7 +14,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ._library import device_arch, env_flag, has_kernels, ops, warn_once
+from ._library import device_arch, env_flag, has_kernels, needs_autograd, ops, warn_once
 from ._repeat_calls import RepeatCalls
 from ._routing import group_bounds
 from .grouped_fp8 import FLOAT8, grouped_mm_fp8, grouped_mm_wgrad_fp8
@@ -149,10 +149,6 @@ def _call_signature(x, w, offs, out_dtype, trans_w) -> Optional[tuple]:
         return None
 
 
-def _needs_autograd(*tensors) -> bool:
-    return torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in tensors)
-
-
 def _kernel_forward(n: int, out_dtype, trans_w: bool) -> Callable:
     """Runs the grouped kernel into a new output, outside autograd (the functional op's Python
     autograd wrapper costs ~10 us of host time per call)."""
@@ -186,7 +182,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *,
     """
     op = "distgemm.grouped_mm"
     plain = out is None and not accumulate and scale_x is None and scale_w is None
-    if plain and _REPEAT_CALLS and not torch.compiler.is_compiling() and not _needs_autograd(x, w):
+    if plain and _REPEAT_CALLS and not torch.compiler.is_compiling() and not needs_autograd(x, w):
         run = _REPEAT_CALLS.get(_call_signature(x, w, offs, out_dtype, trans_w))
         if run is not None:
             return run(x, w, offs)
@@ -217,7 +213,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *,
         code = _CUTLASS if backend == "cutlass" else _CUBLAS
         in_place = x.is_contiguous() and w.is_contiguous()
         x, w = x.contiguous(), w.contiguous()
-        if out is None and code == _CUTLASS and not torch.compiler.is_compiling() and not _needs_autograd(x, w):
+        if out is None and code == _CUTLASS and not torch.compiler.is_compiling() and not needs_autograd(x, w):
             run = _kernel_forward(n, out_dtype, trans_w)
             if in_place and not env_flag("DISTGEMM_DEBUG"):
                 _REPEAT_CALLS.put(_call_signature(x, w, offs, requested_dtype, trans_w), run)

@@ -28,7 +28,7 @@ from typing import Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ._library import device_arch, has_kernels, ops, warn_once
+from ._library import device_arch, has_kernels, needs_autograd, ops, warn_once
 from .dense import (FLOAT8, _flat, aligned16, check_operands, gemm_unchecked, grad_of_c, kernel_out_dtype,
                     kernel_ready)
 
@@ -615,10 +615,6 @@ class _MatmulReduceScatter(torch.autograd.Function):
         return grad_a, grad_b, grad_c, None, None, None, None, None, None, None
 
 
-def _needs_grad(*tensors) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-
-
 def all_gather_matmul(a: torch.Tensor, b: torch.Tensor, *, group=None, c: Optional[torch.Tensor] = None,
                       alpha: float = 1.0, beta: float = 0.0, out_dtype: Optional[torch.dtype] = None,
                       scale_a: Optional[torch.Tensor] = None, scale_b: Optional[torch.Tensor] = None,
@@ -633,7 +629,7 @@ def all_gather_matmul(a: torch.Tensor, b: torch.Tensor, *, group=None, c: Option
     op = _OP_NAMES[_AG]
     group = _resolve(group)
     out_dtype = _check_tp(op, a, b, c, out_dtype, scale_a, scale_b, a.shape[0] * _state(group).size)
-    if _needs_grad(a, b, c):
+    if needs_autograd(a, b, c):
         if a.dtype in FLOAT8:
             raise NotImplementedError(f"{op}: autograd through float8 inputs is not supported")
         out, gathered = _AllGatherMatmul.apply(a, b, c, alpha, beta, out_dtype, scale_a, scale_b,
@@ -660,7 +656,7 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, *, group=None, c: Op
     if isinstance(a, torch.Tensor) and a.dim() == 2 and a.shape[0] % world:
         raise ValueError(f"{op}: a's {a.shape[0]} rows must divide evenly by the group size {world}")
     out_dtype = _check_tp(op, a, b, c, out_dtype, scale_a, scale_b, a.shape[0] // world)
-    if _needs_grad(a, b, c):
+    if needs_autograd(a, b, c):
         if a.dtype in FLOAT8:
             raise NotImplementedError(f"{op}: autograd through float8 inputs is not supported")
         return _MatmulReduceScatter.apply(a, b, c, alpha, beta, out_dtype, scale_a, scale_b,
