@@ -77,10 +77,15 @@ def may_time() -> bool:
 
 
 def _time_ms(fn: Callable[[], object], reps: int) -> float:
-    """Device time per call of `fn`: the GPU is kept busy while the calls are enqueued, so the
-    host's launch cost, which differs between candidates, does not count."""
+    """Device time per call of `fn` under sustained load: the same calls run untimed first, so
+    that the timed ones meet the clocks a training loop runs at, not the boost clocks after an
+    idle moment (where kernels rank differently: FP8 ones by up to 8%). The GPU is kept busy
+    while the calls are enqueued, so the host's launch cost, which differs between candidates,
+    does not count."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(200_000 * reps)  # ~100 us of GPU time per call to enqueue
+    torch.cuda._sleep(400_000 * reps)  # ~100 us of GPU time per call to enqueue (2 * reps calls)
+    for _ in range(reps):
+        fn()
     start.record()
     for _ in range(reps):
         fn()
@@ -115,14 +120,15 @@ def choose(key: str, candidates: Dict[str, Callable[[], object]], prefer: Option
     for fn in candidates.values():  # warm-up: module load, handles, cuBLAS heuristics
         fn()
     probe = _time_ms(next(iter(candidates.values())), 1)
-    # >= ~6 ms and 3 calls per measurement: what a training step sees is the sustained clock,
-    # and a single heavy FP8 call after an idle moment runs at boost clocks, where the kernels
-    # rank differently (a 1.3 ms call picked our tile, which then ran 7% behind cuBLAS).
+    # >= ~6 ms and 3 calls per measurement, behind as many untimed ones (_time_ms): a single
+    # heavy FP8 call after an idle moment runs at boost clocks, where the kernels rank
+    # differently (a 1.3 ms call picked our tile, which then ran 7% behind cuBLAS).
     reps = max(3, min(50, int(6.0 / max(probe, 1e-3))))
-    best: Dict[str, float] = {name: float("inf") for name in candidates}
-    for _ in range(3):  # rounds, the candidates taking turns, the best of each kept
+    samples: Dict[str, list] = {name: [] for name in candidates}
+    for _ in range(3):  # rounds, the candidates taking turns; each keeps its median
         for name, fn in candidates.items():
-            best[name] = min(best[name], _time_ms(fn, reps))
+            samples[name].append(_time_ms(fn, reps))
+    best = {name: sorted(times)[len(times) // 2] for name, times in samples.items()}
     choice = min(best, key=best.get)
     if prefer in best and best[choice] > best[prefer] * (1.0 - PREFER_MARGIN):
         choice = prefer
