@@ -69,14 +69,18 @@ def check_all_gather_matmul_fp8(rank, world):
     assert_close(out, ref(a_full, b, sa=rowwise, sb=sb), torch.float8_e4m3fn)
     if dist.get_backend() != "nccl":  # the algorithms are the fused backend's
         return
-    os.environ["DISTGEMM_TP_ALGO"] = "decomposed"  # cuBLASLt pieces: bf16/fp16 only, said so
+    os.environ["DISTGEMM_TP_ALGO"] = "decomposed"  # cuBLASLt FP8 pieces, each shard with its own scale
     distgemm.tp.reload_settings()
     try:
-        distgemm.all_gather_matmul(a, b, scale_a=rowwise[rank * m:(rank + 1) * m].contiguous(), scale_b=sb)
-    except NotImplementedError as e:
-        assert "decomposed algorithm does not take inputs other than bf16/fp16" in str(e), e
-    else:
-        raise AssertionError("DISTGEMM_TP_ALGO=decomposed ran float8 inputs")
+        sb_tensor = sb[:1].clone()
+        out = distgemm.all_gather_matmul(a, b, scale_a=sa_full[rank * m:rank * m + 1].clone(), scale_b=sb_tensor)
+        assert_close(out, ref(a_full, b, sa=sa_full, sb=sb_tensor.expand(n)), torch.float8_e4m3fn)
+        try:  # row-wise: cuBLASLt's outer-vector scaling, where this cuBLASLt has it
+            out = distgemm.all_gather_matmul(a, b, scale_a=rowwise[rank * m:(rank + 1) * m].contiguous(), scale_b=sb)
+        except NotImplementedError as e:
+            assert "no algorithm" in str(e), e
+        else:
+            assert_close(out, ref(a_full, b, sa=rowwise, sb=sb), torch.float8_e4m3fn)
     finally:
         del os.environ["DISTGEMM_TP_ALGO"]
         distgemm.tp.reload_settings()

@@ -18,6 +18,8 @@ cudaDataType_t cublas_float_type(dg_dtype t) {
   switch (t) {
     case DG_BF16: return CUDA_R_16BF;
     case DG_F16: return CUDA_R_16F;
+    case DG_E4M3: return CUDA_R_8F_E4M3;
+    case DG_E5M2: return CUDA_R_8F_E5M2;
     default: return CUDA_R_32F;
   }
 }

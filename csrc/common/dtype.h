@@ -21,7 +21,7 @@ constexpr bool is_16bit_float(dg_dtype t) { return t == DG_F16 || t == DG_BF16; 
 
 const char* dtype_name(dg_dtype t);
 
-// The cuBLAS data type of a 16- or 32-bit float dtype (the only ones distgemm hands cuBLAS).
+// The cuBLAS data type of a float dtype (FP8, 16- or 32-bit).
 cudaDataType_t cublas_float_type(dg_dtype t);
 
 }  // namespace distgemm

@@ -46,51 +46,76 @@ bool pitch16(int64_t ld, int bytes) {
       return fail(DG_ERROR_CUDA, cat(#expr, ": ", cublasLtGetStatusString(dg_lt_)));         \
   } while (0)
 
+// How cuBLASLt applies FP8 scales: one value per operand (or none), or one per row of a and
+// per row of b (outer-vector scaling).
+enum class LtScales : int { kTensor, kOuterVector };
+
 // Everything cuBLASLt's plan depends on; pointers only through their (checked) alignment.
-using PlanKey = std::tuple<int, bool, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int,
-                           bool, bool, size_t>;
+struct PlanKey {
+  int device = 0;
+  bool b_k_major = true;
+  int64_t m = 0, n = 0, k = 0, lda = 0, ldb = 0, ldc = 0, ldd = 0;
+  int a_type = 0, b_type = 0, out_type = 0;
+  bool with_c = false, bias = false, fast_accum = false;
+  LtScales scales = LtScales::kTensor;
+  size_t workspace_bytes = 0;
+  auto tie() const {
+    return std::tie(device, b_k_major, m, n, k, lda, ldb, ldc, ldd, a_type, b_type, out_type, with_c, bias,
+                    fast_accum, scales, workspace_bytes);
+  }
+  bool operator<(const PlanKey& o) const { return tie() < o.tie(); }
+};
 
 struct Plan {
   cublasLtMatmulDesc_t op = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr, d = nullptr;
   cublasLtMatmulAlgo_t algo{};
   bool bias = false;
+  bool fp8 = false;  // the scale pointers are set per call
 };
 
-dg_status make_plan(cublasLtHandle_t handle, const PlanKey& key, size_t workspace_bytes, Plan* plan) {
-  const auto [device, b_k_major, m, n, k, lda, ldb, ldc, ldd, in_type, out_type, with_c, bias, ws] = key;
-  (void)device;
-  (void)with_c;
-  (void)ws;
-  const cudaDataType_t in = static_cast<cudaDataType_t>(in_type), out = static_cast<cudaDataType_t>(out_type);
+dg_status make_plan(cublasLtHandle_t handle, const PlanKey& key, Plan* plan) {
+  const auto a_type = static_cast<cudaDataType_t>(key.a_type), b_type = static_cast<cudaDataType_t>(key.b_type),
+             out = static_cast<cudaDataType_t>(key.out_type);
+  const int64_t m = key.m, n = key.n, k = key.k;
   DG_LT_RETURN(cublasLtMatmulDescCreate(&plan->op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-  const cublasOperation_t trans_a = b_k_major ? CUBLAS_OP_T : CUBLAS_OP_N, trans_b = CUBLAS_OP_N;
+  const cublasOperation_t trans_a = key.b_k_major ? CUBLAS_OP_T : CUBLAS_OP_N, trans_b = CUBLAS_OP_N;
   DG_LT_RETURN(
       cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_TRANSA, &trans_a, sizeof(trans_a)));
   DG_LT_RETURN(
       cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_TRANSB, &trans_b, sizeof(trans_b)));
-  if (bias) {
+  if (key.fast_accum) {
+    const int8_t fast = 1;
+    DG_LT_RETURN(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast, sizeof(fast)));
+  }
+  if (key.scales == LtScales::kOuterVector) {
+    const int32_t mode = CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
+    for (auto attr : {CUBLASLT_MATMUL_DESC_A_SCALE_MODE, CUBLASLT_MATMUL_DESC_B_SCALE_MODE})
+      DG_LT_RETURN(cublasLtMatmulDescSetAttribute(plan->op, attr, &mode, sizeof(mode)));
+  }
+  if (key.bias) {
     const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
     DG_LT_RETURN(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue,
                                                 sizeof(epilogue)));
     DG_LT_RETURN(
         cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &out, sizeof(out)));
   }
-  plan->bias = bias;
+  plan->bias = key.bias;
+  plan->fp8 = a_type == CUDA_R_8F_E4M3 || a_type == CUDA_R_8F_E5M2;
   // Our B (N, K) is cuBLASLt's A: stored (K, N) column-major if K-major, else (N, K).
-  if (b_k_major)
-    DG_LT_RETURN(cublasLtMatrixLayoutCreate(&plan->a, in, k, n, ldb));
+  if (key.b_k_major)
+    DG_LT_RETURN(cublasLtMatrixLayoutCreate(&plan->a, b_type, k, n, key.ldb));
   else
-    DG_LT_RETURN(cublasLtMatrixLayoutCreate(&plan->a, in, n, k, ldb));
-  DG_LT_RETURN(cublasLtMatrixLayoutCreate(&plan->b, in, k, m, lda));
-  DG_LT_RETURN(cublasLtMatrixLayoutCreate(&plan->c, out, n, m, ldc));
-  DG_LT_RETURN(cublasLtMatrixLayoutCreate(&plan->d, out, n, m, ldd));
+    DG_LT_RETURN(cublasLtMatrixLayoutCreate(&plan->a, b_type, n, k, key.ldb));
+  DG_LT_RETURN(cublasLtMatrixLayoutCreate(&plan->b, a_type, k, m, key.lda));
+  DG_LT_RETURN(cublasLtMatrixLayoutCreate(&plan->c, out, n, m, key.ldc));
+  DG_LT_RETURN(cublasLtMatrixLayoutCreate(&plan->d, out, n, m, key.ldd));
 
   cublasLtMatmulPreference_t pref = nullptr;
   DG_LT_RETURN(cublasLtMatmulPreferenceCreate(&pref));
   const uint32_t align = 16;
   cublasStatus_t st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                                                           &workspace_bytes, sizeof(workspace_bytes));
+                                                           &key.workspace_bytes, sizeof(key.workspace_bytes));
   for (auto attr : {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
                     CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES})
     if (st == CUBLAS_STATUS_SUCCESS)
@@ -117,11 +142,38 @@ bool is_bias(const dg_gemm_desc& d, bool chained) {
   return d.c.data && d.c.rows == 1 && (d.d.rows > 1 || chained);
 }
 
+namespace {
+
+// How cuBLASLt applies d's FP8 scales, or why it cannot.
+const char* lt_scales(const dg_gemm_desc& d, LtScales* out) {
+  const bool rows_a = d.scale_a && d.scale_a_len > 1, rows_b = d.scale_b && d.scale_b_len > 1;
+  if (rows_a != rows_b) return "FP8 scales of one value on one operand and one per row on the other";
+  *out = rows_a ? LtScales::kOuterVector : LtScales::kTensor;
+  return nullptr;
+}
+
+// Why cuBLASLt cannot take d's dtypes and scales (nullptr if it can).
+const char* unsupported_types(const dg_gemm_desc& d, bool chained) {
+  if (is_fp8(d.a.dtype)) {
+    if (!is_fp8(d.b.dtype) || (d.a.dtype == DG_E5M2 && d.b.dtype == DG_E5M2))
+      return "FP8 inputs other than e4m3 x e4m3, e4m3 x e5m2 or e5m2 x e4m3";
+    if (!is_16bit_float(d.d.dtype) && d.d.dtype != DG_F32) return "an FP8 output";
+    if (d.d.dtype == DG_F32 && is_bias(d, chained)) return "a bias with FP8 inputs and an fp32 output";
+    if (d.b.col_stride != 1) return "FP8 b other than K-major";
+    if (d.a.cols % 16 || d.b.rows % 16) return "FP8 inputs with K or N not a multiple of 16";
+    LtScales scales;
+    return lt_scales(d, &scales);
+  }
+  if (!is_16bit_float(d.a.dtype) || d.b.dtype != d.a.dtype) return "inputs other than bf16/fp16 or FP8";
+  if (d.scale_a || d.scale_b) return "scales on bf16/fp16 inputs";
+  if (d.d.dtype != d.a.dtype && d.d.dtype != DG_F32) return "an output dtype other than the input's or fp32";
+  return nullptr;
+}
+
+}  // namespace
+
 const char* cublaslt_unsupported(const dg_gemm_desc& d, bool chained) {
-  if (!is_16bit_float(d.a.dtype) || d.b.dtype != d.a.dtype) return "inputs other than bf16/fp16";
-  if (d.scale_a || d.scale_b) return "scales";
-  if (!(d.d.dtype == d.a.dtype || d.d.dtype == DG_F32))
-    return "an output dtype other than the input's or fp32";
+  if (const char* why = unsupported_types(d, chained)) return why;
   if (is_bias(d, chained) && d.beta != 1.f && d.beta != 0.f) return "a bias scaled by beta other than 0 or 1";
   if (d.a.col_stride != 1 || d.d.col_stride != 1 || (d.c.data && !is_bias(d, chained) && d.c.col_stride != 1))
     return "a, c and out other than row-major";
@@ -164,15 +216,29 @@ dg_status find_plan(const dg_gemm_desc& d, const void* chain_c, int64_t chain_ld
   ops->c = chained ? chain_c : full_c ? d.c.data : d.d.data;
   ops->ldc = chained ? chain_ldc : full_c ? d.c.row_stride : d.d.row_stride;
   ops->beta = chained ? 1.f : full_c ? d.beta : 0.f;
-  const PlanKey key{device, b_k_major, m, n, k, d.a.row_stride,
-                    b_k_major ? d.b.row_stride : d.b.col_stride, ops->ldc, d.d.row_stride,
-                    static_cast<int>(cublas_float_type(d.a.dtype)),
-                    static_cast<int>(cublas_float_type(d.d.dtype)), ops->beta != 0.f, bias, workspace_bytes};
+  PlanKey key;
+  key.device = device;
+  key.b_k_major = b_k_major;
+  key.m = m;
+  key.n = n;
+  key.k = k;
+  key.lda = d.a.row_stride;
+  key.ldb = b_k_major ? d.b.row_stride : d.b.col_stride;
+  key.ldc = ops->ldc;
+  key.ldd = d.d.row_stride;
+  key.a_type = static_cast<int>(cublas_float_type(d.a.dtype));
+  key.b_type = static_cast<int>(cublas_float_type(d.b.dtype));
+  key.out_type = static_cast<int>(cublas_float_type(d.d.dtype));
+  key.with_c = ops->beta != 0.f;
+  key.bias = bias;
+  key.fast_accum = is_fp8(d.a.dtype) && d.fast_accum;
+  if (is_fp8(d.a.dtype)) lt_scales(d, &key.scales);
+  key.workspace_bytes = workspace_bytes;
   thread_local std::map<PlanKey, Plan> plans;
   auto it = plans.find(key);
   if (it == plans.end()) {
     Plan plan;
-    DG_RETURN_IF_ERROR(make_plan(handle, key, workspace_bytes, &plan));
+    DG_RETURN_IF_ERROR(make_plan(handle, key, &plan));
     it = plans.emplace(key, plan).first;
   }
   *handle_out = handle;
@@ -200,6 +266,12 @@ dg_status run_cublaslt_gemm(const dg_gemm_desc& d, const void* chain_c, int64_t 
   if (plan->bias)
     DG_LT_RETURN(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &d.c.data,
                                                 sizeof(d.c.data)));
+  if (plan->fp8) {  // cuBLASLt's A is our b, its B our a; NULL: 1.0
+    DG_LT_RETURN(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &d.scale_b,
+                                                sizeof(d.scale_b)));
+    DG_LT_RETURN(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &d.scale_a,
+                                                sizeof(d.scale_a)));
+  }
   const float alpha = d.alpha;
   DG_LT_RETURN(cublasLtMatmul(handle, plan->op, &alpha, d.b.data, plan->a, d.a.data, plan->b, &ops.beta,
                               ops.c, plan->c, const_cast<void*>(d.d.data), plan->d, &plan->algo, workspace,

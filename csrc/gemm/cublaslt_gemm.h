@@ -1,5 +1,6 @@
 // The dense GEMM through cuBLASLt, for the tensor-parallel pieces where cuBLAS's tuned kernels
-// beat ours (large bf16/fp16 GEMMs): same dg_gemm_desc contract, host-only.
+// beat ours (large bf16/fp16 GEMMs, and FP8 ones with FP32-promoted accumulation): same
+// dg_gemm_desc contract, host-only.
 #pragma once
 
 #include <cstddef>
@@ -9,9 +10,11 @@
 
 namespace distgemm::gemm {
 
-// Why cuBLASLt cannot run `desc` (nullptr if it can), with a chained partial sum or not: FP8,
-// scales, a bias scaled by beta other than 0 or 1, layouts other than row-major a/c/out and
-// K- or N-major b, or pointers and leading dimensions not 16-byte aligned.
+// Why cuBLASLt cannot run `desc` (nullptr if it can), with a chained partial sum or not: dtypes
+// other than bf16/fp16, or FP8 (e4m3/e5m2, not both e5m2) into bf16/fp16/fp32 with K-major b,
+// K and N multiples of 16, and scales of one value per operand or one per row of each
+// (outer-vector); a bias scaled by beta other than 0 or 1; layouts other than row-major
+// a/c/out and K- or N-major b; pointers and leading dimensions not 16-byte aligned.
 const char* cublaslt_unsupported(const dg_gemm_desc& desc, bool chained);
 
 // Makes (or finds) the cached plan run_cublaslt_gemm would use for these arguments, so that a

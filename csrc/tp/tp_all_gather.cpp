@@ -36,11 +36,14 @@ extern "C" dg_status dg_all_gather_gemm(const dg_tp_desc* desc, cudaStream_t str
   shape.gathered_out = d.gathered_out != nullptr;
   // Decomposed: a peer's shard travels in pieces, each multiplied as soon as it is in. Fused:
   // one piece (the kernel waits per tile row anyway).
-  const double flops = 2.0 * static_cast<double>(rows) * shape.n * k;
+  const double work = bf16_equivalent_flops(2.0 * static_cast<double>(rows) * shape.n * k, g.a.dtype);
   const double pushed_bytes = static_cast<double>(world - 1) * m * k * shape.in_bytes;  // into each rank
   TpChoices choices;
-  choices.decomposed = ag_decomposed_split(flops, pushed_bytes);
-  choices.dtypes = static_cast<uint32_t>(g.a.dtype) | (g.scale_a ? 1u << 8 : 0u);  // what is pushed
+  choices.decomposed = ag_decomposed_split(work, pushed_bytes);
+  // What is pushed, and the scale mode (one value per shard, or per row), which a decomposed
+  // GEMM over a peer's rows reads as its own.
+  choices.dtypes = static_cast<uint32_t>(g.a.dtype) | (g.scale_a ? 1u << 8 : 0u) |
+                   (g.scale_a && g.scale_a_len > 1 ? 1u << 9 : 0u);
   choices.tag = kTagAllGather;
   return plan_and_execute(d, peers, shape, choices, stream);
 }

@@ -23,7 +23,12 @@ dg_status CutlassRingGemm::run(const StepGemm& gemm, const SyncParams* waits, cu
 }
 
 const char* CublasLtPieces::unsupported(const StepGemm& gemm) const {
-  return gemm::cublaslt_unsupported(gemm.desc, gemm.chain_c != nullptr);
+  if (const char* why = gemm::cublaslt_unsupported(gemm.desc, gemm.chain_c != nullptr)) return why;
+  // cuBLASLt's own word (e.g. outer-vector FP8 scales on a GPU or version without them): the
+  // automatic choice then takes the fused algorithm instead of failing.
+  if (gemm::plan_cublaslt_gemm(gemm.desc, gemm.chain_c, gemm.chain_ldc, scratch_bytes_) != DG_SUCCESS)
+    return "a GEMM cuBLASLt has no algorithm for";
+  return nullptr;
 }
 
 dg_status CublasLtPieces::check(const StepGemm& gemm, bool waits) const {

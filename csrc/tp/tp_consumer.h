@@ -1,7 +1,7 @@
 // The two GEMMs a tensor-parallel plan's kGemm steps can run on, behind one interface: the
 // persistent CUTLASS GEMM that waits on cross-GPU flags inside the kernel (every dtype), and
-// cuBLASLt pieces that the plan precedes with explicit waits (bf16/fp16; cuBLAS's kernels beat
-// ours on large GEMMs). Host-only.
+// cuBLASLt pieces that the plan precedes with explicit waits (bf16/fp16, and FP8 with per-tensor
+// or outer-vector scales; cuBLAS's kernels beat ours on large GEMMs, FP8 most). Host-only.
 #pragma once
 
 #include <cstdint>
@@ -22,7 +22,8 @@ struct StepGemm {
 class GemmConsumer {
  public:
   virtual ~GemmConsumer() = default;
-  // Why this consumer cannot take `gemm` at all (nullptr if it can): pure host.
+  // Why this consumer cannot take `gemm` at all (nullptr if it can): host-only (the cuBLASLt
+  // pieces ask cuBLASLt's heuristics).
   virtual const char* unsupported(const StepGemm& gemm) const = 0;
   // Every check run() makes, made before anything of the call is enqueued: a failure after the
   // first launch would strand the peers. `waits`: the kernel waits on flags (fused only).

@@ -52,7 +52,9 @@ StepGemm TpBuffers::gemm(const Step& st) const {
   if (g.scale_a) {  // FP8 row scales follow a's rows
     if (st.src.space == Space::kWorkspace) {  // gathered with the shards
       s.scale_a = reinterpret_cast<const float*>(peers_.base[d_.rank] + plan_.regions.scales) + st.src.row0;
-      s.scale_a_len = st.src.rows;
+      // A decomposed GEMM's rows come from one peer's shard: with one scale per shard (the ranks
+      // agree on the mode), the gathered values repeat it, and the first of them is that scale.
+      s.scale_a_len = g.scale_a_len == 1 && plan_.shape.decomposed ? 1 : st.src.rows;
     } else if (g.scale_a_len > 1) {
       s.scale_a = g.scale_a + st.src.row0;
       s.scale_a_len = st.src.rows;

@@ -10,6 +10,10 @@
 
 namespace distgemm::tp {
 
+// The constants below are in bf16 GEMM work: `flops` of an FP8 GEMM count half (the H200's FP8
+// tensor cores run twice as fast), so that the same push/GEMM balance cuts it alike.
+double bf16_equivalent_flops(double flops, dg_dtype in);
+
 // Whether `auto` runs a bf16/fp16 GEMM + reduce-scatter of `flops` (per rank) fused: below
 // ~50 GFLOP the decomposed ring's extra launches cost more than cuBLAS's kernels gain.
 bool rs_auto_prefers_fused(double flops);

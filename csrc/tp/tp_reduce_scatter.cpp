@@ -35,11 +35,12 @@ extern "C" dg_status dg_gemm_reduce_scatter(const dg_tp_desc* desc, cudaStream_t
   // Ring steps in pieces of their rows (tp_heuristics), so that the first piece travels while
   // the next is computed and the next rank's GEMMs wait for a piece, not a whole step.
   const double flops = 2.0 * static_cast<double>(g.a.rows) * n * g.a.cols;
+  const double work = bf16_equivalent_flops(flops, g.a.dtype);
   const double pushed_bytes = static_cast<double>(world - 1) * m * n * shape.out_bytes;  // by each rank
   TpChoices choices;
-  choices.decomposed = rs_decomposed_split(flops, pushed_bytes, m);
+  choices.decomposed = rs_decomposed_split(work, pushed_bytes, m);
   choices.fused = rs_fused_split(d.settings, flops / world / 2);
-  choices.auto_fused = rs_auto_prefers_fused(flops);
+  choices.auto_fused = rs_auto_prefers_fused(work);
   choices.dtypes = static_cast<uint32_t>(g.d.dtype);  // of the partial sums pushed
   choices.tag = kTagReduceScatter;
   return plan_and_execute(d, peers, shape, choices, stream);

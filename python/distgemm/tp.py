@@ -180,7 +180,8 @@ def _read_settings() -> list:
 
     - DISTGEMM_TP_ALGO: how the fused backend hides the communication. `fused`: one CUTLASS
       GEMM per ring step waiting on per-tile-row flags; `decomposed`: one cuBLASLt GEMM per chunk
-      piece after a bounded wait for it (bf16/fp16); `auto` (default): decomposed where it
+      piece after a bounded wait for it (bf16/fp16, and FP8 with per-tensor scales, or row-wise
+      ones where cuBLASLt scales by outer vectors); `auto` (default): decomposed where it
       applies, except reduce-scatters of under ~50 GFLOP per rank.
     - DISTGEMM_TP_PIECES: `auto`, N or Nt (tapered), N in [1, 4]: how many pieces a chunk of
       the decomposed algorithm travels in.

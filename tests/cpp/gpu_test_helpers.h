@@ -1,8 +1,9 @@
-// Helpers of the C++ GPU tests (GoogleTest): device buffers of bf16/fp32 values, bf16-exact
+// Helpers of the C++ GPU tests (GoogleTest): device buffers of bf16/fp32/e4m3 values, bf16-exact
 // random inputs, and the error measure the tests compare with their host references.
 #pragma once
 
 #include <cuda_bf16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 #include <distgemm/distgemm.h>
 #include <gtest/gtest.h>
@@ -47,6 +48,22 @@ inline void upload_bf16(Buffer& dst, const std::vector<float>& v) {
   std::vector<__nv_bfloat16> h(v.size());
   for (size_t i = 0; i < v.size(); ++i) h[i] = __float2bfloat16(v[i]);
   ASSERT_EQ(cudaMemcpy(dst.ptr, h.data(), h.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+}
+
+// `v` rounded to e4m3 (the values the GPU will see), uploaded as e4m3 bytes.
+inline std::vector<float> upload_e4m3(Buffer& dst, const std::vector<float>& v) {
+  std::vector<__nv_fp8_e4m3> h(v.size());
+  std::vector<float> rounded(v.size());
+  for (size_t i = 0; i < v.size(); ++i) {
+    h[i] = __nv_fp8_e4m3(v[i]);
+    rounded[i] = static_cast<float>(h[i]);
+  }
+  EXPECT_EQ(cudaMemcpy(dst.ptr, h.data(), h.size(), cudaMemcpyHostToDevice), cudaSuccess);
+  return rounded;
+}
+
+inline void upload_f32(Buffer& dst, const std::vector<float>& v) {
+  ASSERT_EQ(cudaMemcpy(dst.ptr, v.data(), v.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
 }
 
 inline std::vector<float> download(const Buffer& src, size_t count, dg_dtype dtype) {

@@ -11,6 +11,7 @@
 #include "gpu_test_helpers.h"
 
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstdint>
 #include <random>
@@ -240,6 +241,200 @@ TEST(TpLoopback, GemmReduceScatterMatchesTheReference) {
         }
       EXPECT_LT(rel_error(download(out[r], want.size(), c.out), want), c.out == DG_F32 ? 1e-4 : 1e-2)
           << "rank " << r;
+    }
+  }
+}
+
+// FP8 scales of each rank's operands: one value per tensor, or one per row of a and of b; they
+// differ by rank, so that a GEMM over a peer's gathered rows must use that peer's scales.
+struct Fp8Scales {
+  std::vector<float> a, b;
+  float at(bool of_a, int64_t row) const {
+    const std::vector<float>& v = of_a ? a : b;
+    return v.size() == 1 ? v[0] : v[row];
+  }
+};
+
+Fp8Scales rank_scales(int rank, bool row_wise, int64_t a_rows, int64_t b_rows) {
+  Fp8Scales s;
+  std::mt19937 rng(60 + rank);
+  std::uniform_real_distribution<float> spread(0.5f, 2.f);
+  s.a.resize(row_wise ? a_rows : 1);
+  s.b.resize(row_wise ? b_rows : 1);
+  for (auto& x : s.a) x = (rank + 1) * spread(rng);
+  for (auto& x : s.b) x = 0.01f * spread(rng);
+  return s;
+}
+
+struct Fp8Case {
+  const char* name;
+  dg_tp_settings settings;
+  bool row_wise;
+  float beta;
+};
+
+// One rank's FP8 operands on the device.
+struct Fp8Operands {
+  Buffer a, b, scale_a, scale_b;
+  std::vector<float> a_values, b_values;  // as rounded to e4m3
+  Fp8Scales scales;
+  void upload(const std::vector<float>& a_host, const std::vector<float>& b_host, const Fp8Scales& s) {
+    new (&a) Buffer(a_host.size());
+    new (&b) Buffer(b_host.size());
+    new (&scale_a) Buffer(s.a.size() * 4);
+    new (&scale_b) Buffer(s.b.size() * 4);
+    a_values = upload_e4m3(a, a_host);
+    b_values = upload_e4m3(b, b_host);
+    upload_f32(scale_a, s.a);
+    upload_f32(scale_b, s.b);
+    scales = s;
+  }
+  dg_gemm_desc gemm(int64_t a_rows, int64_t k, int64_t n) const {
+    dg_gemm_desc g{};
+    g.a = matrix(a.ptr, DG_E4M3, a_rows, k);
+    g.b = matrix(b.ptr, DG_E4M3, n, k);
+    g.scale_a = static_cast<const float*>(scale_a.ptr);
+    g.scale_a_len = static_cast<int64_t>(scales.a.size());
+    g.scale_b = static_cast<const float*>(scale_b.ptr);
+    g.scale_b_len = static_cast<int64_t>(scales.b.size());
+    g.alpha = 1.f;
+    g.config = -1;
+    return g;
+  }
+};
+
+// Whether the decomposed algorithm takes this call: it is refused by name (nothing enqueued)
+// where cuBLASLt has no algorithm for its pieces (outer-vector FP8 scales need a recent
+// cuBLASLt), which only a row-wise case may meet.
+template <class MakeDesc>
+bool decomposed_runs(size_t need, TpOp op, MakeDesc make_desc, bool may_refuse) {
+  LoopbackGroup lone(need);
+  dg_tp_desc d = make_desc(lone, 0);
+  d.timeout_s = 1.0;  // rank 1 never calls
+  const dg_status st = op(&d, lone.streams[0]);
+  if (st == DG_ERROR_NOT_SUPPORTED && may_refuse) {
+    EXPECT_NE(std::string(dg_last_error()).find("no algorithm"), std::string::npos) << dg_last_error();
+    std::printf("[ note ] the decomposed algorithm refused row-wise FP8 scales: %s\n", dg_last_error());
+    return false;
+  }
+  EXPECT_EQ(st, DG_SUCCESS) << dg_last_error();
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_EQ(dg_tp_clear_error(0), DG_SUCCESS) << dg_last_error();
+  return st == DG_SUCCESS;
+}
+
+// FP8 all-gather + GEMM (e4m3, bf16 out, bias): each rank's a shard and weight scaled by its own
+// scales, per tensor or per row; the decomposed algorithm runs cuBLASLt FP8 pieces.
+TEST(TpLoopback, Fp8AllGatherGemmMatchesTheReference) {
+  REQUIRE_SM90();
+  const int64_t m = 256, k = 256, n = 384;
+  const std::vector<Fp8Case> cases = {
+      {"decomposed, per-tensor scales, 2 pieces", {DG_TP_ALGO_DECOMPOSED, 2, 0, 0.0}, false, 1.f},
+      {"decomposed, per-tensor scales, bias scaled by the core", {DG_TP_ALGO_DECOMPOSED, 0, 0, 0.0}, false, 0.5f},
+      {"fused, per-tensor scales", {DG_TP_ALGO_FUSED, 0, 0, 0.0}, false, 1.f},
+      {"auto, row-wise scales", {DG_TP_ALGO_AUTO, 0, 0, 0.0}, true, 1.f},
+      {"decomposed, row-wise scales", {DG_TP_ALGO_DECOMPOSED, 0, 0, 0.0}, true, 1.f},
+  };
+  const std::vector<float> bias = random_values(n, 4, 1.f);
+  for (const Fp8Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    Fp8Operands ops[kWorld];
+    Buffer out[kWorld], bias_d(n * 2);
+    upload_bf16(bias_d, bias);
+    dg_gemm_desc gemms[kWorld];
+    size_t need = 0;
+    for (int r = 0; r < kWorld; ++r) {
+      ops[r].upload(random_values(m * k, 40 + r, 1.f), random_values(n * k, 50 + r, 1.f),
+                    rank_scales(r, c.row_wise, m, n));
+      new (&out[r]) Buffer(kWorld * m * n * 2);
+      dg_gemm_desc& g = gemms[r];
+      g = ops[r].gemm(m, k, n);
+      g.c = matrix(bias_d.ptr, DG_BF16, 1, n);
+      g.d = matrix(out[r].ptr, DG_BF16, kWorld * m, n);
+      g.beta = c.beta;
+      dg_tp_desc d{};
+      d.gemm = g;
+      d.world = kWorld;
+      size_t bytes = 0;
+      ASSERT_EQ(dg_tp_workspace_size(DG_TP_ALL_GATHER_GEMM, &d, &bytes), DG_SUCCESS) << dg_last_error();
+      need = std::max(need, bytes);
+    }
+    auto make_desc = [&](const LoopbackGroup& group, int r) { return group.desc(r, gemms[r], c.settings); };
+    if (c.settings.algo == DG_TP_ALGO_DECOMPOSED &&
+        !decomposed_runs(need, dg_all_gather_gemm, make_desc, c.row_wise))
+      continue;
+    ASSERT_NO_FATAL_FAILURE(run_together(need, dg_all_gather_gemm, make_desc));
+    for (int r = 0; r < kWorld; ++r) {
+      std::vector<double> want(kWorld * m * n);
+      for (int64_t i = 0; i < kWorld * m; ++i) {
+        const int q = static_cast<int>(i / m);  // the rank whose shard row i is
+        for (int64_t j = 0; j < n; ++j) {
+          double acc = 0;
+          for (int64_t p = 0; p < k; ++p)
+            acc += double(ops[q].a_values[(i % m) * k + p]) * ops[r].b_values[j * k + p];
+          want[i * n + j] = acc * ops[q].scales.at(true, i % m) * ops[r].scales.at(false, j) + double(c.beta) * bias[j];
+        }
+      }
+      EXPECT_LT(rel_error(download(out[r], want.size(), DG_BF16), want), 1e-2) << "rank " << r;
+    }
+  }
+}
+
+// FP8 GEMM + reduce-scatter (e4m3, bf16 partial sums and out, bias scaled by beta): the
+// decomposed ring's cuBLASLt FP8 pieces add the pushed partial sums as their C operand.
+TEST(TpLoopback, Fp8GemmReduceScatterMatchesTheReference) {
+  REQUIRE_SM90();
+  const int64_t m = 384, k = 128, n = 256;
+  const std::vector<Fp8Case> cases = {
+      {"decomposed, per-tensor scales, 3 tapered pieces", {DG_TP_ALGO_DECOMPOSED, 3, 1, 0.0}, false, -1.5f},
+      {"decomposed, per-tensor scales", {DG_TP_ALGO_DECOMPOSED, 0, 0, 0.0}, false, 1.f},
+      {"fused, per-tensor scales", {DG_TP_ALGO_FUSED, 0, 0, 0.0}, false, -1.5f},
+      {"decomposed, row-wise scales", {DG_TP_ALGO_DECOMPOSED, 0, 0, 0.0}, true, 1.f},
+  };
+  const std::vector<float> bias = random_values(n, 5, 1.f);
+  for (const Fp8Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    Fp8Operands ops[kWorld];
+    Buffer out[kWorld], bias_d(n * 2);
+    upload_bf16(bias_d, bias);
+    dg_gemm_desc gemms[kWorld];
+    size_t need = 0;
+    for (int r = 0; r < kWorld; ++r) {
+      ops[r].upload(random_values(kWorld * m * k, 70 + r, 1.f), random_values(n * k, 80 + r, 1.f),
+                    rank_scales(r, c.row_wise, kWorld * m, n));
+      new (&out[r]) Buffer(m * n * 2);
+      dg_gemm_desc& g = gemms[r];
+      g = ops[r].gemm(kWorld * m, k, n);
+      g.c = matrix(bias_d.ptr, DG_BF16, 1, n);
+      g.d = matrix(out[r].ptr, DG_BF16, m, n);
+      g.beta = c.beta;
+      dg_tp_desc d{};
+      d.gemm = g;
+      d.world = kWorld;
+      size_t bytes = 0;
+      ASSERT_EQ(dg_tp_workspace_size(DG_TP_GEMM_REDUCE_SCATTER, &d, &bytes), DG_SUCCESS) << dg_last_error();
+      need = std::max(need, bytes);
+    }
+    auto make_desc = [&](const LoopbackGroup& group, int r) { return group.desc(r, gemms[r], c.settings); };
+    if (c.settings.algo == DG_TP_ALGO_DECOMPOSED &&
+        !decomposed_runs(need, dg_gemm_reduce_scatter, make_desc, c.row_wise))
+      continue;
+    ASSERT_NO_FATAL_FAILURE(run_together(need, dg_gemm_reduce_scatter, make_desc));
+    for (int r = 0; r < kWorld; ++r) {
+      std::vector<double> want(m * n);
+      for (int64_t i = 0; i < m; ++i)
+        for (int64_t j = 0; j < n; ++j) {
+          double sum = 0;
+          for (int q = 0; q < kWorld; ++q) {
+            const int64_t row = r * m + i;
+            double acc = 0;
+            for (int64_t p = 0; p < k; ++p) acc += double(ops[q].a_values[row * k + p]) * ops[q].b_values[j * k + p];
+            sum += acc * ops[q].scales.at(true, row) * ops[q].scales.at(false, j);
+          }
+          want[i * n + j] = sum + double(c.beta) * bias[j];
+        }
+      // bf16 partial sums travel between the ranks: one more rounding than the all-gather
+      EXPECT_LT(rel_error(download(out[r], want.size(), DG_BF16), want), 2e-2) << "rank " << r;
     }
   }
 }

@@ -172,7 +172,9 @@ typedef enum dg_tp_kind {
  *     row, on per-chunk ready flags (all-gather) or on the previous rank's partial sums in its
  *     epilogue (reduce-scatter). Every dtype, FP8 scales included.
  *   DG_TP_ALGO_DECOMPOSED: one cuBLASLt GEMM per piece of a chunk, each after a bounded wait
- *     for its piece's flag on the caller's stream. bf16/fp16 only.
+ *     for its piece's flag on the caller's stream: bf16/fp16, and FP8 (e4m3/e5m2, not both
+ *     e5m2; K-major b; K and N multiples of 16) with one scale per operand or one per row of
+ *     a and of b where cuBLASLt has outer-vector scaling; a bias with fp32 output is not.
  *   DG_TP_ALGO_AUTO: decomposed where it applies, except reduce-scatters of under ~50 GFLOP
  *     per rank (there the fused ring's fewer launches win); else fused. */
 typedef enum dg_tp_algo {
