@@ -14,6 +14,7 @@ remembers the fastest, in memory and on disk; the vendor's keeps near-ties (PREF
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
@@ -76,22 +77,30 @@ def may_time() -> bool:
     return not torch.cuda.is_current_stream_capturing()
 
 
-def _time_ms(fn: Callable[[], object], reps: int) -> float:
-    """Device time per call of `fn` under sustained load: the same calls run untimed first, so
-    that the timed ones meet the clocks a training loop runs at, not the boost clocks after an
-    idle moment (where kernels rank differently: FP8 ones by up to 8%). The GPU is kept busy
-    while the calls are enqueued, so the host's launch cost, which differs between candidates,
-    does not count."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(400_000 * reps)  # ~100 us of GPU time per call to enqueue (2 * reps calls)
+def _time_ms(fn: Callable[[], object], reps: int, flush: Optional[torch.Tensor] = None) -> float:
+    """Median device time of `reps` calls of `fn`, each timed alone as the benchmarks time it:
+    L2 overwritten by `flush`, then ~0.5 ms of queued GPU work, so that neither the host's
+    launch cost (which differs between candidates) nor a previous call's tail or cached
+    operands count. Timed back to back instead, the kernels ranked differently: 24 of 50 FP8
+    fast-accumulation shapes picked tiles that then ran up to 16% behind (bench/NOTES.md)."""
+    pairs = []
     for _ in range(reps):
+        if flush is not None:
+            flush.zero_()
+        torch.cuda._sleep(1_000_000)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
         fn()
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / reps
+        end.record()
+        pairs.append((start, end))
+    pairs[-1][1].synchronize()
+    return sorted(s.elapsed_time(e) for s, e in pairs)[reps // 2]
+
+
+def _flush_buffer() -> torch.Tensor:
+    """A buffer of the L2's size, to evict it between timed calls (freed after tuning)."""
+    l2 = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "L2_cache_size", 0) or 64 << 20
+    return torch.empty(l2 // 4, dtype=torch.int32, device=torch.cuda.current_device())
 
 
 def lookup(key: str) -> Optional[str]:
@@ -107,27 +116,29 @@ def lookup(key: str) -> Optional[str]:
 # near-tie picked by noise measured up to 8% slower afterwards (bench/NOTES.md, session 8).
 PREFER_MARGIN = 0.03
 
+_REPS = 5  # calls timed per candidate and round
 
-def choose(key: str, candidates: Dict[str, Callable[[], object]], prefer: Optional[str] = None) -> Optional[str]:
+
+def choose(key: str, candidates: Dict[str, Callable[[], object]], prefer: Optional[str] = None,
+           device: Optional[torch.device] = None) -> Optional[str]:
     """The fastest candidate's name for `key` (timed now if never timed), or None where this
     call may not time and nothing is cached. `prefer` (the vendor library's candidate) keeps
-    the choice unless another is faster by more than PREFER_MARGIN."""
+    the choice unless another is faster by more than PREFER_MARGIN. `device`: where the
+    candidates run (the timing's events, queued work and L2 flush go there)."""
     known = lookup(key)
     if known in candidates:
         return known
     if not may_time():
         return None
-    for fn in candidates.values():  # warm-up: module load, handles, cuBLAS heuristics
-        fn()
-    probe = _time_ms(next(iter(candidates.values())), 1)
-    # >= ~6 ms and 3 calls per measurement, behind as many untimed ones (_time_ms): a single
-    # heavy FP8 call after an idle moment runs at boost clocks, where the kernels rank
-    # differently (a 1.3 ms call picked our tile, which then ran 7% behind cuBLAS).
-    reps = max(3, min(50, int(6.0 / max(probe, 1e-3))))
-    samples: Dict[str, list] = {name: [] for name in candidates}
-    for _ in range(3):  # rounds, the candidates taking turns; each keeps its median
-        for name, fn in candidates.items():
-            samples[name].append(_time_ms(fn, reps))
+    with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
+        for fn in candidates.values():  # warm-up: module load, handles, cuBLAS heuristics
+            fn()
+        flush = _flush_buffer()
+        samples: Dict[str, list] = {name: [] for name in candidates}
+        for _ in range(3):  # rounds, the candidates taking turns; each keeps its median
+            for name, fn in candidates.items():
+                samples[name].append(_time_ms(fn, _REPS, flush))
+        del flush
     best = {name: sorted(times)[len(times) // 2] for name, times in samples.items()}
     choice = min(best, key=best.get)
     if prefer in best and best[choice] > best[prefer] * (1.0 - PREFER_MARGIN):

@@ -277,7 +277,7 @@ def _autotuned_gemm(a, b, c, alpha, beta, out_dtype, arch):
             candidates["cublas"] = lambda: _cublas_gemm(a, b, c, out_dtype)
         if len(candidates) < 2:
             return None
-        choice = autotune.choose(key, candidates, prefer="cublas")
+        choice = autotune.choose(key, candidates, prefer="cublas", device=a.device)
         if choice is None:
             return None
         if choice == "cublas":
@@ -364,7 +364,7 @@ def _autotuned_fp8_gemm(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_
                 pass
         if len(candidates) < 2:
             return None
-        choice = autotune.choose(key, candidates, prefer=_SCALED_MM)
+        choice = autotune.choose(key, candidates, prefer=_SCALED_MM, device=a.device)
         if choice is None:
             return None
         if choice == _SCALED_MM:
