@@ -9,7 +9,8 @@ remembers the fastest, in memory and on disk; the vendor's keeps near-ties (PREF
 - Never during CUDA-graph capture or torch.compile tracing: those take the cached choice or,
   for a shape never timed, the tile heuristic. The first call of a shape synchronizes the
   device once (it times with CUDA events).
-- ``DISTGEMM_AUTOTUNE=0`` turns it off (the heuristic's configuration, no vendor path).
+- ``DISTGEMM_AUTOTUNE=0`` turns it off (the heuristic's configuration, no vendor path); it is
+  read when distgemm is imported (``distgemm.autotune.reload_settings()`` reads it again).
 """
 
 from __future__ import annotations
@@ -30,8 +31,21 @@ _LAST: Optional[str] = None  # the implementation the last dense call ran, for t
 _ON_CLEAR: list = []  # what else forgets the choices with clear() (dense's table of repeat calls)
 
 
-def enabled() -> bool:
+def _read_enabled() -> bool:
     return os.environ.get("DISTGEMM_AUTOTUNE", "1") != "0"
+
+
+_ENABLED = _read_enabled()  # read once: every repeated GEMM asks (an environment read costs ~2 us)
+
+
+def enabled() -> bool:
+    return _ENABLED
+
+
+def reload_settings() -> None:
+    """Reads DISTGEMM_AUTOTUNE again (it is read when distgemm is imported)."""
+    global _ENABLED
+    _ENABLED = _read_enabled()
 
 
 def _cache_file() -> Path:

@@ -27,6 +27,9 @@ def single_gpu() -> dict:
     b = torch.randn(4096, 2048, device="cuda", dtype=bf)
     res = {"torch_matmul": host_us(lambda: torch.matmul(a, b.T)),
            "distgemm_gemm": host_us(lambda: distgemm.gemm(a, b)),
+           # which path that repeated call took: a cuBLAS-backed call costs our Python plus
+           # torch.mm, a CUTLASS one our Python plus the op (the sweep's rows are mostly the former)
+           "distgemm_gemm_backend": distgemm.autotune.last_backend(),
            "ops_gemm_auto": host_us(lambda: ops.gemm(a, b, None, 1.0, 0.0, bf, None, None, False))}
     for i, name in enumerate(ops.gemm_configs(bf, bf, bf, True, 90, False)):
         try:

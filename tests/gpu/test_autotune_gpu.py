@@ -19,7 +19,7 @@ DEV = "cuda"
 def cache(tmp_path, monkeypatch):
     path = tmp_path / "autotune.json"
     monkeypatch.setenv("DISTGEMM_AUTOTUNE_CACHE", str(path))
-    monkeypatch.setenv("DISTGEMM_AUTOTUNE", "1")
+    monkeypatch.setattr(autotune, "_ENABLED", True)
     autotune.clear()
     monkeypatch.setattr(autotune, "_LOADED", False)
     yield path
@@ -69,7 +69,7 @@ def test_graph_capture_never_times(cache):
 
 
 def test_disabled_keeps_the_heuristic(cache, monkeypatch):
-    monkeypatch.setenv("DISTGEMM_AUTOTUNE", "0")
+    monkeypatch.setattr(autotune, "_ENABLED", False)  # DISTGEMM_AUTOTUNE=0 at import
     a = torch.randn(256, 512, device=DEV, dtype=torch.float16)
     b = torch.randn(384, 512, device=DEV, dtype=torch.float16)
     out = distgemm.gemm(a, b)
