@@ -161,6 +161,10 @@ const char* unsupported_types(const dg_gemm_desc& d, bool chained) {
     if (d.d.dtype == DG_F32 && is_bias(d, chained)) return "a bias with FP8 inputs and an fp32 output";
     if (d.b.col_stride != 1) return "FP8 b other than K-major";
     if (d.a.cols % 16 || d.b.rows % 16) return "FP8 inputs with K or N not a multiple of 16";
+    // A gathered peer's scale sits at its rows' offset in the gathered scales: 16-byte aligned
+    // only for some row counts, and cuBLASLt's scale pointers are not known to accept less.
+    if ((d.scale_a && !aligned16(d.scale_a)) || (d.scale_b && !aligned16(d.scale_b)))
+      return "FP8 scale pointers not 16-byte aligned";
     LtScales scales;
     return lt_scales(d, &scales);
   }
