@@ -510,3 +510,31 @@ def test_sweep_plots_write_files(sweep, tmp_path):
                _grouped_row("forward", 32, 2048, "zipf", torch_grouped_mm=0.25)]
     sweep.plot_grouped(str(tmp_path / "grouped.png"), "t", grouped)
     assert (tmp_path / "dense.png").stat().st_size > 0 and (tmp_path / "grouped.png").stat().st_size > 0
+
+
+# ---------------------------------------------------------------- FP8 tensor-parallel suite helpers
+
+
+@pytest.mark.parametrize("kind", ["ag", "rs"])
+@pytest.mark.parametrize("row_wise", [False, True])
+def test_tp_fp8_operands_pass_scaled_mm_checks_and_the_reference_dequantizes(kind, row_wise):
+    """The FP8 TP suite's shards and scales are in torch._scaled_mm's forms (checked on meta
+    tensors, as the sequential peer and the GEMM alone call it), and its reference scales a per
+    row and b per row (= per output column)."""
+    import torch
+
+    from distgemm.bench import tp_suite
+
+    m, k, n, world = 256, 128, 384, 2
+    x = tp_suite.fp8_shards(kind, m, k, n, world, row_wise, device="cpu")
+    a, b, sa, sb = x["a"], x["b"], x["sa"], x["sb"]
+    rows = m // world if kind == "ag" else m
+    assert a.dtype == b.dtype == torch.float8_e4m3fn and a.shape[0] == rows
+    assert sa.shape == ((rows, 1) if row_wise else ()) and sb.shape == ((1, b.shape[0]) if row_wise else ())
+    out = torch._scaled_mm(_meta(a), _meta(b).T, _meta(sa), _meta(sb), out_dtype=torch.bfloat16)
+    assert out.shape == (rows, b.shape[0])
+    want = torch.stack([torch.stack([(a[i].float() * sa.reshape(-1)[i if row_wise else 0]) @
+                                     (b[j].float() * sb.reshape(-1)[j if row_wise else 0])
+                                     for j in range(0, b.shape[0], 97)]) for i in range(0, rows, 61)])
+    got = tp_suite.fp8_reference(a, sa, b, sb)[::61, ::97]
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-4)

@@ -28,7 +28,7 @@ import sys
 
 import torch
 
-SUITES = ("gemm", "grouped", "grouped_fp8", "sweep", "tp")
+SUITES = ("gemm", "grouped", "grouped_fp8", "sweep", "tp", "tp_fp8")
 
 
 def cpu_reference_check() -> None:
@@ -46,12 +46,13 @@ def cpu_reference_check() -> None:
         sys.exit(1)
 
 
-def run_tp_suite(gpus: int, out: str, quick: bool) -> str:
-    """Runs the tensor-parallel suite under torchrun, one process per GPU."""
+def run_tp_suite(gpus: int, out: str, quick: bool, extra=()) -> str:
+    """Runs the tensor-parallel suite under torchrun, one process per GPU (`extra`: its options,
+    e.g. --dtype fp8)."""
     import subprocess
 
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={gpus}",
-           "-m", "distgemm.bench.tp_suite", "--out", out] + (["--quick"] if quick else [])
+           "-m", "distgemm.bench.tp_suite", "--out", out] + (["--quick"] if quick else []) + list(extra)
     result = subprocess.run(cmd, env=dict(os.environ))
     return "ok" if result.returncode == 0 else f"failed (exit {result.returncode})"
 
@@ -143,11 +144,13 @@ def main(argv=None) -> None:
         from . import sweep_suite
 
         summary.update(sweep_suite.run(args.out, args.quick, args.shapes, args.grouped_shapes))
-    if "tp" in suites:
+    for suite, extra in (("tp", ()), ("tp_fp8", ("--dtype", "fp8"))):
+        if suite not in suites:
+            continue
         if gpus < 2:
-            print("\n== tensor-parallel suite skipped: it needs 2 or more GPUs")
+            print(f"\n== {suite} suite skipped: it needs 2 or more GPUs")
         else:
-            summary["tp"] = run_tp_suite(gpus, args.out, args.quick)
+            summary[suite] = run_tp_suite(gpus, args.out, args.quick, extra)
     print("\n== summary (geomean of peer time / distgemm time)")
     for name, value in summary.items():
         print(f"  {name}: {value}")

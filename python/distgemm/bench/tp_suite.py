@@ -5,7 +5,12 @@ Per shape, same inputs and timer on every rank: sequential NCCL + cuBLAS, PyTorc
 (torch.ops.symm_mem.fused_*), distgemm, and ideal = max(t_gemm, t_comm) from the GEMM and
 the collective timed alone (and gemm_ours: distgemm.gemm on the same operands, which tells
 the kernel's share of a gap from the overlap's). A time is the median over five rounds, the implementations
-taking turns in a shuffled order, of the slowest rank's loop time."""
+taking turns in a shuffled order, of the slowest rank's loop time.
+
+``--dtype fp8``: e4m3 operands, bf16 out, against NCCL + ``torch._scaled_mm`` and PyTorch's FP8
+async-TP ops (``fused_all_gather_scaled_matmul``, ``fused_scaled_matmul_reduce_scatter``);
+``--scales tensor`` (one scale per operand, the same on every rank, as PyTorch's tensor-wise
+A_scale means) or ``row`` (one per row of a and of b). Results in ``<gpus>_tp_fp8.json``."""
 
 from __future__ import annotations
 
@@ -53,6 +58,103 @@ def shard_operands(kind: str, m: int, k: int, n: int, world: int, group):
     a = torch.randn(m, k // world, device="cuda").to(torch.bfloat16)
     b = (torch.randn(n, k // world, device="cuda") * 0.05).to(torch.bfloat16)
     return a, b, lambda: distgemm.matmul_reduce_scatter(a, b, group=group)
+
+
+def bf16_impls(kind: str, m: int, k: int, n: int, world: int, group) -> dict:
+    """The implementations of a bf16 row (ours and the peers, on this rank's shards), the
+    reference output of this rank, and the FLOPs per rank."""
+    name = group.group_name
+    a, b, ours = shard_operands(kind, m, k, n, world, group)
+    if kind == "ag":
+        gathered = torch.empty(m, k, device="cuda", dtype=torch.bfloat16)
+        impls = {
+            "distgemm": ours,
+            "sequential": lambda: torch.matmul(
+                (dist.all_gather_into_tensor(gathered, a, group=group), gathered)[1], b.T),
+            "async_tp": lambda: torch.ops.symm_mem.fused_all_gather_matmul(a, [b.T], 0, name)[1][0],
+            "gemm": lambda: torch.matmul(gathered, b.T),
+            "gemm_ours": lambda: distgemm.gemm(gathered, b),
+            "comm": lambda: dist.all_gather_into_tensor(gathered, a, group=group),
+        }
+        check = torch.matmul(torch.cat(_gather_list(a, world)), b.T)
+        return {"impls": impls, "check": check, "flops": 2.0 * m * (n // world) * k}
+    partial = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    shard = torch.empty(m // world, n, device="cuda", dtype=torch.bfloat16)
+    impls = {
+        "distgemm": ours,
+        "sequential": lambda: dist.reduce_scatter_tensor(shard, torch.matmul(a, b.T), group=group),
+        "async_tp": lambda: torch.ops.symm_mem.fused_matmul_reduce_scatter(a, b.T, "sum", 0, name),
+        "gemm": lambda: torch.matmul(a, b.T, out=partial),
+        "gemm_ours": lambda: distgemm.gemm(a, b),
+        "comm": lambda: dist.reduce_scatter_tensor(shard, partial, group=group),
+    }
+    full = torch.matmul(a, b.T).float()
+    dist.all_reduce(full)
+    return {"impls": impls, "check": full.chunk(world)[dist.get_rank(group)], "flops": 2.0 * m * n * (k // world)}
+
+
+def fp8_shards(kind: str, m: int, k: int, n: int, world: int, row_wise: bool, device="cuda") -> dict:
+    """This rank's e4m3 shards (a, b) and their scales in torch._scaled_mm's forms: 0-D
+    tensor-wise ones (the same on every rank), or (rows, 1) for a and (1, N) for b."""
+    rows, cols, depth = (m // world, n // world, k) if kind == "ag" else (m, n, k // world)
+    a = torch.randn(rows, depth, device=device).to(torch.float8_e4m3fn)
+    b = torch.randn(cols, depth, device=device).to(torch.float8_e4m3fn)
+    if row_wise:
+        sa = torch.rand(rows, 1, device=device) + 0.5
+        sb = (torch.rand(1, cols, device=device) + 0.5) * 0.05
+    else:
+        sa = torch.tensor(0.5, device=device)
+        sb = torch.tensor(0.05, device=device)
+    return {"a": a, "b": b, "sa": sa, "sb": sb}
+
+
+def fp8_reference(a, sa, b, sb) -> torch.Tensor:
+    """(a * sa) @ (b * sb)^T in FP32, the scales in torch._scaled_mm's forms."""
+    return (a.float() * sa) @ (b.float() * (sb.reshape(-1, 1) if sb.dim() else sb)).T
+
+
+def fp8_impls(kind: str, m: int, k: int, n: int, world: int, group, row_wise: bool) -> dict:
+    """bf16_impls for e4m3 operands with FP32 scales, bf16 out; the sequential peer and the
+    GEMM alone run torch._scaled_mm, async-TP PyTorch's FP8 symm_mem ops."""
+    name, bf = group.group_name, torch.bfloat16
+    x = fp8_shards(kind, m, k, n, world, row_wise)
+    a, b, sa, sb = x["a"], x["b"], x["sa"], x["sb"]
+    if kind == "ag":
+        ours = lambda: distgemm.all_gather_matmul(a, b, scale_a=sa.reshape(-1), scale_b=sb.reshape(-1), group=group)
+        gathered = torch.empty(m, k, device="cuda", dtype=a.dtype)
+        sa_all = torch.empty(m, 1, device="cuda") if row_wise else sa
+
+        def gather():  # FP8 travels as bytes; row-wise scales travel too
+            dist.all_gather_into_tensor(gathered.view(torch.uint8), a.view(torch.uint8), group=group)
+            if row_wise:
+                dist.all_gather_into_tensor(sa_all, sa, group=group)
+        impls = {
+            "distgemm": ours,
+            "sequential": lambda: (gather(), torch._scaled_mm(gathered, b.T, sa_all, sb, out_dtype=bf))[1],
+            "async_tp": lambda: torch.ops.symm_mem.fused_all_gather_scaled_matmul(
+                a, [b.T], sa, [sb], 0, name, [None], [None], [bf], [False])[1][0],
+            "gemm": lambda: torch._scaled_mm(gathered, b.T, sa_all, sb, out_dtype=bf),
+            "gemm_ours": lambda: distgemm.gemm(gathered, b, scale_a=sa_all.reshape(-1), scale_b=sb.reshape(-1)),
+            "comm": gather,
+        }
+        gather()
+        return {"impls": impls, "check": fp8_reference(gathered, sa_all, b, sb), "flops": 2.0 * m * (n // world) * k}
+    partial = torch.empty(m, n, device="cuda", dtype=bf)
+    shard = torch.empty(m // world, n, device="cuda", dtype=bf)
+    impls = {
+        "distgemm": lambda: distgemm.matmul_reduce_scatter(a, b, scale_a=sa.reshape(-1), scale_b=sb.reshape(-1),
+                                                           group=group),
+        "sequential": lambda: dist.reduce_scatter_tensor(
+            shard, torch._scaled_mm(a, b.T, sa, sb, out_dtype=bf), group=group),
+        "async_tp": lambda: torch.ops.symm_mem.fused_scaled_matmul_reduce_scatter(
+            a, b.T, sa, sb, "sum", 0, 0, name, [m, n], out_dtype=bf),
+        "gemm": lambda: torch._scaled_mm(a, b.T, sa, sb, out_dtype=bf),
+        "gemm_ours": lambda: distgemm.gemm(a, b, scale_a=sa.reshape(-1), scale_b=sb.reshape(-1)),
+        "comm": lambda: dist.reduce_scatter_tensor(shard, partial, group=group),
+    }
+    full = fp8_reference(a, sa, b, sb)
+    dist.all_reduce(full)
+    return {"impls": impls, "check": full.chunk(world)[dist.get_rank(group)], "flops": 2.0 * m * n * (k // world)}
 
 
 def loop_ms(fn, iters: int = 20, warmup: int = 3) -> float:
@@ -124,6 +226,9 @@ def main(argv=None):
                         help="extra columns of ours under other settings: 'name:VAR=value,...;name2:...'")
     parser.add_argument("--graph", action="store_true",
                         help="also time ours replayed from a CUDA graph (device time without the host)")
+    parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp8"))
+    parser.add_argument("--scales", default="tensor", choices=("tensor", "row"),
+                        help="FP8: one scale per operand, or one per row of a and of b")
     args = parser.parse_args(argv)
     variants = parse_variants(args.variants)
     only = [s for s in args.only.split(",") if s]
@@ -131,52 +236,32 @@ def main(argv=None):
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
     group = dist.group.WORLD
-    name = group.group_name
+    fp8 = args.dtype == "fp8"
+    what = f"FP8 e4m3, {args.scales}-wise scales, bf16 out" if fp8 else "bf16"
     rows = []
     if rank == 0:
-        print(f"\n== tensor-parallel GEMMs, bf16, {world} ranks (ms; x = ratio to ours)")
+        print(f"\n== tensor-parallel GEMMs, {what}, {world} ranks (ms; x = ratio to ours)")
     kinds = set(args.kinds.split(","))
     for label, kind, m, k, n in [s for s in shapes(world, args.quick, only) if s[1] in kinds]:
         torch.manual_seed(0)
-        a, b, ours = shard_operands(kind, m, k, n, world, group)
-        if kind == "ag":
-            nl = n // world
-            gathered = torch.empty(m, k, device="cuda", dtype=torch.bfloat16)
-            flops = 2.0 * m * nl * k
-            impls = {
-                "distgemm": ours,
-                **_algo_variants(ours),
-                "sequential": lambda: torch.matmul(
-                    (dist.all_gather_into_tensor(gathered, a, group=group), gathered)[1], b.T),
-                "async_tp": lambda: torch.ops.symm_mem.fused_all_gather_matmul(a, [b.T], 0, name)[1][0],
-                "gemm": lambda: torch.matmul(gathered, b.T),
-                "gemm_ours": lambda: distgemm.gemm(gathered, b),
-                "comm": lambda: dist.all_gather_into_tensor(gathered, a, group=group),
-            }
-            check = torch.matmul(torch.cat([t for t in _gather_list(a, world)]), b.T)
-        else:
-            kl = k // world
-            partial = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-            shard = torch.empty(m // world, n, device="cuda", dtype=torch.bfloat16)
-            flops = 2.0 * m * n * kl
-            impls = {
-                "distgemm": ours,
-                **_algo_variants(ours),
-                "sequential": lambda: dist.reduce_scatter_tensor(shard, torch.matmul(a, b.T), group=group),
-                "async_tp": lambda: torch.ops.symm_mem.fused_matmul_reduce_scatter(a, b.T, "sum", 0, name),
-                "gemm": lambda: torch.matmul(a, b.T, out=partial),
-                "gemm_ours": lambda: distgemm.gemm(a, b),
-                "comm": lambda: dist.reduce_scatter_tensor(shard, partial, group=group),
-            }
-            full = torch.matmul(a, b.T).float()
-            dist.all_reduce(full)
-            check = full.chunk(world)[rank]
+        made = (fp8_impls(kind, m, k, n, world, group, args.scales == "row") if fp8
+                else bf16_impls(kind, m, k, n, world, group))
+        impls, check, flops = made["impls"], made["check"], made["flops"]
+        ours = impls["distgemm"]
+        impls.update(_algo_variants(ours))
         impls.update({name: with_envs(envs, ours) for name, envs in variants.items()})
         if args.graph:
             impls["distgemm_graph"] = graphed(ours)
-        errs = {}
+        errs, refused = {}, {}
         for impl in ("distgemm",) + tuple(ALGOS) + tuple(variants):
-            out = impls[impl]()
+            try:
+                out = impls[impl]()
+            except NotImplementedError as e:  # e.g. the decomposed algorithm and row-wise FP8 scales
+                if impl == "distgemm":
+                    raise
+                refused[impl] = str(e)[:200]
+                del impls[impl]
+                continue
             errs[impl] = ((out.float() - check.float()).norm() / check.float().norm()).item()
         err = max(errs.values())
         times = interleaved_ms(impls)
@@ -186,11 +271,14 @@ def main(argv=None):
         row = {"shape": {"label": label, "kind": kind, "m": m, "k": k, "n": n, "world": world,
                          "gemm_m": m, "gemm_n": n // world if kind == "ag" else n,
                          "gemm_k": k if kind == "ag" else k // world},
-               "rel_err": err, "ideal": entry(ideal, flops)}
+               "dtype": args.dtype, "rel_err": err, "ideal": entry(ideal, flops)}
+        if fp8:
+            row["scales"] = args.scales
         for impl in ("distgemm",) + tuple(ALGOS) + ("sequential", "async_tp", "gemm", "gemm_ours", "comm"):
-            row[impl] = entry(times[impl], flops)
+            row[impl] = entry(times[impl], flops) if impl in times else {"refused": refused.get(impl)}
         for variant in variants:
-            row[f"variant_{variant}"] = entry(times[variant], flops)
+            row[f"variant_{variant}"] = (entry(times[variant], flops) if variant in times
+                                         else {"refused": refused.get(variant)})
         if args.graph:
             row["distgemm_graph"] = entry(times["distgemm_graph"], flops)
         row["distgemm_host_ms"] = round(host, 4)  # CPU time to enqueue one call
@@ -202,8 +290,8 @@ def main(argv=None):
             print_row(label, {"ours": f"{times['distgemm']:.3f}", "seq": f"{times['sequential']:.3f}",
                               "asyncTP": f"{times['async_tp']:.3f}", "ideal": f"{ideal:.3f}",
                               "gemm": f"{times['gemm']:.3f}", "gemm_ours": f"{times['gemm_ours']:.3f}",
-                              **{a.split("_")[1]: f"{times[a]:.3f}" for a in ALGOS},
-                              **{v: f"{times[v]:.3f}" for v in variants},
+                              **{a.split("_")[1]: f"{times[a]:.3f}" for a in ALGOS if a in times},
+                              **{v: f"{times[v]:.3f}" for v in variants if v in times},
                               **({"graph": f"{times['distgemm_graph']:.3f}"} if args.graph else {}),
                               "ours/ideal": f"{row['ours_over_ideal']:.3f}",
                               "vs_seq": f"{row['speedup_vs_sequential']:.2f}x",
@@ -220,8 +308,9 @@ def main(argv=None):
         }
         print("summary:", summary)
         slug = gpu_slug(world)
-        path = write_results(args.out, slug, "tp", rows, summary, gpus=world)
-        plot_ratios(path.replace(".json", ".png"), f"distgemm TP GEMMs on {slug} (bf16): speed-up",
+        path = write_results(args.out, slug, "tp_fp8" if fp8 else "tp", rows, summary, gpus=world,
+                             extra={"dtype": args.dtype, "scales": args.scales} if fp8 else None)
+        plot_ratios(path.replace(".json", ".png"), f"distgemm TP GEMMs on {slug} ({what}): speed-up",
                     [r["shape"]["label"] for r in rows],
                     {"vs sequential": [r["speedup_vs_sequential"] for r in rows],
                      "vs PyTorch async-TP": [r["speedup_vs_async_tp"] for r in rows],
