@@ -323,6 +323,46 @@ bool decomposed_runs(size_t need, TpOp op, MakeDesc make_desc, bool may_refuse) 
   return st == DG_SUCCESS;
 }
 
+// Both ranks' FP8 GEMMs of a case: each rank's operands (a_rows x k, b n x k, seeds by rank),
+// the shared bias, out (out_rows x n, bf16), and the workspace the op needs.
+struct Fp8Ranks {
+  Fp8Operands ops[kWorld];
+  Buffer out[kWorld], bias;
+  dg_gemm_desc gemms[kWorld];
+  size_t need = 0;
+};
+
+void make_fp8_ranks(Fp8Ranks& x, dg_tp_kind kind, int64_t a_rows, int64_t out_rows, int64_t k, int64_t n,
+                    const Fp8Case& c, const std::vector<float>& bias, uint32_t seed) {
+  new (&x.bias) Buffer(n * 2);
+  upload_bf16(x.bias, bias);
+  for (int r = 0; r < kWorld; ++r) {
+    x.ops[r].upload(random_values(a_rows * k, seed + r, 1.f), random_values(n * k, seed + 10 + r, 1.f),
+                    rank_scales(r, c.row_wise, a_rows, n));
+    new (&x.out[r]) Buffer(out_rows * n * 2);
+    dg_gemm_desc& g = x.gemms[r];
+    g = x.ops[r].gemm(a_rows, k, n);
+    g.c = matrix(x.bias.ptr, DG_BF16, 1, n);
+    g.d = matrix(x.out[r].ptr, DG_BF16, out_rows, n);
+    g.beta = c.beta;
+    dg_tp_desc d{};
+    d.gemm = g;
+    d.world = kWorld;
+    size_t bytes = 0;
+    ASSERT_EQ(dg_tp_workspace_size(kind, &d, &bytes), DG_SUCCESS) << dg_last_error();
+    x.need = std::max(x.need, bytes);
+  }
+}
+
+// Runs a case's calls on both ranks; false where the decomposed algorithm refused it by name.
+bool run_fp8_case(const Fp8Ranks& x, TpOp op, const Fp8Case& c) {
+  auto make_desc = [&](const LoopbackGroup& group, int r) { return group.desc(r, x.gemms[r], c.settings); };
+  if (c.settings.algo == DG_TP_ALGO_DECOMPOSED && !decomposed_runs(x.need, op, make_desc, c.row_wise))
+    return false;
+  run_together(x.need, op, make_desc);
+  return !::testing::Test::HasFatalFailure();
+}
+
 // FP8 all-gather + GEMM (e4m3, bf16 out, bias): each rank's a shard and weight scaled by its own
 // scales, per tensor or per row; the decomposed algorithm runs cuBLASLt FP8 pieces.
 TEST(TpLoopback, Fp8AllGatherGemmMatchesTheReference) {
@@ -338,32 +378,12 @@ TEST(TpLoopback, Fp8AllGatherGemmMatchesTheReference) {
   const std::vector<float> bias = random_values(n, 4, 1.f);
   for (const Fp8Case& c : cases) {
     SCOPED_TRACE(c.name);
-    Fp8Operands ops[kWorld];
-    Buffer out[kWorld], bias_d(n * 2);
-    upload_bf16(bias_d, bias);
-    dg_gemm_desc gemms[kWorld];
-    size_t need = 0;
-    for (int r = 0; r < kWorld; ++r) {
-      ops[r].upload(random_values(m * k, 40 + r, 1.f), random_values(n * k, 50 + r, 1.f),
-                    rank_scales(r, c.row_wise, m, n));
-      new (&out[r]) Buffer(kWorld * m * n * 2);
-      dg_gemm_desc& g = gemms[r];
-      g = ops[r].gemm(m, k, n);
-      g.c = matrix(bias_d.ptr, DG_BF16, 1, n);
-      g.d = matrix(out[r].ptr, DG_BF16, kWorld * m, n);
-      g.beta = c.beta;
-      dg_tp_desc d{};
-      d.gemm = g;
-      d.world = kWorld;
-      size_t bytes = 0;
-      ASSERT_EQ(dg_tp_workspace_size(DG_TP_ALL_GATHER_GEMM, &d, &bytes), DG_SUCCESS) << dg_last_error();
-      need = std::max(need, bytes);
-    }
-    auto make_desc = [&](const LoopbackGroup& group, int r) { return group.desc(r, gemms[r], c.settings); };
-    if (c.settings.algo == DG_TP_ALGO_DECOMPOSED &&
-        !decomposed_runs(need, dg_all_gather_gemm, make_desc, c.row_wise))
+    Fp8Ranks x;
+    ASSERT_NO_FATAL_FAILURE(make_fp8_ranks(x, DG_TP_ALL_GATHER_GEMM, m, kWorld * m, k, n, c, bias, 40));
+    if (!run_fp8_case(x, dg_all_gather_gemm, c)) {
+      ASSERT_FALSE(HasFatalFailure());
       continue;
-    ASSERT_NO_FATAL_FAILURE(run_together(need, dg_all_gather_gemm, make_desc));
+    }
     for (int r = 0; r < kWorld; ++r) {
       std::vector<double> want(kWorld * m * n);
       for (int64_t i = 0; i < kWorld * m; ++i) {
@@ -371,11 +391,12 @@ TEST(TpLoopback, Fp8AllGatherGemmMatchesTheReference) {
         for (int64_t j = 0; j < n; ++j) {
           double acc = 0;
           for (int64_t p = 0; p < k; ++p)
-            acc += double(ops[q].a_values[(i % m) * k + p]) * ops[r].b_values[j * k + p];
-          want[i * n + j] = acc * ops[q].scales.at(true, i % m) * ops[r].scales.at(false, j) + double(c.beta) * bias[j];
+            acc += double(x.ops[q].a_values[(i % m) * k + p]) * x.ops[r].b_values[j * k + p];
+          want[i * n + j] =
+              acc * x.ops[q].scales.at(true, i % m) * x.ops[r].scales.at(false, j) + double(c.beta) * bias[j];
         }
       }
-      EXPECT_LT(rel_error(download(out[r], want.size(), DG_BF16), want), 1e-2) << "rank " << r;
+      EXPECT_LT(rel_error(download(x.out[r], want.size(), DG_BF16), want), 1e-2) << "rank " << r;
     }
   }
 }
@@ -394,32 +415,12 @@ TEST(TpLoopback, Fp8GemmReduceScatterMatchesTheReference) {
   const std::vector<float> bias = random_values(n, 5, 1.f);
   for (const Fp8Case& c : cases) {
     SCOPED_TRACE(c.name);
-    Fp8Operands ops[kWorld];
-    Buffer out[kWorld], bias_d(n * 2);
-    upload_bf16(bias_d, bias);
-    dg_gemm_desc gemms[kWorld];
-    size_t need = 0;
-    for (int r = 0; r < kWorld; ++r) {
-      ops[r].upload(random_values(kWorld * m * k, 70 + r, 1.f), random_values(n * k, 80 + r, 1.f),
-                    rank_scales(r, c.row_wise, kWorld * m, n));
-      new (&out[r]) Buffer(m * n * 2);
-      dg_gemm_desc& g = gemms[r];
-      g = ops[r].gemm(kWorld * m, k, n);
-      g.c = matrix(bias_d.ptr, DG_BF16, 1, n);
-      g.d = matrix(out[r].ptr, DG_BF16, m, n);
-      g.beta = c.beta;
-      dg_tp_desc d{};
-      d.gemm = g;
-      d.world = kWorld;
-      size_t bytes = 0;
-      ASSERT_EQ(dg_tp_workspace_size(DG_TP_GEMM_REDUCE_SCATTER, &d, &bytes), DG_SUCCESS) << dg_last_error();
-      need = std::max(need, bytes);
-    }
-    auto make_desc = [&](const LoopbackGroup& group, int r) { return group.desc(r, gemms[r], c.settings); };
-    if (c.settings.algo == DG_TP_ALGO_DECOMPOSED &&
-        !decomposed_runs(need, dg_gemm_reduce_scatter, make_desc, c.row_wise))
+    Fp8Ranks x;
+    ASSERT_NO_FATAL_FAILURE(make_fp8_ranks(x, DG_TP_GEMM_REDUCE_SCATTER, kWorld * m, m, k, n, c, bias, 70));
+    if (!run_fp8_case(x, dg_gemm_reduce_scatter, c)) {
+      ASSERT_FALSE(HasFatalFailure());
       continue;
-    ASSERT_NO_FATAL_FAILURE(run_together(need, dg_gemm_reduce_scatter, make_desc));
+    }
     for (int r = 0; r < kWorld; ++r) {
       std::vector<double> want(m * n);
       for (int64_t i = 0; i < m; ++i)
@@ -428,13 +429,14 @@ TEST(TpLoopback, Fp8GemmReduceScatterMatchesTheReference) {
           for (int q = 0; q < kWorld; ++q) {
             const int64_t row = r * m + i;
             double acc = 0;
-            for (int64_t p = 0; p < k; ++p) acc += double(ops[q].a_values[row * k + p]) * ops[q].b_values[j * k + p];
-            sum += acc * ops[q].scales.at(true, row) * ops[q].scales.at(false, j);
+            for (int64_t p = 0; p < k; ++p)
+              acc += double(x.ops[q].a_values[row * k + p]) * x.ops[q].b_values[j * k + p];
+            sum += acc * x.ops[q].scales.at(true, row) * x.ops[q].scales.at(false, j);
           }
           want[i * n + j] = sum + double(c.beta) * bias[j];
         }
       // bf16 partial sums travel between the ranks: one more rounding than the all-gather
-      EXPECT_LT(rel_error(download(out[r], want.size(), DG_BF16), want), 2e-2) << "rank " << r;
+      EXPECT_LT(rel_error(download(x.out[r], want.size(), DG_BF16), want), 2e-2) << "rank " << r;
     }
   }
 }
