@@ -36,6 +36,10 @@ target_link_libraries(distgemm_plan_tests PRIVATE distgemm_host_checks GTest::gt
 add_executable(distgemm_heuristic_tests tests/cpp/test_tile_heuristic.cpp)
 target_link_libraries(distgemm_heuristic_tests PRIVATE distgemm_host_checks GTest::gtest GTest::gtest_main)
 
+# What the decomposed TP algorithm can hand cuBLASLt, FP8 included (CPU only).
+add_executable(distgemm_cublaslt_check_tests tests/cpp/test_cublaslt_checks.cpp)
+target_link_libraries(distgemm_cublaslt_check_tests PRIVATE distgemm_host_checks GTest::gtest GTest::gtest_main)
+
 add_executable(distgemm_fuzz_checks tests/cpp/fuzz_checks.cpp)
 target_link_libraries(distgemm_fuzz_checks PRIVATE distgemm_host_checks)
 
@@ -47,8 +51,9 @@ set(DISTGEMM_SANITIZER_ENV
 add_test(NAME c_api_checks COMMAND distgemm_host_tests)
 add_test(NAME tp_plans COMMAND distgemm_plan_tests)
 add_test(NAME tile_heuristics COMMAND distgemm_heuristic_tests)
+add_test(NAME cublaslt_checks COMMAND distgemm_cublaslt_check_tests)
 set(DISTGEMM_FUZZ_ITERATIONS 200000 CACHE STRING "Random descriptors per run of the C API fuzzer")
 set(DISTGEMM_FUZZ_FAMILIES "gemm,grouped,tp,quant" CACHE STRING "What the C API fuzzer calls: gemm,grouped,tp,quant")
 add_test(NAME c_api_fuzz
          COMMAND distgemm_fuzz_checks ${DISTGEMM_FUZZ_ITERATIONS} 20260101 ${DISTGEMM_FUZZ_FAMILIES})
-set_tests_properties(c_api_checks tp_plans tile_heuristics c_api_fuzz PROPERTIES ENVIRONMENT "${DISTGEMM_SANITIZER_ENV}")
+set_tests_properties(c_api_checks tp_plans tile_heuristics cublaslt_checks c_api_fuzz PROPERTIES ENVIRONMENT "${DISTGEMM_SANITIZER_ENV}")
