@@ -13,6 +13,7 @@
 #include "common/status.h"
 #include "common/tile_heuristic.h"
 #include "distgemm/distgemm.h"
+#include "grouped/fp8_e5m2_grouped.h"
 #include "grouped/grouped_problem.h"
 #include "grouped/grouped_lower.h"
 
@@ -30,9 +31,15 @@ namespace {
    #MODE "_" #S "_" #TM "x" #TN "_c" #CM "x" #CN,                                           \
    &Sm90Fp8GroupedKernel<MODE, OUT, KIND, TM, TN, CM, CN>::run,                             \
    &Sm90Fp8GroupedKernel<MODE, OUT, KIND, TM, TN, CM, CN>::workspace},
+#define DG_SM90_FP8_E5M2_GROUPED(MODE, OUT, KIND, S, TM, TN, CM, CN)                        \
+  {90, DG_E5M2, OUT, dg_grouped_kind(KIND), dg_scale_mode(MODE), Schedule(S), TM, TN, CM, CN, \
+   "e5m2_" #MODE "_" #S "_" #TM "x" #TN "_c" #CM "x" #CN,                                   \
+   &Sm90Fp8E5m2GroupedKernel<MODE, OUT, KIND, TM, TN, CM, CN>::run,                         \
+   &Sm90Fp8E5m2GroupedKernel<MODE, OUT, KIND, TM, TN, CM, CN>::workspace},
 #else
 #define DG_SM90_GROUPED(...)
 #define DG_SM90_FP8_GROUPED(...)
+#define DG_SM90_FP8_E5M2_GROUPED(...)
 #endif
 
 // The compiled kernels, then a sentinel (arch 0) that keeps the array non-empty in a build
@@ -48,6 +55,7 @@ const GroupedInstance kInstanceTable[] = {
 };
 #undef DG_SM90_GROUPED
 #undef DG_SM90_FP8_GROUPED
+#undef DG_SM90_FP8_E5M2_GROUPED
 
 struct InstanceList {
   const GroupedInstance* begin() const { return kInstanceTable; }
@@ -103,7 +111,9 @@ dg_status check_shape(const dg_grouped_shape& s, const char* name, const char* r
 // FP8: the dtypes, kind and scale mode this build's kernels take.
 dg_status check_fp8_mode(const dg_grouped_desc& d, int in, int out) {
   const int kind = raw_enum(d.kind), mode = raw_enum(d.scale_mode);
-  DG_REQUIRE(in == DG_E4M3, "FP8 grouped GEMMs take float8_e4m3fn inputs, got ", dtype_str(in));
+  DG_REQUIRE(in == DG_E4M3 || in == DG_E5M2,
+             "FP8 grouped GEMMs take float8_e4m3fn inputs, or a float8_e5m2 a (a gradient) against an "
+             "e4m3 b, got ", dtype_str(in));
   DG_REQUIRE(mode == DG_SCALE_ROW || mode == DG_SCALE_BLOCK,
              "scale_mode must be ROW or BLOCK for FP8 inputs, got ", mode);
   DG_REQUIRE(kind != DG_GROUPED_DGRAD,

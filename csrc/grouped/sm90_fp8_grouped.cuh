@@ -25,6 +25,7 @@
 
 #include "common/cutlass_types.cuh"
 #include "common/status.h"
+#include "grouped/fp8_e5m2_grouped.h"
 #include "grouped/grouped_problem.h"
 #include "grouped/sm90_grouped_common.cuh"
 
@@ -50,8 +51,9 @@ using RowScaledEpilogue = fusion::Sm90EVT<
                         fusion::Sm90AccFetch>>>;
 
 // Mode: DG_SCALE_ROW or DG_SCALE_BLOCK; Kind: forward (x (T, K) @ w[g]^T, w (G, N, K)) or
-// wgrad (dy^T @ x over each group's tokens, both given transposed and padded per group).
-template <int Mode, dg_dtype Out, int Kind, int TileM, int TileN, int ClusterM, int ClusterN>
+// wgrad (dy^T @ x over each group's tokens, both given transposed and padded per group). InA:
+// A's dtype, e4m3, or e5m2 for a gradient (dy in a dgrad, dy^T in a wgrad); B is e4m3.
+template <int Mode, dg_dtype Out, int Kind, int TileM, int TileN, int ClusterM, int ClusterN, dg_dtype InA>
 struct Sm90Fp8Grouped {
   static constexpr int kKind = Kind;
   static constexpr int kMode = Mode;
@@ -61,7 +63,8 @@ struct Sm90Fp8Grouped {
   // the mainloop's scales are ones, one per tile.
   static constexpr int kScaleM = kRowScaled ? TileM : 1;
   static constexpr int kScaleN = kRowScaled ? TileN : Kind == DG_GROUPED_FORWARD ? 128 : 1;
-  using Element = cutlass::float_e4m3_t;
+  using ElementA = cutlass_type_t<InA>;
+  using ElementB = cutlass::float_e4m3_t;
   using ElementD = cutlass_type_t<Out>;
   using LayoutA = cutlass::layout::RowMajor;     // (M, K), K-major
   using LayoutB = cutlass::layout::ColumnMajor;  // (N, K), K-major: FP8 WGMMA reads K-major only
@@ -84,8 +87,8 @@ struct Sm90Fp8Grouped {
       Fusion>::CollectiveOp;
 
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element,
-      cute::tuple<LayoutA*, LayoutSFA*>, kAlign, Element, cute::tuple<LayoutB*, LayoutSFB*>,
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA,
+      cute::tuple<LayoutA*, LayoutSFA*>, kAlign, ElementB, cute::tuple<LayoutB*, LayoutSFB*>,
       kAlign, float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename CollectiveEpilogue::SharedStorage))>,
@@ -102,8 +105,8 @@ struct Sm90Fp8Grouped {
   // Per-group argument arrays and repacked scales, carved out of the caller's workspace.
   struct Arrays {
     Shape3* shapes;
-    Element const** ptr_a;
-    Element const** ptr_b;
+    ElementA const** ptr_a;
+    ElementB const** ptr_b;
     ElementD const** ptr_c;
     ElementD** ptr_d;
     float const** ptr_sfa;
@@ -117,7 +120,7 @@ struct Sm90Fp8Grouped {
     float* ones;        // row-wise: the mainloop's scales, enough for any group
     float const** ptr_row_scale;  // row-wise: scale_b + g * N
     float const** ptr_col_scale;  // row-wise: scale_a + start_g
-    Element* zeros;     // wgrad: 128 x max(N, K) zeros, the operands of empty groups
+    uint8_t* zeros;     // wgrad: 128 x max(N, K) zero bytes (0 in e4m3 and e5m2), the operands of empty groups
     void* cutlass_workspace;
   };
 
@@ -192,11 +195,12 @@ __device__ inline GroupRows group_rows(const GroupedProblem& p, int g) {
 
 template <class G>
 __device__ void fill_fp8_group_arguments(typename G::Arrays& arr, const GroupedProblem& p, int g) {
-  using Element = typename G::Element;
+  using ElementA = typename G::ElementA;
+  using ElementB = typename G::ElementB;
   using ElementD = typename G::ElementD;
   const GroupRows r = group_rows(p, g);
-  auto const* a = static_cast<Element const*>(p.a);
-  auto const* b = static_cast<Element const*>(p.b);
+  auto const* a = static_cast<ElementA const*>(p.a);
+  auto const* b = static_cast<ElementB const*>(p.b);
   auto* d = static_cast<ElementD*>(p.d);
   typename G::StrideA sa{};
   typename G::StrideB sb{};
@@ -224,8 +228,8 @@ __device__ void fill_fp8_group_arguments(typename G::Arrays& arr, const GroupedP
       shape = {p.accumulate ? 0 : n, k, kBlock};
       get<0>(sa) = kBlock;
       get<0>(sb) = kBlock;
-      arr.ptr_a[g] = arr.zeros;
-      arr.ptr_b[g] = arr.zeros;
+      arr.ptr_a[g] = reinterpret_cast<ElementA const*>(arr.zeros);
+      arr.ptr_b[g] = reinterpret_cast<ElementB const*>(arr.zeros);
       arr.ptr_sfa[g] = reinterpret_cast<float const*>(arr.zeros);
       arr.ptr_sfb[g] = reinterpret_cast<float const*>(arr.zeros);
     }
@@ -263,14 +267,13 @@ __device__ void fill_fp8_group_arguments(typename G::Arrays& arr, const GroupedP
 // every block of the row repacks its share of the group's scales (forward only).
 template <class G>
 __global__ void build_fp8_grouped_arguments(typename G::Arrays arr, GroupedProblem p) {
-  using Element = typename G::Element;
   const int64_t threads = int64_t(gridDim.x) * blockDim.x;
   const int64_t tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (blockIdx.y == 0) {
     if constexpr (G::kKind == DG_GROUPED_WGRAD) {
       constexpr int64_t kBlock = G::kBlockK;
       const int64_t zeros = kBlock * (p.n > p.k ? p.n : p.k);
-      for (int64_t i = tid; i < zeros; i += threads) arr.zeros[i] = Element(0);
+      for (int64_t i = tid; i < zeros; i += threads) arr.zeros[i] = 0;
     }
     const int64_t ones = G::ones_count(p);
     for (int64_t i = tid; i < ones; i += threads) arr.ones[i] = 1.f;
@@ -290,6 +293,15 @@ __global__ void build_fp8_grouped_arguments(typename G::Arrays arr, GroupedProbl
   }
 }
 
+// Builds the per-group arguments on the device, then runs the kernel.
+template <class G>
+dg_status run_fp8_grouped(const GroupedProblem& p, cudaStream_t stream) {
+  const dim3 grid(32, static_cast<unsigned>(std::min<int64_t>(p.groups, 65535)));
+  return run_cutlass_grouped<G>(p, stream, "sm90 FP8 grouped GEMM", [&](typename G::Arrays& arr) {
+    build_fp8_grouped_arguments<G><<<grid, 256, 0, stream>>>(arr, p);
+  });
+}
+
 }  // namespace distgemm::grouped::sm90
 
 namespace distgemm::grouped {
@@ -297,16 +309,23 @@ namespace distgemm::grouped {
 template <int Mode, dg_dtype Out, int Kind, int TM, int TN, int CM, int CN>
 dg_status Sm90Fp8GroupedKernel<Mode, Out, Kind, TM, TN, CM, CN>::run(const GroupedProblem& p,
                                                                      cudaStream_t stream) {
-  using G = sm90::Sm90Fp8Grouped<Mode, Out, Kind, TM, TN, CM, CN>;
-  const dim3 grid(32, static_cast<unsigned>(std::min<int64_t>(p.groups, 65535)));
-  return sm90::run_cutlass_grouped<G>(p, stream, "sm90 FP8 grouped GEMM", [&](typename G::Arrays& arr) {
-    sm90::build_fp8_grouped_arguments<G><<<grid, 256, 0, stream>>>(arr, p);
-  });
+  return sm90::run_fp8_grouped<sm90::Sm90Fp8Grouped<Mode, Out, Kind, TM, TN, CM, CN, DG_E4M3>>(p, stream);
 }
 
 template <int Mode, dg_dtype Out, int Kind, int TM, int TN, int CM, int CN>
 size_t Sm90Fp8GroupedKernel<Mode, Out, Kind, TM, TN, CM, CN>::workspace(const GroupedProblem& p) {
-  return sm90::cutlass_grouped_workspace<sm90::Sm90Fp8Grouped<Mode, Out, Kind, TM, TN, CM, CN>>(p);
+  return sm90::cutlass_grouped_workspace<sm90::Sm90Fp8Grouped<Mode, Out, Kind, TM, TN, CM, CN, DG_E4M3>>(p);
+}
+
+template <int Mode, dg_dtype Out, int Kind, int TM, int TN, int CM, int CN>
+dg_status Sm90Fp8E5m2GroupedKernel<Mode, Out, Kind, TM, TN, CM, CN>::run(const GroupedProblem& p,
+                                                                         cudaStream_t stream) {
+  return sm90::run_fp8_grouped<sm90::Sm90Fp8Grouped<Mode, Out, Kind, TM, TN, CM, CN, DG_E5M2>>(p, stream);
+}
+
+template <int Mode, dg_dtype Out, int Kind, int TM, int TN, int CM, int CN>
+size_t Sm90Fp8E5m2GroupedKernel<Mode, Out, Kind, TM, TN, CM, CN>::workspace(const GroupedProblem& p) {
+  return sm90::cutlass_grouped_workspace<sm90::Sm90Fp8Grouped<Mode, Out, Kind, TM, TN, CM, CN, DG_E5M2>>(p);
 }
 
 }  // namespace distgemm::grouped

@@ -57,7 +57,7 @@ void marshal_scales(const char* op, const Scales& s, const at::Tensor& a, dg_gro
 
 // Marshals the tensors into a dg_grouped_desc and runs it; the core checks every shape.
 // Checked here only what the desc cannot carry: devices, contiguity, offs as a flat int32
-// array, and b having a's dtype (the desc holds one input dtype).
+// array, and b's dtype (the desc holds a's: b has the same, or is e4m3 against an e5m2 a).
 void run_grouped(dg_grouped_kind kind, const at::Tensor& a, const at::Tensor& b,
                  const at::Tensor& offs, const at::Tensor& out, bool accumulate, int64_t backend,
                  int64_t config, const Scales& scales = {}) {
@@ -75,8 +75,9 @@ void run_grouped(dg_grouped_kind kind, const at::Tensor& a, const at::Tensor& b,
   TORCH_CHECK_VALUE(offs.scalar_type() == at::kInt && offs.dim() == 1, op,
                     ": offs must be a 1-D int32 tensor, got ", offs.scalar_type(), " of shape ",
                     offs.sizes());
-  TORCH_CHECK_VALUE(b.scalar_type() == a.scalar_type(), op, ": ", b_name, " must have ", a_name,
-                    "'s dtype ", a.scalar_type(), ", got ", b.scalar_type());
+  const at::ScalarType b_expected = a.scalar_type() == at::kFloat8_e5m2 ? at::kFloat8_e4m3fn : a.scalar_type();
+  TORCH_CHECK_VALUE(b.scalar_type() == b_expected, op, ": ", b_name, " must be ", b_expected, " (", a_name,
+                    " is ", a.scalar_type(), "), got ", b.scalar_type());
   const c10::cuda::CUDAGuard guard(a.device());
   dg_grouped_desc desc{};
   desc.kind = kind;

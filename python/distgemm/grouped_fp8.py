@@ -1,6 +1,7 @@
 """FP8 grouped GEMMs for Mixture-of-Experts: e4m3 operands with FP32 scales applied in the
 mainloop (partial sums scaled and promoted to FP32 once per 128 of K), every expert in one
-launch, group sizes read on the GPU.
+launch, group sizes read on the GPU. Gradients may be e5m2 against e4m3 weights or
+activations (the hybrid recipe): x = dy in a dgrad, dy in the wgrad.
 
 Scale modes, chosen by ``scale_w``'s rank:
 
@@ -29,6 +30,14 @@ from ._routing import group_bounds
 FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 SCALE_ROW, SCALE_BLOCK = 1, 2
 BLOCK = 128
+
+
+def _check_fp8_pair(op: str, a_name: str, a, b_name: str, b) -> None:
+    """a and b both float8_e4m3fn, or a float8_e5m2 a (a gradient) against a float8_e4m3fn b."""
+    if a.dtype not in FLOAT8 or b.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"{op}: FP8 grouped GEMMs take float8_e4m3fn {a_name} and {b_name}, or a "
+                         f"float8_e5m2 {a_name} (a gradient) with a float8_e4m3fn {b_name}; got {a.dtype} "
+                         f"and {b.dtype}")
 
 
 def _ceil(a: int, b: int) -> int:
@@ -135,9 +144,7 @@ def grouped_mm_fp8(x, w, offs, *, scale_x, scale_w, out=None, accumulate=False,
     """The FP8 case of ``distgemm.grouped_mm`` (see the module docstring)."""
     op = "distgemm.grouped_mm"
     _check_common(op, x, offs, [("x", x), ("w", w)])
-    if x.dtype != torch.float8_e4m3fn or w.dtype != torch.float8_e4m3fn:
-        raise ValueError(f"{op}: FP8 grouped GEMMs take float8_e4m3fn x and w, got {x.dtype} "
-                         f"and {w.dtype}")
+    _check_fp8_pair(op, "x", x, "w", w)
     if x.dim() != 2 or w.dim() != 3:
         raise ValueError(f"{op}: x must be 2-D (T, K) and w 3-D, got {_shape(x)} and {_shape(w)}")
     # w as (G, N, K), the kernel's K-major operand.
@@ -203,8 +210,7 @@ def grouped_mm_wgrad_fp8(dy_t, x_t, offs, *, scale_dy, scale_x, out=None, accumu
     scales (N, Tp/128) and (K, Tp/128). Returns (G, N, K) float32."""
     op = "distgemm.grouped_mm_wgrad"
     _check_common(op, dy_t, offs, [("dy", dy_t), ("x", x_t)])
-    if dy_t.dtype != torch.float8_e4m3fn or x_t.dtype != torch.float8_e4m3fn:
-        raise ValueError(f"{op}: FP8 wgrad takes float8_e4m3fn dy and x, got {dy_t.dtype} and {x_t.dtype}")
+    _check_fp8_pair(op, "dy", dy_t, "x", x_t)
     _require_tensor(op, "scale_dy", scale_dy, torch.float32)
     _require_tensor(op, "scale_x", scale_x, torch.float32)
     groups = offs.numel()

@@ -68,22 +68,23 @@ class _FP8Weight:
         return self.copies
 
 
-def _quantize_rows(t: torch.Tensor, recipe: str):
-    return quantize_fp8(t, (1, 128) if recipe == "block" else "row")
+def _quantize_rows(t: torch.Tensor, recipe: str, dtype: torch.dtype = torch.float8_e4m3fn):
+    return quantize_fp8(t, (1, 128) if recipe == "block" else "row", dtype=dtype)
 
 
 class _GroupedLinearFP8(torch.autograd.Function):
     """FP8 forward, dgrad and wgrad of GroupedLinear: inputs and output gradients quantized
     on the fly (1 x 128 tiles, or rows), weights from the cached FP8 copies, the wgrad from
     both quantized per 128 tokens of each expert into FP32 (weight.main_grad with fused
-    accumulation)."""
+    accumulation). `grad_dtype`: what the output gradients are quantized to (e4m3, or e5m2 for
+    its range)."""
 
     @staticmethod
-    def forward(ctx, x, weight, offs, cache, fuse_wgrad):
+    def forward(ctx, x, weight, offs, cache, fuse_wgrad, grad_dtype):
         w8, sw, _, _ = cache.get(weight)
         x8, sx = _quantize_rows(x, cache.recipe)
         ctx.save_for_backward(x, weight, offs)
-        ctx.cache, ctx.fuse_wgrad = cache, fuse_wgrad
+        ctx.cache, ctx.fuse_wgrad, ctx.grad_dtype = cache, fuse_wgrad, grad_dtype
         return grouped_mm(x8, w8, offs, scale_x=sx, scale_w=sw)
 
     @staticmethod
@@ -93,11 +94,11 @@ class _GroupedLinearFP8(torch.autograd.Function):
         dx = dw = None
         if ctx.needs_input_grad[0]:
             _, _, wt8, swt = ctx.cache.get(weight)
-            g8, sg = _quantize_rows(grad, ctx.cache.recipe)
+            g8, sg = _quantize_rows(grad, ctx.cache.recipe, ctx.grad_dtype)
             # dx_g = dy_g @ w_g: the K-major operand is the transposed copy (G, K, N).
             dx = grouped_mm(g8, wt8.transpose(1, 2), offs, scale_x=sg, scale_w=swt, trans_w=False)
         if ctx.needs_input_grad[1]:
-            dy_t, sdy = quantize_fp8(grad, (1, 128), transpose=True, offs=offs)
+            dy_t, sdy = quantize_fp8(grad, (1, 128), dtype=ctx.grad_dtype, transpose=True, offs=offs)
             x_t, sx = quantize_fp8(x, (1, 128), transpose=True, offs=offs)
             if ctx.fuse_wgrad:
                 grouped_mm_wgrad(dy_t, x_t, offs, scale_dy=sdy, scale_x=sx, out=weight.main_grad,
@@ -108,7 +109,7 @@ class _GroupedLinearFP8(torch.autograd.Function):
                     dw = make(weight.shape, dtype=weight.dtype, device=weight.device)
             else:
                 dw = grouped_mm_wgrad(dy_t, x_t, offs, scale_dy=sdy, scale_x=sx).to(weight.dtype)
-        return dx, dw, None, None, None
+        return dx, dw, None, None, None, None
 
 
 class GroupedLinear(nn.Module):
@@ -124,18 +125,24 @@ class GroupedLinear(nn.Module):
     128 x 128 block) or ``fp8="row"`` (rows and output channels) runs the three GEMMs in FP8
     (sm_90): inputs quantized on the fly, the weight's FP8 copies cached until it changes, the
     wgrad from both operands quantized per 128 tokens of each expert, in FP32. The master
-    weight stays in ``dtype``.
+    weight stays in ``dtype``. ``fp8_grad_dtype=torch.float8_e5m2`` quantizes the output
+    gradients to e5m2 (wider range, 2 mantissa bits; TransformerEngine's hybrid recipe)
+    against the e4m3 weights and activations.
     """
 
     def __init__(self, num_experts: int, in_features: int, out_features: int, bias: bool = False,
                  dtype: torch.dtype = torch.bfloat16, device=None,
-                 fuse_wgrad_accumulation: bool = False, fp8: Optional[str] = None):
+                 fuse_wgrad_accumulation: bool = False, fp8: Optional[str] = None,
+                 fp8_grad_dtype: torch.dtype = torch.float8_e4m3fn):
         super().__init__()
         if num_experts < 1 or in_features < 1 or out_features < 1:
             raise ValueError("GroupedLinear: num_experts, in_features and out_features must be >= 1")
         if fp8 is not None and fp8 not in FP8_RECIPES:
             raise ValueError(f"GroupedLinear: fp8 must be None or one of {FP8_RECIPES}, got {fp8!r}")
-        self.fp8 = fp8
+        if fp8_grad_dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+            raise ValueError("GroupedLinear: fp8_grad_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, "
+                             f"got {fp8_grad_dtype}")
+        self.fp8, self.fp8_grad_dtype = fp8, fp8_grad_dtype
         self._fp8_weight = _FP8Weight(fp8) if fp8 else None
         self.num_experts, self.in_features, self.out_features = num_experts, in_features, out_features
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
@@ -157,7 +164,7 @@ class GroupedLinear(nn.Module):
             raise RuntimeError("GroupedLinear(fuse_wgrad_accumulation=True) needs weight.main_grad: "
                                "an FP32 tensor of the weight's shape")
         if self.fp8:
-            y = _GroupedLinearFP8.apply(x, self.weight, offs, self._fp8_weight, fuse)
+            y = _GroupedLinearFP8.apply(x, self.weight, offs, self._fp8_weight, fuse, self.fp8_grad_dtype)
         elif fuse:
             y = _GroupedLinearMainGrad.apply(x, self.weight, offs)
         else:
@@ -169,7 +176,8 @@ class GroupedLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, in_features={self.in_features}, "
                 f"out_features={self.out_features}, bias={self.bias is not None}, "
-                f"fuse_wgrad_accumulation={self.fuse_wgrad_accumulation}, fp8={self.fp8}")
+                f"fuse_wgrad_accumulation={self.fuse_wgrad_accumulation}, fp8={self.fp8}"
+                + (f", fp8_grad_dtype={self.fp8_grad_dtype}" if self.fp8 else ""))
 
 
 # ---------------------------------------------------------------- tensor parallelism

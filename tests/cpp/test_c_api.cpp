@@ -455,8 +455,11 @@ dg_grouped_desc fp8_forward(int64_t g, int64_t t, int64_t n, int64_t k) {
 TEST(GroupedCheck, Fp8ModesAndScales) {
   EXPECT_TRUE(accepted(grouped_check(fp8_forward(8, 1000, 256, 384))));
   dg_grouped_desc d = fp8_forward(8, 1000, 256, 384);
-  d.in_dtype = DG_E5M2;
-  EXPECT_TRUE(refused(grouped_check(d), "FP8 grouped GEMMs take float8_e4m3fn inputs"));
+  d.in_dtype = DG_E5M2;  // an e5m2 gradient against e4m3 (b's dtype is implied)
+  EXPECT_TRUE(accepted(grouped_check(d)));
+  d.in_dtype = DG_I32;
+  d.scale_mode = DG_SCALE_BLOCK;
+  EXPECT_FALSE(accepted(grouped_check(d)));
   d = fp8_forward(8, 1000, 256, 384);
   d.kind = DG_GROUPED_DGRAD;
   EXPECT_TRUE(refused(grouped_check(d), "run a dgrad as FORWARD on w transposed"));

@@ -198,3 +198,25 @@ def test_grouped_configs_of_unknown_kinds_are_empty(kind):
     # The core compares the raw kind and dtypes before using them as enums: no kernel, no crash.
     assert ops.grouped_configs(kind, torch.bfloat16, torch.bfloat16, 90) == []
     assert ops.grouped_configs(0, torch.bfloat16, torch.bfloat16, -1) == []
+
+
+@pytest.mark.parametrize("grad_dtype, band", [(torch.float8_e4m3fn, 0.08), (torch.float8_e5m2, 0.16)])
+def test_grouped_linear_fp8_gradients_on_the_reference_path(grad_dtype, band):
+    """GroupedLinear(fp8="block") end to end on the CPU reference: dx and dw within FP8's
+    rounding of the bf16 layer's, e5m2 gradients (2 mantissa bits) included."""
+    counts = [100, 0, 156]
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    torch.manual_seed(0)
+    ref = GroupedLinear(3, 128, 256)
+    fp8 = GroupedLinear(3, 128, 256, fp8="block", fp8_grad_dtype=grad_dtype)
+    fp8.load_state_dict(ref.state_dict())
+    x, dy = torch.randn(256, 128).bfloat16(), torch.randn(256, 256).bfloat16()
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ref(x1, offs).backward(dy)
+    fp8(x2, offs).backward(dy)
+    for name, a, b in (("dx", x2.grad, x1.grad), ("dw", fp8.weight.grad, ref.weight.grad)):
+        rel = ((a.float() - b.float()).norm() / b.float().norm()).item()
+        assert rel < band, f"{name}: relative error {rel:.3f} with {grad_dtype} gradients"
+    assert torch.all(fp8.weight.grad[1] == 0), "an expert without tokens got a gradient"
+    with pytest.raises(ValueError, match="fp8_grad_dtype must be"):
+        GroupedLinear(3, 128, 256, fp8="block", fp8_grad_dtype=torch.bfloat16)

@@ -94,6 +94,34 @@ def test_wgrad_reference_from_the_padded_layout():
     torch.testing.assert_close(out[0], 1 + a @ b.T, rtol=1e-5, atol=1e-4)
 
 
+def test_e5m2_gradients_against_e4m3():
+    """The hybrid recipe: an e5m2 dy against e4m3 weights (dgrad, w given (G, K, N) here as
+    the K-major operand's transpose) and against e4m3 activations (wgrad)."""
+    counts, n, k = [4, 2], 16, 32
+    dy = (torch.randn(6, n) * 3).to(torch.float8_e5m2)
+    w = fp8(2, n, k)  # the forward's (G, N, K) weights: dx = dy @ w[g]
+    s_dy, s_w = torch.rand(6) + 0.5, torch.rand(2, k) + 0.5
+    dx = distgemm.grouped_mm(dy, w, offs_of(counts), scale_x=s_dy, scale_w=s_w, trans_w=False)
+    ref = torch.cat([(dy[:4].float() * s_dy[:4, None]) @ (w[0].float() * s_w[0][None, :]),
+                     (dy[4:].float() * s_dy[4:, None]) @ (w[1].float() * s_w[1][None, :])])
+    torch.testing.assert_close(dx.float(), ref, rtol=2 ** -7, atol=1e-3)
+    g, t = 2, 6
+    tp = 128 * ((t + 127) // 128 + g)
+    dy_t = torch.zeros(n, tp).to(torch.float8_e5m2)
+    x_t = torch.zeros(k, tp).to(E4M3)
+    xs = fp8(t, k)
+    for (col, c), (s, e) in zip(padded_columns(offs_of(counts), t), [(0, 4), (4, 6)]):
+        dy_t[:, col:col + c], x_t[:, col:col + c] = dy[s:e].t(), xs[s:e].t()
+    sd, sx = (torch.rand(tp // 128, n) + 0.5).t(), (torch.rand(tp // 128, k) + 0.5).t()
+    out = distgemm.grouped_mm_wgrad(dy_t, x_t, offs_of(counts), scale_dy=sd, scale_x=sx)
+    a, b = dequantize_blocks(dy_t, sd, 1, 128), dequantize_blocks(x_t, sx, 1, 128)
+    for e, (col, c) in enumerate(padded_columns(offs_of(counts), t)):
+        torch.testing.assert_close(out[e], a[:, col:col + c] @ b[:, col:col + c].T, rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="float8_e5m2 dy \\(a gradient\\) with a float8_e4m3fn x"):
+        distgemm.grouped_mm_wgrad(dy_t, x_t.view(torch.uint8).view(torch.float8_e5m2), offs_of(counts),
+                                  scale_dy=sd, scale_x=sx)
+
+
 @pytest.mark.parametrize("bad, match", [
     (dict(scale_x=None), "needs scale_x and scale_w"),
     (dict(scale_x=torch.ones(8, 3)), r"scale_x must be \(T, ceil\(K/128\)\)"),
@@ -114,11 +142,12 @@ def test_forward_errors_name_the_argument(bad, match):
         distgemm.grouped_mm(args.pop("x"), args.pop("w"), args.pop("offs"), **args)
 
 
-def test_fp8_needs_e4m3_and_bf16_refuses_scales():
-    x = torch.randn(8, 32).to(torch.float8_e5m2)
-    with pytest.raises(ValueError, match="float8_e4m3fn"):
-        distgemm.grouped_mm(x, fp8(2, 16, 32), offs_of([4, 4]), scale_x=torch.ones(8),
-                            scale_w=torch.ones(2, 16))
+def test_fp8_pairs_and_bf16_refuses_scales():
+    x5 = torch.randn(8, 32).to(torch.float8_e5m2)
+    w5 = torch.randn(2, 16, 32).to(torch.float8_e5m2)
+    for x, w in ((x5, w5), (fp8(8, 32), w5)):  # b (the weight or activation) must be e4m3
+        with pytest.raises(ValueError, match="float8_e5m2 x \\(a gradient\\) with a float8_e4m3fn w"):
+            distgemm.grouped_mm(x, w, offs_of([4, 4]), scale_x=torch.ones(8), scale_w=torch.ones(2, 16))
     with pytest.raises(ValueError, match="float8 inputs only"):
         distgemm.grouped_mm(torch.randn(8, 32).bfloat16(), torch.randn(2, 16, 32).bfloat16(),
                             offs_of([4, 4]), scale_x=torch.ones(8), scale_w=torch.ones(2, 16))

@@ -20,8 +20,8 @@ DEV = "cuda"
 E4M3 = torch.float8_e4m3fn
 
 
-def fp8(*shape):
-    return (torch.randn(*shape, device=DEV) * 3).clamp(-448, 448).to(E4M3)
+def fp8(*shape, dtype=E4M3):
+    return (torch.randn(*shape, device=DEV) * 3).clamp(-448, 448).to(dtype)
 
 
 def scales(*shape):
@@ -125,6 +125,27 @@ def test_dgrad_reads_the_weight_transposed():
     assert torch.equal(dx, again)
 
 
+@pytest.mark.parametrize("mode", ["block", "row"])
+def test_e5m2_gradient_dgrad(mode):
+    """dx = dy @ W[g] with an e5m2 dy (the hybrid recipe) against the e4m3 weights."""
+    counts, n_fwd, k_fwd = random_counts(6, 1200, zero_groups=(2,)), 512, 384
+    g, t = len(counts), sum(counts)
+    dy = fp8(t, n_fwd, dtype=torch.float8_e5m2)
+    w = fp8(g, n_fwd, k_fwd)
+    if mode == "block":
+        sdy = scales((n_fwd + 127) // 128, t).t()
+        sw = scales(g, n_fwd // 128, k_fwd // 128)
+        dyd = dequantize_blocks(dy, sdy, 1, 128).double()
+        wd = dequantize_blocks(w, sw, 128, 128).double().transpose(1, 2)  # (G, K, N) as (G, N_gemm, K_gemm)
+    else:
+        sdy, sw = scales(t), scales(g, k_fwd)  # per row of dy, per output column of dx
+        dyd = dy.double() * sdy.double()[:, None]
+        wd = w.double().transpose(1, 2) * sw.double()[:, :, None]
+    dx = distgemm.grouped_mm(dy, w, make_offs(counts), scale_x=sdy, scale_w=sw, trans_w=False)
+    assert dx.shape == (t, k_fwd) and dx.dtype == torch.bfloat16
+    bound_check(dx, *forward_reference(dyd, wd, counts))
+
+
 def test_rows_past_the_last_offset_are_untouched_and_accumulate_adds():
     counts, n, k = [100, 0, 50], 256, 256
     x, w, sx, sw, xd, wd = block_inputs(counts, n, k)
@@ -203,7 +224,7 @@ def padded(values_per_group, counts, rows):
     """Per-group (count, rows) FP8 blocks into the (rows, Tp) padded transposed layout."""
     g, t = len(counts), sum(counts)
     tp = 128 * ((t + 127) // 128 + g)
-    data = torch.zeros(rows, tp, dtype=E4M3, device=DEV)
+    data = torch.zeros(rows, tp, dtype=values_per_group[0].dtype, device=DEV)
     start = 0
     for gi, (c, v) in enumerate(zip(counts, values_per_group)):
         col = 128 * (gi + start // 128)
@@ -214,11 +235,12 @@ def padded(values_per_group, counts, rows):
 
 @pytest.mark.parametrize("routing", ["balanced", "ragged_zero_experts", "odd_k_and_n", "many_experts"])
 @pytest.mark.parametrize("accumulate", [False, True])
-def test_wgrad_block_scales_into_fp32_main_grad(routing, accumulate):
+@pytest.mark.parametrize("dy_dtype", [E4M3, torch.float8_e5m2])  # e5m2: the hybrid recipe's gradients
+def test_wgrad_block_scales_into_fp32_main_grad(routing, accumulate, dy_dtype):
     counts, n, k = ROUTINGS[routing]
     k = (k + 3) // 4 * 4
     g, t = len(counts), sum(counts)
-    dys = [fp8(c, n) for c in counts]
+    dys = [fp8(c, n, dtype=dy_dtype) for c in counts]
     xs = [fp8(c, k) for c in counts]
     dy_t, x_t = padded(dys, counts, n), padded(xs, counts, k)
     tp = dy_t.shape[1]
@@ -288,14 +310,14 @@ LOSS_BAND = 0.01
 FINAL_BAND = 0.10
 
 
-def _train(fp8, counts, steps=50):
+def _train(fp8, counts, steps=50, grad_dtype=E4M3):
     from distgemm.nn import GroupedLinear
 
     g, d, h = len(counts), 256, 512
     t = sum(counts)
     torch.manual_seed(1)
-    up = GroupedLinear(g, d, h, device=DEV, fp8=fp8, fuse_wgrad_accumulation=True)
-    down = GroupedLinear(g, h, d, device=DEV, fp8=fp8, fuse_wgrad_accumulation=True)
+    up = GroupedLinear(g, d, h, device=DEV, fp8=fp8, fuse_wgrad_accumulation=True, fp8_grad_dtype=grad_dtype)
+    down = GroupedLinear(g, h, d, device=DEV, fp8=fp8, fuse_wgrad_accumulation=True, fp8_grad_dtype=grad_dtype)
     layers = (up, down)
     masters = [layer.weight.detach().float().clone().requires_grad_() for layer in layers]
     opt = torch.optim.Adam(masters, lr=2e-3)
@@ -321,11 +343,11 @@ def _train(fp8, counts, steps=50):
     return losses
 
 
-@pytest.mark.parametrize("recipe", ["block", "row"])
-def test_fp8_moe_training_tracks_bf16(recipe):
+@pytest.mark.parametrize("recipe, grad_dtype", [("block", E4M3), ("row", E4M3), ("block", torch.float8_e5m2)])
+def test_fp8_moe_training_tracks_bf16(recipe, grad_dtype):
     counts = random_counts(8, 4096, zero_groups=(5,))
     bf16 = _train(None, counts)
-    fp8 = _train(recipe, counts)
+    fp8 = _train(recipe, counts, grad_dtype=grad_dtype)
     assert bf16[-1] < 0.7 * bf16[0], f"the bf16 run did not train: {bf16[0]:.4f} -> {bf16[-1]:.4f}"
     worst = max(abs(a - b) for a, b in zip(fp8, bf16)) / bf16[0]
     final = fp8[-1] / bf16[-1] - 1
@@ -335,14 +357,19 @@ def test_fp8_moe_training_tracks_bf16(recipe):
     assert abs(final) <= FINAL_BAND, f"FP8's final loss is {final:+.2%} off bf16's"
 
 
-def test_fp8_grouped_linear_gradients_match_bf16_closely():
+# dx and dw relative to bf16: e4m3 keeps 3 mantissa bits, e5m2 2 (its rounding error is twice e4m3's).
+GRAD_BAND = {E4M3: 0.08, torch.float8_e5m2: 0.16}
+
+
+@pytest.mark.parametrize("grad_dtype", [E4M3, torch.float8_e5m2])
+def test_fp8_grouped_linear_gradients_match_bf16_closely(grad_dtype):
     from distgemm.nn import GroupedLinear
 
     counts = random_counts(4, 1024, zero_groups=(2,))
     offs = make_offs(counts)
     torch.manual_seed(3)
     ref = GroupedLinear(4, 256, 384, device=DEV)
-    fp8 = GroupedLinear(4, 256, 384, device=DEV, fp8="block")
+    fp8 = GroupedLinear(4, 256, 384, device=DEV, fp8="block", fp8_grad_dtype=grad_dtype)
     fp8.load_state_dict(ref.state_dict())
     x = torch.randn(sum(counts), 256, device=DEV).bfloat16()
     x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
@@ -352,7 +379,7 @@ def test_fp8_grouped_linear_gradients_match_bf16_closely():
     y.backward(dy)
     for name, a, b in (("dx", x2.grad, x1.grad), ("dw", fp8.weight.grad, ref.weight.grad)):
         rel = ((a.float() - b.float()).norm() / b.float().norm()).item()
-        assert rel < 0.08, f"{name}: relative error {rel:.3f} (FP8 e4m3 keeps 3 mantissa bits)"
+        assert rel < GRAD_BAND[grad_dtype], f"{name}: relative error {rel:.3f} with {grad_dtype} gradients"
     assert torch.all(fp8.weight.grad[2] == 0), "an expert without tokens got a gradient"
 
 

@@ -111,11 +111,12 @@ typedef struct dg_grouped_desc {
   dg_grouped_shape b_shape;    /* FORWARD: w (G, N, K); DGRAD: w (G, K, N); WGRAD: x (T, K) */
   void* out;                   /* 16-byte aligned; NULL only if out has no elements */
   dg_grouped_shape out_shape;  /* FORWARD/DGRAD: (T, N); WGRAD: (G, N, K) */
-  dg_dtype in_dtype;           /* a and b: bfloat16 or float16, or float8_e4m3fn (see below) */
+  dg_dtype in_dtype;           /* a and b: bfloat16 or float16, or float8_e4m3fn; float8_e5m2:
+                                  a (a gradient) in e5m2 against an e4m3 b (see below) */
   dg_dtype out_dtype;          /* in_dtype or float32; FP8: see below */
   int accumulate;
   int config;                  /* -1: heuristic */
-  /* FP8 (in_dtype DG_E4M3; NONE for bfloat16/float16): float32 scales on the device, 4-byte
+  /* FP8 (in_dtype DG_E4M3 or DG_E5M2; NONE for bfloat16/float16): float32 scales on the device, 4-byte
    * aligned. out = (a * scale_a) @ (b * scale_b), partial sums scaled and promoted to FP32
    * once per 128 of K. Kb = ceil(K / 128), Nb = ceil(N / 128).
    *   FORWARD, ROW:   scale_a (T,) per row of x; scale_b (G, N) per row of w[g].
