@@ -14,6 +14,16 @@ using namespace dgtest;
 
 namespace {
 
+// Runs `run` on `desc` with the workspace `size` asks for (the buffer's free waits for the device).
+template <class Desc>
+void run_with_workspace(const Desc& desc, dg_status (*size)(const Desc*, size_t*),
+                        dg_status (*run)(const Desc*, void*, size_t, cudaStream_t)) {
+  size_t bytes = 0;
+  ASSERT_EQ(size(&desc, &bytes), DG_SUCCESS) << dg_last_error();
+  Buffer workspace(bytes ? bytes : 16);
+  ASSERT_EQ(run(&desc, workspace.ptr, bytes, nullptr), DG_SUCCESS) << dg_last_error();
+}
+
 TEST(CApiGpu, DenseGemmWithBiasMatchesTheReference) {
   REQUIRE_SM90();
   const int64_t m = 257, n = 384, k = 520;  // odd M, K not a multiple of the tile
@@ -32,10 +42,7 @@ TEST(CApiGpu, DenseGemmWithBiasMatchesTheReference) {
   d.alpha = alpha;
   d.beta = beta;
   d.config = -1;
-  size_t bytes = 0;
-  ASSERT_EQ(dg_gemm_workspace_size(&d, &bytes), DG_SUCCESS) << dg_last_error();
-  Buffer workspace(bytes ? bytes : 16);
-  ASSERT_EQ(dg_gemm(&d, workspace.ptr, bytes, nullptr), DG_SUCCESS) << dg_last_error();
+  ASSERT_NO_FATAL_FAILURE(run_with_workspace(d, dg_gemm_workspace_size, dg_gemm));
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   std::vector<double> want(m * n);
   for (int64_t i = 0; i < m; ++i)
@@ -86,10 +93,7 @@ TEST(CApiGpu, GroupedForwardAndWgradMatchTheReference) {
   f.in_dtype = DG_BF16;
   f.out_dtype = DG_BF16;
   f.config = -1;
-  size_t bytes = 0;
-  ASSERT_EQ(dg_grouped_gemm_workspace_size(&f, &bytes), DG_SUCCESS) << dg_last_error();
-  Buffer fwd_ws(bytes ? bytes : 16);
-  ASSERT_EQ(dg_grouped_gemm(&f, fwd_ws.ptr, bytes, nullptr), DG_SUCCESS) << dg_last_error();
+  ASSERT_NO_FATAL_FAILURE(run_with_workspace(f, dg_grouped_gemm_workspace_size, dg_grouped_gemm));
 
   // wgrad: grad_w[g] (N, K) = dy[rows of g]^T @ x[rows of g], float32; zeros for the empty expert
   dg_grouped_desc wg{};
@@ -106,9 +110,7 @@ TEST(CApiGpu, GroupedForwardAndWgradMatchTheReference) {
   wg.out_dtype = DG_F32;
   wg.config = -1;
   ASSERT_EQ(cudaMemset(dgrad_w.ptr, 0x7f, groups * n * k * 4), cudaSuccess);  // garbage: all must be written
-  ASSERT_EQ(dg_grouped_gemm_workspace_size(&wg, &bytes), DG_SUCCESS) << dg_last_error();
-  Buffer wgrad_ws(bytes ? bytes : 16);
-  ASSERT_EQ(dg_grouped_gemm(&wg, wgrad_ws.ptr, bytes, nullptr), DG_SUCCESS) << dg_last_error();
+  ASSERT_NO_FATAL_FAILURE(run_with_workspace(wg, dg_grouped_gemm_workspace_size, dg_grouped_gemm));
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 
   std::vector<double> want_out(t * n), want_w(groups * n * k, 0.0);
