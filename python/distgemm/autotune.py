@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import statistics
 import threading
 from pathlib import Path
 from typing import Callable, Dict, Optional
@@ -91,7 +92,7 @@ def may_time() -> bool:
     return not torch.cuda.is_current_stream_capturing()
 
 
-def _time_ms(fn: Callable[[], object], reps: int, flush: Optional[torch.Tensor] = None) -> float:
+def _time_ms(fn: Callable[[], object], reps: int, flush: torch.Tensor) -> float:
     """Median device time of `reps` calls of `fn`, each timed alone as the benchmarks time it:
     L2 overwritten by `flush`, then ~0.5 ms of queued GPU work, so that neither the host's
     launch cost (which differs between candidates) nor a previous call's tail or cached
@@ -99,8 +100,7 @@ def _time_ms(fn: Callable[[], object], reps: int, flush: Optional[torch.Tensor] 
     fast-accumulation shapes picked tiles that then ran up to 16% behind (bench/NOTES.md)."""
     pairs = []
     for _ in range(reps):
-        if flush is not None:
-            flush.zero_()
+        flush.zero_()
         torch.cuda._sleep(1_000_000)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -108,7 +108,7 @@ def _time_ms(fn: Callable[[], object], reps: int, flush: Optional[torch.Tensor] 
         end.record()
         pairs.append((start, end))
     pairs[-1][1].synchronize()
-    return sorted(s.elapsed_time(e) for s, e in pairs)[reps // 2]
+    return statistics.median(s.elapsed_time(e) for s, e in pairs)
 
 
 def _flush_buffer() -> torch.Tensor:
@@ -153,7 +153,7 @@ def choose(key: str, candidates: Dict[str, Callable[[], object]], prefer: Option
             for name, fn in candidates.items():
                 samples[name].append(_time_ms(fn, _REPS, flush))
         del flush
-    best = {name: sorted(times)[len(times) // 2] for name, times in samples.items()}
+    best = {name: statistics.median(times) for name, times in samples.items()}
     choice = min(best, key=best.get)
     if prefer in best and best[choice] > best[prefer] * (1.0 - PREFER_MARGIN):
         choice = prefer

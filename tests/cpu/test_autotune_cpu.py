@@ -14,7 +14,7 @@ def timed(monkeypatch, tmp_path):
     monkeypatch.setattr(autotune, "_LOADED", True)
     autotune.clear()
     times = {}
-    monkeypatch.setattr(autotune, "_time_ms", lambda fn, reps, flush=None: times[fn()])
+    monkeypatch.setattr(autotune, "_time_ms", lambda fn, reps, flush: times[fn()])
     monkeypatch.setattr(autotune, "_flush_buffer", lambda: None)
     yield times
     autotune.clear()
