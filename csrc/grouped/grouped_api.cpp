@@ -13,7 +13,6 @@
 #include "common/status.h"
 #include "common/tile_heuristic.h"
 #include "distgemm/distgemm.h"
-#include "grouped/fp8_e5m2_grouped.h"
 #include "grouped/grouped_problem.h"
 #include "grouped/grouped_lower.h"
 
@@ -26,16 +25,14 @@ namespace {
    #S "_" #TM "x" #TN "_c" #CM "x" #CN,                                                     \
    &Sm90GroupedKernel<IN, OUT, KIND, S, TM, TN, CM, CN>::run,                               \
    &Sm90GroupedKernel<IN, OUT, KIND, S, TM, TN, CM, CN>::workspace},
-#define DG_SM90_FP8_GROUPED(MODE, OUT, KIND, S, TM, TN, CM, CN)                             \
-  {90, DG_E4M3, OUT, dg_grouped_kind(KIND), dg_scale_mode(MODE), Schedule(S), TM, TN, CM, CN, \
-   #MODE "_" #S "_" #TM "x" #TN "_c" #CM "x" #CN,                                           \
-   &Sm90Fp8GroupedKernel<MODE, OUT, KIND, TM, TN, CM, CN>::run,                             \
-   &Sm90Fp8GroupedKernel<MODE, OUT, KIND, TM, TN, CM, CN>::workspace},
-#define DG_SM90_FP8_E5M2_GROUPED(MODE, OUT, KIND, S, TM, TN, CM, CN)                        \
-  {90, DG_E5M2, OUT, dg_grouped_kind(KIND), dg_scale_mode(MODE), Schedule(S), TM, TN, CM, CN, \
-   "e5m2_" #MODE "_" #S "_" #TM "x" #TN "_c" #CM "x" #CN,                                   \
-   &Sm90Fp8E5m2GroupedKernel<MODE, OUT, KIND, TM, TN, CM, CN>::run,                         \
-   &Sm90Fp8E5m2GroupedKernel<MODE, OUT, KIND, TM, TN, CM, CN>::workspace},
+// An FP8 instance whose A operand is IN (e4m3, or e5m2 for a gradient) against an e4m3 B.
+#define DG_SM90_FP8_GROUPED_OF(IN, PREFIX, MODE, OUT, KIND, S, TM, TN, CM, CN)               \
+  {90, IN, OUT, dg_grouped_kind(KIND), dg_scale_mode(MODE), Schedule(S), TM, TN, CM, CN,      \
+   PREFIX #MODE "_" #S "_" #TM "x" #TN "_c" #CM "x" #CN,                                    \
+   &Sm90Fp8GroupedKernel<MODE, OUT, KIND, TM, TN, CM, CN, IN>::run,                         \
+   &Sm90Fp8GroupedKernel<MODE, OUT, KIND, TM, TN, CM, CN, IN>::workspace},
+#define DG_SM90_FP8_GROUPED(...) DG_SM90_FP8_GROUPED_OF(DG_E4M3, "", __VA_ARGS__)
+#define DG_SM90_FP8_E5M2_GROUPED(...) DG_SM90_FP8_GROUPED_OF(DG_E5M2, "e5m2_", __VA_ARGS__)
 #else
 #define DG_SM90_GROUPED(...)
 #define DG_SM90_FP8_GROUPED(...)
@@ -56,6 +53,7 @@ const GroupedInstance kInstanceTable[] = {
 #undef DG_SM90_GROUPED
 #undef DG_SM90_FP8_GROUPED
 #undef DG_SM90_FP8_E5M2_GROUPED
+#undef DG_SM90_FP8_GROUPED_OF
 
 struct InstanceList {
   const GroupedInstance* begin() const { return kInstanceTable; }

@@ -25,7 +25,6 @@
 
 #include "common/cutlass_types.cuh"
 #include "common/status.h"
-#include "grouped/fp8_e5m2_grouped.h"
 #include "grouped/grouped_problem.h"
 #include "grouped/sm90_grouped_common.cuh"
 
@@ -306,30 +305,19 @@ dg_status run_fp8_grouped(const GroupedProblem& p, cudaStream_t stream) {
 
 namespace distgemm::grouped {
 
-template <int Mode, dg_dtype Out, int Kind, int TM, int TN, int CM, int CN>
-dg_status Sm90Fp8GroupedKernel<Mode, Out, Kind, TM, TN, CM, CN>::run(const GroupedProblem& p,
-                                                                     cudaStream_t stream) {
-  return sm90::run_fp8_grouped<sm90::Sm90Fp8Grouped<Mode, Out, Kind, TM, TN, CM, CN, DG_E4M3>>(p, stream);
+template <int Mode, dg_dtype Out, int Kind, int TM, int TN, int CM, int CN, dg_dtype InA>
+dg_status Sm90Fp8GroupedKernel<Mode, Out, Kind, TM, TN, CM, CN, InA>::run(const GroupedProblem& p,
+                                                                          cudaStream_t stream) {
+  return sm90::run_fp8_grouped<sm90::Sm90Fp8Grouped<Mode, Out, Kind, TM, TN, CM, CN, InA>>(p, stream);
 }
 
-template <int Mode, dg_dtype Out, int Kind, int TM, int TN, int CM, int CN>
-size_t Sm90Fp8GroupedKernel<Mode, Out, Kind, TM, TN, CM, CN>::workspace(const GroupedProblem& p) {
-  return sm90::cutlass_grouped_workspace<sm90::Sm90Fp8Grouped<Mode, Out, Kind, TM, TN, CM, CN, DG_E4M3>>(p);
-}
-
-template <int Mode, dg_dtype Out, int Kind, int TM, int TN, int CM, int CN>
-dg_status Sm90Fp8E5m2GroupedKernel<Mode, Out, Kind, TM, TN, CM, CN>::run(const GroupedProblem& p,
-                                                                         cudaStream_t stream) {
-  return sm90::run_fp8_grouped<sm90::Sm90Fp8Grouped<Mode, Out, Kind, TM, TN, CM, CN, DG_E5M2>>(p, stream);
-}
-
-template <int Mode, dg_dtype Out, int Kind, int TM, int TN, int CM, int CN>
-size_t Sm90Fp8E5m2GroupedKernel<Mode, Out, Kind, TM, TN, CM, CN>::workspace(const GroupedProblem& p) {
-  return sm90::cutlass_grouped_workspace<sm90::Sm90Fp8Grouped<Mode, Out, Kind, TM, TN, CM, CN, DG_E5M2>>(p);
+template <int Mode, dg_dtype Out, int Kind, int TM, int TN, int CM, int CN, dg_dtype InA>
+size_t Sm90Fp8GroupedKernel<Mode, Out, Kind, TM, TN, CM, CN, InA>::workspace(const GroupedProblem& p) {
+  return sm90::cutlass_grouped_workspace<sm90::Sm90Fp8Grouped<Mode, Out, Kind, TM, TN, CM, CN, InA>>(p);
 }
 
 }  // namespace distgemm::grouped
 
 #define DG_INSTANTIATE_SM90_FP8_GROUPED(MODE, OUT, KIND, S, TM, TN, CM, CN)                \
   template struct distgemm::grouped::Sm90Fp8GroupedKernel<distgemm::grouped::MODE, OUT,           \
-                                                          distgemm::grouped::KIND, TM, TN, CM, CN>;
+                                                          distgemm::grouped::KIND, TM, TN, CM, CN, DG_E4M3>;
