@@ -6,7 +6,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export CUTLASS_DIR="${CUTLASS_DIR:-$PWD/.cutlass}" GTEST_SOURCE_DIR="${GTEST_SOURCE_DIR:-$PWD/.googletest}" DISTGEMM_CUDA_ARCHS=90a CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)"
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 t0=$(date +%s)
-stamp() { echo "[$(( $(date +%s) - t0 )) s] $*" | tee -a "$OUT/steps.log"; }
+stamp() { echo "[$(( $(date +%s) - t0 )) s] $*" | tee -a "$OUT/steps.log" /tmp/steps.log >/dev/null; echo "[$(( $(date +%s) - t0 )) s] $*"; }
 if python3 -c "import distgemm" 2>/dev/null && [ -z "${REBUILD:-}" ]; then
   stamp "distgemm already installed"
 elif ls .whl/distgemm-*.whl >/dev/null 2>&1 && [ -z "${REBUILD:-}" ]; then
@@ -24,9 +24,28 @@ for step in ${STEPS:-}; do
     all) timeout "${T:-540}" python3 -m pytest -q -ra -p no:cacheprovider > "$OUT/tests_all.log" 2>&1; tail -8 "$OUT/tests_all.log" ;;
     pytest:*) f="${step#pytest:}"; log="$OUT/tests_$(basename "${f%%.py*}").log"
       timeout "${T:-400}" python3 -m pytest -q -ra -p no:cacheprovider "$f" > "$log" 2>&1; tail -15 "$log" ;;
-    bench:*) s="${step#bench:}"; timeout "${TB:-300}" python3 -m distgemm.bench --suites "$s" ${BENCH_ARGS:-} \
-      --out "$OUT/results" > "$OUT/bench_${s//,/_}.log" 2>&1; tail -40 "$OUT/bench_${s//,/_}.log" ;;
+    bench:*) s="${step#bench:}"; timeout -s USR1 -k 15 "${TB:-300}" python3 -m distgemm.bench --suites "$s" ${BENCH_ARGS:-} \
+      --out "$OUT/results" > "$OUT/bench_${s//,/_}.log" 2>&1; grep -v "^tune" "$OUT/bench_${s//,/_}.log" | tail -40 ;;
+    tune:*) s="${step#tune:}"; timeout -s USR1 -k 15 "${TB:-300}" python3 -m distgemm.bench --suites "$s" --tune \
+      --out "$OUT/results" > "$OUT/tune_${s//,/_}.log" 2>&1; tail -5 "$OUT/tune_${s//,/_}.log" ;;
+    fuzz) # the single-GPU fuzz, three ops at once on GPU 0 (scripts/reliability/run_all.sh runs it on two)
+      for t in gemm grouped_mm grouped_mm_wgrad; do
+        DISTGEMM_FUZZ_EXAMPLES="${FUZZ_EXAMPLES:-2000}" DISTGEMM_FUZZ_TIME_S="${FUZZ_TIME_S:-170}" \
+          DISTGEMM_FUZZ_REPORT="$OUT/fuzz_report.jsonl" timeout "${T:-240}" python3 -m pytest -q -rs \
+          -p no:cacheprovider "tests/gpu/test_fuzz_gpu.py::test_${t}_fuzz" > "$OUT/fuzz_$t.log" 2>&1 &
+      done; wait; tail -n 3 "$OUT"/fuzz_*.log ;;
+    probe) PROBE_OUT="$OUT/host_probe.json" timeout "${T:-180}" python3 scripts/dev/host_probe.py > "$OUT/probe.log" 2>&1
+      tail -12 "$OUT/probe.log" ;;
+    soak) timeout "${T:-120}" python3 scripts/reliability/soak.py --out "$OUT/soak.json" --calls 10000 \
+      --max-seconds "${SOAK_S:-90}" > "$OUT/soak.log" 2>&1; tail -5 "$OUT/soak.log" ;;
+    sanitizer) SANITIZER_SINGLE_S="${SANITIZER_SINGLE_S:-150}" timeout "${T:-200}" \
+      bash scripts/reliability/sanitizer.sh "$OUT/sanitizer" > "$OUT/sanitizer.log" 2>&1; tail -3 "$OUT/sanitizer.log" ;;
     *) stamp "unknown step $step" ;;
   esac
   stamp "step $step rc=$?"
 done
+# At most 8 files come back from the device machine: everything but the step log goes into one archive.
+if [ -n "${PACK:-}" ]; then
+  tar czf /tmp/session.tgz -C "$OUT" --exclude steps.log . && rm -rf "${OUT:?}"/* && mv /tmp/session.tgz "$OUT/" \
+    && cp /tmp/steps.log "$OUT/" 2>/dev/null
+fi

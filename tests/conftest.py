@@ -40,3 +40,18 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def autotune_cache(tmp_path, monkeypatch):
+    """Autotuning on, with a cache file of this test's own (the choices in memory forgotten
+    before and after, the remembered repeat calls with them); yields the file's path."""
+    from distgemm import autotune
+
+    path = tmp_path / "autotune.json"
+    monkeypatch.setenv("DISTGEMM_AUTOTUNE_CACHE", str(path))
+    monkeypatch.setattr(autotune, "_ENABLED", True)
+    autotune.clear()
+    monkeypatch.setattr(autotune, "_LOADED", False)
+    yield path
+    autotune.clear()

@@ -169,8 +169,15 @@ def record(backend: str) -> None:
         _LAST = backend
 
 
+def record_eager(backend: str) -> None:
+    """record() for a caller that knows it is not being traced (a repeated call's runner)."""
+    global _LAST
+    _LAST = backend
+
+
 def last_backend() -> Optional[str]:
-    """What the last dense GEMM call ran: 'cutlass:<config>' or 'cublas' (for benchmarks)."""
+    """What the last dense or grouped GEMM call ran: 'cutlass:<config>' (or 'cutlass': the
+    heuristic's), 'cublas', 'torch._scaled_mm' or 'torch._grouped_mm' (for benchmarks)."""
     return _LAST
 
 

@@ -10,10 +10,11 @@ kernel (no host sync, CUDA-graph safe); ``cublas`` a multi-stream cuBLAS loop in
 from __future__ import annotations
 
 import os
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 import torch
 
+from . import autotune, grouped_autotune
 from ._library import device_arch, env_flag, has_kernels, needs_autograd, ops, warn_once
 from ._repeat_calls import RepeatCalls
 from ._routing import group_bounds
@@ -85,9 +86,10 @@ _COMPILED = frozenset((kind, i, o) for kind in (0, 1, 2) for i in FLOAT16 for o 
 
 
 def _backend(op: str, device, n: int, k: int, in_dtype, out_dtype, kind: int,
-             accumulate: bool = False) -> str:
+             accumulate: bool = False) -> Tuple[str, bool]:
     """The backend for this call: the requested one when it applies, else the best that
-    does (warning once, with the reason)."""
+    does (warning once, with the reason); and whether torch._grouped_mm may stand in for
+    distgemm's kernel when the autotuner times it faster (backend auto only)."""
     requested = os.environ.get("DISTGEMM_GROUPED_BACKEND", "auto").lower()
     if requested not in _BACKENDS:
         raise ValueError(f"DISTGEMM_GROUPED_BACKEND must be one of {_BACKENDS}, got {requested!r}")
@@ -107,15 +109,16 @@ def _backend(op: str, device, n: int, k: int, in_dtype, out_dtype, kind: int,
             reasons["torch"] = ("accumulate=True (torch._grouped_mm rounds the product to bfloat16 before "
                                 "the addition)")
     order = ("cutlass", "torch", "cublas") if requested == "auto" else (requested, "cutlass", "torch", "cublas")
+    torch_may_answer = requested == "auto" and "torch" not in reasons
     for name in order:
         if name not in reasons:
             if requested not in ("auto", name):
                 warn_once(f"{op}: backend {requested!r} unavailable ({reasons[requested]}); using {name!r}")
-            return name
+            return name, torch_may_answer
     if requested != "auto":
         warn_once(f"{op}: backend {requested!r} unavailable ({reasons[requested]}); using the "
                   "per-group PyTorch loop")
-    return "loop"
+    return "loop", False
 
 
 def reference_grouped_mm(x, w, offs, out, accumulate, trans_w):
@@ -138,6 +141,7 @@ def reference_grouped_mm_wgrad(dy, x, offs, out, accumulate):
 # distgemm's kernel on x and w in place: the checks and the backend choice are functions of the
 # signature (the environment variables they read included).
 _REPEAT_CALLS = RepeatCalls()
+autotune.on_clear(_REPEAT_CALLS.clear)  # a remembered runner holds the autotuner's choice
 
 
 def _call_signature(x, w, offs, out_dtype, trans_w) -> Optional[tuple]:
@@ -149,14 +153,39 @@ def _call_signature(x, w, offs, out_dtype, trans_w) -> Optional[tuple]:
         return None
 
 
-def _kernel_forward(n: int, out_dtype, trans_w: bool) -> Callable:
-    """Runs the grouped kernel into a new output, outside autograd (the functional op's Python
-    autograd wrapper costs ~10 us of host time per call)."""
+def _kernel_forward(n: int, out_dtype, trans_w: bool, config: int, choice: str) -> Callable:
+    """Runs the grouped kernel's `config` into a new output, outside autograd (the functional
+    op's Python autograd wrapper costs ~10 us of host time per call)."""
     def run(x, w, offs):
         out = torch.empty((x.shape[0], n), dtype=out_dtype, device=x.device)
-        ops.grouped_mm_out(x, w, offs, out, False, trans_w, _CUTLASS)
+        ops.grouped_mm_out(x, w, offs, out, False, trans_w, _CUTLASS, config)
+        autotune.record_eager(choice)  # never traced: eager calls only build this runner
         return out
     return run
+
+
+def _torch_forward(out_dtype, trans_w: bool) -> Callable:
+    def run(x, w, offs):
+        autotune.record_eager(grouped_autotune.TORCH)  # the autotuner's choice: eager only
+        return torch._grouped_mm(x, w.transpose(-2, -1) if trans_w else w, offs=offs, out_dtype=out_dtype)
+    return run
+
+
+def _tuned_forward(x, w, offs, n: int, out, accumulate: bool, out_dtype, trans_w: bool,
+                   torch_may_answer: bool) -> Optional[str]:
+    """The autotuner's choice for this forward/dgrad call (see grouped_autotune)."""
+    kind = 0 if trans_w else 1
+    scratch = None
+
+    def run_config(i):
+        nonlocal scratch
+        if scratch is None:
+            scratch = out.clone() if accumulate else torch.empty((x.shape[0], n), dtype=out_dtype, device=x.device)
+        ops.grouped_mm_out(x, w, offs, scratch, accumulate, trans_w, _CUTLASS, i)
+
+    peer = _torch_forward(out_dtype, trans_w) if torch_may_answer else None
+    return grouped_autotune.choose(kind, w.shape[0], x.shape[0], n, x.shape[1], x.dtype, out_dtype, accumulate,
+                                   run_config, (lambda: peer(x, w, offs)) if peer else None, x.device)
 
 
 # ---------------------------------------------------------------- public API
@@ -208,19 +237,33 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *,
     out_dtype = _out_dtype(op, x.dtype, out_dtype, out)
     _check_out(op, out, (x.shape[0], n), out_dtype, x.device, accumulate)
 
-    backend = _backend(op, x.device, n, k, x.dtype, out_dtype, 0 if trans_w else 1, accumulate)
+    backend, torch_may_answer = _backend(op, x.device, n, k, x.dtype, out_dtype, 0 if trans_w else 1, accumulate)
     if backend in ("cutlass", "cublas"):
         code = _CUTLASS if backend == "cutlass" else _CUBLAS
         in_place = x.is_contiguous() and w.is_contiguous()
         x, w = x.contiguous(), w.contiguous()
-        if out is None and code == _CUTLASS and not torch.compiler.is_compiling() and not needs_autograd(x, w):
-            run = _kernel_forward(n, out_dtype, trans_w)
-            if in_place and not env_flag("DISTGEMM_DEBUG"):
+        autograd = needs_autograd(x, w)
+        config, choice, settled = -1, backend, True
+        if code == _CUTLASS:
+            # torch._grouped_mm may answer a plain call only: its autograd would bypass ours.
+            tuned = _tuned_forward(x, w, offs, n, out, accumulate, out_dtype, trans_w,
+                                   torch_may_answer and out is None and not autograd)
+            config = grouped_autotune.config_index(tuned, 0 if trans_w else 1, x.dtype, out_dtype)
+            choice = tuned or "cutlass"
+            settled = tuned is not None or not autotune.enabled()  # not a stand-in during capture
+        run = None
+        if choice == grouped_autotune.TORCH:
+            run = _torch_forward(out_dtype, trans_w)
+        elif out is None and code == _CUTLASS and not torch.compiler.is_compiling() and not autograd:
+            run = _kernel_forward(n, out_dtype, trans_w, config, choice)
+        if run is not None:
+            if in_place and settled and not env_flag("DISTGEMM_DEBUG"):
                 _REPEAT_CALLS.put(_call_signature(x, w, offs, requested_dtype, trans_w), run)
             return run(x, w, offs)
+        autotune.record(choice)
         if out is None:
-            return ops.grouped_mm(x, w, offs, out_dtype, trans_w, code)
-        ops.grouped_mm_out(x, w, offs, out, accumulate, trans_w, code)
+            return ops.grouped_mm(x, w, offs, out_dtype, trans_w, code, config)
+        ops.grouped_mm_out(x, w, offs, out, accumulate, trans_w, code, config)
         return out
     if backend == "torch":
         y = torch._grouped_mm(x, w.transpose(-2, -1) if trans_w else w, offs=offs, out_dtype=out_dtype)
@@ -270,13 +313,21 @@ def grouped_mm_wgrad(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, *,
     out_dtype = _out_dtype(op, x.dtype, out_dtype, out)
     _check_out(op, out, (groups, n, k), out_dtype, x.device, accumulate)
 
-    backend = _backend(op, x.device, n, k, x.dtype, out_dtype, 2, accumulate)
+    backend, torch_may_answer = _backend(op, x.device, n, k, x.dtype, out_dtype, 2, accumulate)
     if backend in ("cutlass", "cublas"):
         code = _CUTLASS if backend == "cutlass" else _CUBLAS
         dy, x = dy.contiguous(), x.contiguous()
+        config, choice = -1, backend
+        if code == _CUTLASS:
+            choice = _tuned_wgrad(dy, x, offs, out, accumulate, out_dtype,
+                                  torch_may_answer and out is None and not needs_autograd(dy, x)) or "cutlass"
+            config = grouped_autotune.config_index(choice, 2, x.dtype, out_dtype)
+        autotune.record(choice)
+        if choice == grouped_autotune.TORCH:
+            return torch._grouped_mm(dy.T, x, offs=offs, out_dtype=out_dtype)
         if out is None:
-            return ops.grouped_mm_wgrad(dy, x, offs, out_dtype, code)
-        ops.grouped_mm_wgrad_out(dy, x, offs, out, accumulate, code)
+            return ops.grouped_mm_wgrad(dy, x, offs, out_dtype, code, config)
+        ops.grouped_mm_wgrad_out(dy, x, offs, out, accumulate, code, config)
         return out
     if backend == "torch":
         y = torch._grouped_mm(dy.T, x, offs=offs, out_dtype=out_dtype)
@@ -286,6 +337,22 @@ def grouped_mm_wgrad(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, *,
     if out is None:
         out = torch.empty((groups, n, k), dtype=out_dtype, device=x.device)
     return reference_grouped_mm_wgrad(dy, x, offs, out, accumulate)
+
+
+def _tuned_wgrad(dy, x, offs, out, accumulate: bool, out_dtype, torch_may_answer: bool) -> Optional[str]:
+    """The autotuner's choice for this wgrad call (see grouped_autotune)."""
+    groups, n, k = offs.numel(), dy.shape[1], x.shape[1]
+    scratch = None
+
+    def run_config(i):
+        nonlocal scratch
+        if scratch is None:
+            scratch = out.clone() if accumulate else torch.empty((groups, n, k), dtype=out_dtype, device=x.device)
+        ops.grouped_mm_wgrad_out(dy, x, offs, scratch, accumulate, _CUTLASS, i)
+
+    peer = (lambda: torch._grouped_mm(dy.T, x, offs=offs, out_dtype=out_dtype)) if torch_may_answer else None
+    return grouped_autotune.choose(2, groups, x.shape[0], n, k, x.dtype, out_dtype, accumulate, run_config, peer,
+                                   x.device)
 
 
 # ---------------------------------------------------------------- op registration

@@ -41,6 +41,7 @@ def single_gpu() -> dict:
     x = torch.randn(g * mean, k, device="cuda").to(bf)
     w = torch.randn(g, n, k, device="cuda").to(bf)
     res["grouped_ours"] = host_us(lambda: distgemm.grouped_mm(x, w, offs))
+    res["grouped_ours_backend"] = distgemm.autotune.last_backend()  # the autotuner's pick: ours or torch's
     res["grouped_ops"] = host_us(lambda: ops.grouped_mm(x, w, offs, bf, True, 0))  # no Python checks
     res["grouped_torch"] = host_us(lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs))
     out = torch.empty(g * mean, n, device="cuda", dtype=bf)

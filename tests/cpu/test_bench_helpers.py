@@ -79,7 +79,7 @@ def test_fp8_suite_summary_keys_are_the_documented_ones(fp8s):
     assert set(fp8s.SUMMARY_KEYS) == {
         "forward_block_vs_cublas_block_loop", "forward_row_vs_torch_scaled_grouped_mm",
         "forward_row_vs_torch_scaled_grouped_mm_fast", "forward_block_vs_ours_bf16",
-        "dgrad_block_vs_cublas_block_loop", "wgrad_block_vs_ours_bf16_wgrad",
+        "dgrad_block_vs_cublas_block_loop", "dgrad_block_e5m2_vs_ours_e4m3", "wgrad_block_vs_ours_bf16_wgrad",
         "skewed_vs_balanced_forward_block", "tflops_forward_block_8x4096_n4096_k7168",
         "tflops_forward_block_8x4096_n7168_k2048", "tflops_wgrad_block_8x4096_n4096_k7168"}
 
@@ -501,6 +501,19 @@ def test_sweep_summarize_grouped(sweep):
     assert sweep.summarize_grouped([])["wgrad_vs_bmm"] is None
 
 
+def test_sweep_summarize_grouped_kernel_alone(sweep):
+    """distgemm's kernels alone (no torch._grouped_mm stand-in) are summarized apart, and the
+    rows the default backend answered with torch._grouped_mm are counted."""
+    rows = [_grouped_row("forward", 8, 128, bmm=1.0), _grouped_row("forward", 16, 256, bmm=1.0)]
+    rows[0].update(kernel_ratios={"bmm": 0.8}, backend="torch._grouped_mm")
+    rows[1].update(kernel_ratios={"bmm": 0.5}, backend="cutlass:coop_128x256_c2x1")
+    s = sweep.summarize_grouped(rows)
+    assert s["kernel_forward_vs_bmm"] == pytest.approx((0.8 * 0.5) ** 0.5, rel=1e-3)
+    assert s["kernel_forward_vs_bmm_min"] == 0.5
+    assert s["kernel_dgrad_vs_bmm"] is None
+    assert s["backends"] == {"torch": 1, "distgemm": 1}
+
+
 def test_sweep_plots_write_files(sweep, tmp_path):
     pytest.importorskip("matplotlib")
     rows = [_dense_row(1, 2.0), _dense_row(100, 0.5, backend="cublas"), _dense_row(4096, 1.0, backend=None),
@@ -538,3 +551,16 @@ def test_tp_fp8_operands_pass_scaled_mm_checks_and_the_reference_dequantizes(kin
                                      for j in range(0, b.shape[0], 97)]) for i in range(0, rows, 61)])
     got = tp_suite.fp8_reference(a, sa, b, sb)[::61, ::97]
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_stalled_wait_poke_is_harmless():
+    """The bench's no-op signal every few ms neither kills the process nor cuts its waits short
+    (interrupted system calls are retried)."""
+    import subprocess
+    import sys
+
+    code = ("import time; from distgemm.bench.__main__ import poke_stalled_waits; poke_stalled_waits(0.005); "
+            "t = time.monotonic(); time.sleep(0.3); print(round(time.monotonic() - t, 2))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert float(out.stdout.strip()) >= 0.29

@@ -16,14 +16,8 @@ DEV = "cuda"
 
 
 @pytest.fixture
-def cache(tmp_path, monkeypatch):
-    path = tmp_path / "autotune.json"
-    monkeypatch.setenv("DISTGEMM_AUTOTUNE_CACHE", str(path))
-    monkeypatch.setattr(autotune, "_ENABLED", True)
-    autotune.clear()
-    monkeypatch.setattr(autotune, "_LOADED", False)
-    yield path
-    autotune.clear()
+def cache(autotune_cache):
+    return autotune_cache
 
 
 @pytest.mark.parametrize("m, n, k", [(4096, 2112, 7168), (1, 4096, 4096), (333, 1000, 1000), (8192, 8192, 512)])

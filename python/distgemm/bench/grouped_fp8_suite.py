@@ -10,6 +10,8 @@ Ops (TFLOP/s = 2*T*N*K / time; ratio = peer time / ours, >1: ours faster):
 - dgrad_block: dx = dy @ W_g, ours reading the pre-transposed FP8 weight W^T (G, K, N) that a
   training framework caches (``trans_w=False`` on its transpose: the forward-form kernel) with
   W's own 128x128 scales, against the cuBLAS loop on the same W^T, and our bf16 dgrad.
+- dgrad_block_e5m2: the same dgrad with dy in e5m2 (the hybrid recipe's gradients) against the
+  e4m3 one and our bf16 dgrad on dy's e5m2 values.
 - wgrad_block: FP32 ``main_grad`` (G, N, K) += dy_g^T x_g from dy and x quantized per 128 tokens
   of each expert, transposed and padded (``distgemm.quantize_fp8(t, (1, 128), transpose=True,
   offs=offs)``, or the plain-PyTorch quantizer below where that is missing), against our bf16
@@ -46,6 +48,9 @@ AMAX_EPS = 1e-12
 # rounding of the output (and of dequantized inputs) differ, ~1e-3.
 TOLERANCE = 3e-2
 QUANT_TOLERANCE = 7e-2  # e4m3 rounds to 1/16 of the block's amax at worst
+# The e5m2 dgrad row is checked against the bf16 dgrad on the same e5m2 values (TOLERANCE) and
+# against the e4m3 dgrad, whose inputs differ by e5m2's rounding (1/8 of a value at worst):
+E5M2_VS_E4M3_TOLERANCE = 0.15
 
 # Layer shapes (name, N, K): DeepSeek-V3's fused gate+up projection and its down projection.
 LAYERS = (("up", 4096, 7168), ("down", 7168, 2048))
@@ -62,6 +67,7 @@ SUMMARY_RATIOS = {
     "forward_row_vs_torch_scaled_grouped_mm_fast": ("forward_row", "torch_scaled_grouped_mm_fast"),
     "forward_block_vs_ours_bf16": ("forward_block", "ours_bf16"),
     "dgrad_block_vs_cublas_block_loop": ("dgrad_block", "cublas_block_loop"),
+    "dgrad_block_e5m2_vs_ours_e4m3": ("dgrad_block_e5m2", "ours_e4m3"),
     "wgrad_block_vs_ours_bf16_wgrad": ("wgrad_block", "ours_bf16_wgrad"),
 }
 # summary key -> (op, groups, tokens per expert, N, K): our TFLOP/s on that balanced shape.
@@ -151,19 +157,21 @@ def max_rel_err(ours: torch.Tensor, ref: torch.Tensor, chunk: int = 1 << 26) -> 
 # ---------------------------------------------------------------- plain-PyTorch quantization
 
 
-def _cast(blocks: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return (blocks / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+def _cast(blocks: torch.Tensor, scale: torch.Tensor, dtype=FP8) -> torch.Tensor:
+    fmax = torch.finfo(dtype).max
+    return (blocks / scale).clamp(-fmax, fmax).to(dtype)
 
 
-def quant_1x128(x: torch.Tensor):
-    """x (T, K) -> (data (T, K) e4m3, scale (T, K/128) FP32 with strides (1, T)): one scale per
-    1 x 128 tile (amax / 448), in the T-major layout cuBLAS, DeepGEMM and distgemm read."""
+def quant_1x128(x: torch.Tensor, dtype=FP8):
+    """x (T, K) -> (data (T, K) e4m3 (or `dtype`), scale (T, K/128) FP32 with strides (1, T)):
+    one scale per 1 x 128 tile (amax / the dtype's max, 448 for e4m3), in the T-major layout
+    cuBLAS, DeepGEMM and distgemm read."""
     t, k = x.shape
     if k % BLOCK:
         raise ValueError(f"quant_1x128: K = {k} must be a multiple of {BLOCK}")
     xb = x.view(t, k // BLOCK, BLOCK).float()
-    scale = xb.abs().amax(dim=-1, keepdim=True).clamp_min(AMAX_EPS) / FP8_MAX
-    data = _cast(xb, scale).view(t, k)
+    scale = xb.abs().amax(dim=-1, keepdim=True).clamp_min(AMAX_EPS) / torch.finfo(dtype).max
+    data = _cast(xb, scale, dtype).view(t, k)
     return data, scale.view(t, k // BLOCK).t().contiguous().t()
 
 
@@ -414,6 +422,7 @@ def _layer_data(cfg: dict, device) -> dict:
     d["xr8"], d["sxr"] = quant_rows(x_src)       # (T,)
     d["wr8"], d["swr"] = quant_rows(w_src)       # (G, N)
     d["dy8"], d["sdy"] = quant_1x128(dy_src)     # sdy (T, N/128), strides (1, T)
+    d["dy_src"] = dy_src
     d["x_bf"] = dequant_1x128(d["x8"], d["sx"]).to(torch.bfloat16)
     d["dy_bf"] = dequant_1x128(d["dy8"], d["sdy"]).to(torch.bfloat16)
     d["w_bf"] = dequant_128x128(d["w8"], d["sw"])
@@ -470,6 +479,19 @@ def _gemm_rows(timer, d: dict, routing: str, device) -> List[dict]:
          "ours_bf16": lambda: distgemm.grouped_mm(dy_bf, w_bf, offs, trans_w=False)},
         lambda a, b: max_rel_err(a, _cat_rows(b))))
     rows[-1]["cublas_api"] = _CUBLAS_API_NAME[0]
+
+    # The hybrid recipe's dgrad: dy in e5m2 (range for gradients) against the e4m3 weights;
+    # checked against our bf16 dgrad on dy's e5m2 values, timed beside the e4m3 one.
+    dy5, sdy5 = quant_1x128(d["dy_src"], torch.float8_e5m2)
+    dy5_bf = dequant_1x128(dy5, sdy5).to(torch.bfloat16)
+    rows.append(_measure(
+        timer, label, "dgrad_block_e5m2", {**shape, "gemm_n": k, "gemm_k": n}, flops,
+        lambda: distgemm.grouped_mm(dy5, wt8.transpose(1, 2), offs, scale_x=sdy5, scale_w=sw,
+                                    out_dtype=torch.bfloat16, trans_w=False),
+        {"ours_bf16": lambda: distgemm.grouped_mm(dy5_bf, w_bf, offs, trans_w=False),
+         "ours_e4m3": lambda: distgemm.grouped_mm(dy8, wt8.transpose(1, 2), offs, scale_x=sdy, scale_w=sw,
+                                                  out_dtype=torch.bfloat16, trans_w=False)},
+        max_rel_err, tol=E5M2_VS_E4M3_TOLERANCE))
     return rows
 
 

@@ -143,14 +143,20 @@ def run(out_dir: str, quick: bool = False) -> dict:
 
 
 def tune(out_dir: str, quick: bool = False) -> None:
-    """Times every compiled grouped configuration on the suite's shapes (forward bf16 and FP32
-    wgrad) next to the heuristic's pick; the tile choice is read off this file."""
+    """Times every compiled grouped configuration on the suite's shapes and the sweep's
+    model shapes (forward and dgrad bf16, FP32 wgrad) next to the cost model's pick (config
+    -1); the cost model is read off this file."""
     from .._library import device_arch, ops
+    from .sweep_suite import grouped_rows
 
     timer = Timer()
     arch = device_arch(torch.device("cuda"))
     records = []
-    for name, g, mean, n, k, routing in (SUITE[:3] if quick else SUITE):
+    shapes = list(SUITE[:3] if quick else SUITE)
+    if not quick:
+        shapes += [(f"{r['name']} {r['groups']}x{r['tokens_per_group']}", r["groups"], r["tokens_per_group"],
+                    r["n"], r["k"], r["routing"]) for r in grouped_rows()]
+    for name, g, mean, n, k, routing in shapes:
         counts = counts_for(g, mean, routing)
         t = sum(counts)
         offs = torch.tensor(counts, device="cuda", dtype=torch.int64).cumsum(0).to(torch.int32)
@@ -160,13 +166,15 @@ def tune(out_dir: str, quick: bool = False) -> None:
         flops = 2.0 * t * n * k
         for kind, out_dtype, call in (
                 (0, torch.bfloat16, lambda c: ops.grouped_mm(x, w, offs, torch.bfloat16, True, 0, c)),
+                (1, torch.bfloat16, lambda c: ops.grouped_mm(dy, w, offs, torch.bfloat16, False, 0, c)),
                 (2, torch.float32, lambda c: ops.grouped_mm_wgrad(dy, x, offs, torch.float32, 0, c))):
             names = ops.grouped_configs(kind, torch.bfloat16, out_dtype, arch)
             fns = {cfg: (lambda i=i: call(i)) for i, cfg in enumerate(names)}
             times = timer.compare({**fns, "heuristic": lambda: call(-1)}, warmup=2, reps=10)
             auto = times.pop("heuristic")
             best = min(times, key=times.get)
-            records.append({"shape": name, "pass": "forward" if kind == 0 else "wgrad",
+            records.append({"shape": name, "groups": g, "tokens_per_group": mean, "n": n, "k": k,
+                            "routing": routing, "pass": ("forward", "dgrad", "wgrad")[kind],
                             "heuristic_ms": auto, "best": best, "best_ms": times[best],
                             "tflops": {cfg: round(flops / ms / 1e9, 1) for cfg, ms in times.items()},
                             "heuristic_tflops": round(flops / auto / 1e9, 1)})

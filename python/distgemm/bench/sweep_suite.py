@@ -43,7 +43,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .common import Timer, entry, geomean, gpu_slug, print_row, shuffled, write_results
+from .common import Timer, entry, geomean, gpu_slug, print_row, shuffled, with_env, write_results
 
 # ------------------------------------------------------------------------------ shape lists
 
@@ -313,6 +313,9 @@ def summarize_dense(rows: List[dict]) -> dict:
 
 GROUPED_SUMMARY = (("forward", "bmm"), ("dgrad", "bmm"), ("wgrad", "bmm"),
                    ("forward", "torch_grouped_mm"), ("dgrad", "torch_grouped_mm"))
+# The grouped rows also time distgemm's kernels alone (backend cutlass: no torch._grouped_mm
+# stand-in), whose ratios go under "kernel_ratios" and the summary's kernel_* keys.
+KERNEL = "distgemm_kernel"
 
 
 def summarize_grouped(rows: List[dict]) -> dict:
@@ -336,6 +339,17 @@ def summarize_grouped(rows: List[dict]) -> dict:
     for part, routing in (("balanced", True), ("ragged", False)):
         out[f"forward_vs_torch_grouped_mm_{part}"] = _geo(
             [r["ratios"]["torch_grouped_mm"] for r in fwd if (r["shape"]["routing"] == "balanced") == routing])
+    for pass_name, peer in GROUPED_SUMMARY:
+        vals = [r["kernel_ratios"][peer] for r in rows if "error" not in r and r["shape"]["pass"] == pass_name
+                and peer in r.get("kernel_ratios", {})]
+        out[f"kernel_{pass_name}_vs_{peer}"] = _geo(vals)
+        out[f"kernel_{pass_name}_vs_{peer}_min"] = _round(min(vals)) if vals else None
+    backends: Dict[str, int] = {}
+    for r in rows:
+        if r.get("backend"):
+            kind = "torch" if r["backend"] == "torch._grouped_mm" else "distgemm"
+            backends[kind] = backends.get(kind, 0) + 1
+    out["backends"] = backends
     out["rows_failed"] = sum(1 for r in rows if "error" in r)
     return out
 
@@ -482,6 +496,7 @@ def run_grouped(timer: Timer, configs: List[dict]) -> Tuple[List[dict], str]:
 
     from .grouped_suite import counts_for
 
+    backend_of = _last_backend()
     wgrad_dtype = _wgrad_bmm_out_dtype()
     wgrad_kw = {"out_dtype": torch.float32} if wgrad_dtype == torch.float32 else {}
     rows = []
@@ -513,6 +528,8 @@ def run_grouped(timer: Timer, configs: List[dict]) -> Tuple[List[dict], str]:
                 passes["wgrad"] = {"distgemm": lambda: distgemm.grouped_mm_wgrad(dy, x, offs),
                                    "bmm": lambda: torch.bmm(dy.view(g, per, n).transpose(1, 2), x.view(g, per, k),
                                                             **wgrad_kw)}
+            for impls in passes.values():  # distgemm's own kernels alone, tuned among themselves
+                impls[KERNEL] = with_env("DISTGEMM_GROUPED_BACKEND", "cutlass", impls["distgemm"])
         except (RuntimeError, ValueError, TypeError, NotImplementedError) as e:
             rows.append({"shape": {**base, "pass": "forward"}, "error": f"{type(e).__name__}: {e}"[:500]})
             print(f"{i:3d} {label}: FAILED {rows[-1]['error']}", flush=True)
@@ -523,6 +540,10 @@ def run_grouped(timer: Timer, configs: List[dict]) -> Tuple[List[dict], str]:
             row = {"shape": {**base, "pass": pass_name}}
             try:
                 _time_pass(timer, impls, flops, row)
+                impls["distgemm"]()
+                row["backend"] = backend_of() if backend_of is not None else None  # what the default ran
+                row["kernel_ratios"] = {impl: round(row[impl]["ms"] / row[KERNEL]["ms"], 4)
+                                        for impl in impls if impl not in ("distgemm", KERNEL) and impl in row}
                 print_row(f"{i:3d} {pass_name:7s} {label}", {"ours": row["distgemm"]["tflops"],
                           **{p: f"{r:.3f}x" for p, r in row["ratios"].items()}})
             except (RuntimeError, ValueError, TypeError, NotImplementedError) as e:

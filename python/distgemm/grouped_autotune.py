@@ -1,0 +1,94 @@
+"""Runtime autotuning of the 16-bit grouped GEMMs (forward, dgrad, wgrad): the first eager call
+of a grouped problem times each compiled tile configuration of distgemm's kernel and, where it
+computes the same call, ``torch._grouped_mm``, on the call's own operands and routing, and
+remembers the fastest in the dense autotuner's cache (memory and disk, ``distgemm.autotune``).
+
+Why: the core's cost model cannot see the routing (``offs`` lives on the GPU), and which tile
+wins depends on it: groups of exactly 128 rows want clusters along N, a few long-K tiles want
+smaller tiles, Zipf routing wants short tile rows. Timing settles it once per problem.
+
+- Keys: arch, pass, G, T, N, K, dtypes, accumulate, and whether torch._grouped_mm may answer.
+  T is the token count of the call (training steps keep it), not the routing.
+- Never during CUDA-graph capture or torch.compile tracing (the cached choice, else the cost
+  model); ``DISTGEMM_AUTOTUNE=0`` turns it off. The first call of a problem synchronizes the
+  device once (it times with CUDA events) and writes its result into a scratch output, so
+  ``accumulate=True`` adds into ``out`` once.
+- torch._grouped_mm keeps near-ties (autotune.PREFER_MARGIN), as cuBLAS does for dense GEMMs.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, Optional
+
+import torch
+
+from . import autotune
+from ._library import ops
+
+TORCH = "torch._grouped_mm"
+_PREFIX = "cutlass:"
+_KIND_NAMES = ("forward", "dgrad", "wgrad")
+
+
+@functools.lru_cache(maxsize=None)
+def config_names(kind: int, in_dtype: torch.dtype, out_dtype: torch.dtype) -> tuple:
+    """The sm_90 grouped kernels of this build for (kind, in, out), in the core's index order."""
+    return tuple(ops.grouped_configs(kind, in_dtype, out_dtype, 90))
+
+
+def _key(kind: int, groups: int, tokens: int, n: int, k: int, in_dtype, out_dtype, accumulate: bool,
+         torch_ok: bool) -> str:
+    return (f"sm90|grouped-{_KIND_NAMES[kind]}|G{groups}|T{tokens}|{n}x{k}|{in_dtype}->{out_dtype}"
+            f"|acc:{int(accumulate)}|torch:{int(torch_ok)}")
+
+
+def _index(choice: Optional[str], names: tuple) -> Optional[int]:
+    if choice is None or not choice.startswith(_PREFIX):
+        return None
+    name = choice[len(_PREFIX):]
+    return names.index(name) if name in names else None
+
+
+def choose(kind: int, groups: int, tokens: int, n: int, k: int, in_dtype, out_dtype, accumulate: bool,
+           run_config: Callable[[int], object], run_torch: Optional[Callable[[], object]],
+           device: Optional[torch.device]) -> Optional[str]:
+    """'torch._grouped_mm' or 'cutlass:<config>' for this problem (timed now if never timed:
+    `run_config(i)` runs config i into a scratch output, `run_torch` the peer, None where it
+    does not compute this call), or None where autotuning is off or may not time now and
+    nothing is cached: the caller then runs the cost model's choice (config -1)."""
+    if not autotune.enabled() or torch.compiler.is_compiling():
+        return None
+    names = config_names(kind, in_dtype, out_dtype)
+    key = _key(kind, groups, tokens, n, k, in_dtype, out_dtype, accumulate, run_torch is not None)
+    known = autotune.lookup(key)
+    if known == TORCH and run_torch is not None or _index(known, names) is not None:
+        return known
+    if not autotune.may_time():
+        return None
+    candidates = {f"{_PREFIX}{name}": (lambda i=i: run_config(i)) for i, name in enumerate(names)}
+    if run_torch is not None:
+        candidates[TORCH] = run_torch
+    candidates = {name: fn for name, fn in candidates.items() if _runs(fn)}
+    if len(candidates) < 2:
+        return None
+    prefer = TORCH if TORCH in candidates else None
+    return autotune.choose(key, candidates, prefer=prefer, device=device)
+
+
+def _runs(fn: Callable[[], object]) -> bool:
+    """Whether a candidate takes this call: a kernel that cannot implement the problem, or a
+    peer that refuses it, raises here and is left out (the others are timed)."""
+    try:
+        fn()
+        return True
+    except (RuntimeError, ValueError, NotImplementedError):
+        return False
+
+
+def config_index(choice: Optional[str], kind: int, in_dtype, out_dtype) -> int:
+    """The core's config index of a 'cutlass:<config>' choice; -1 (the cost model) otherwise."""
+    if choice is None:  # no lookup of the build's configs: torch.compile traces this
+        return -1
+    index = _index(choice, config_names(kind, in_dtype, out_dtype))
+    return -1 if index is None else index

@@ -1,0 +1,91 @@
+"""The grouped autotuner's rule with the timing replaced (no GPU needed): the fastest of the
+compiled configurations and torch._grouped_mm wins, torch keeps near-ties, a candidate that
+refuses the call is left out, a choice is remembered under the problem's key, and nothing is
+timed when autotuning is off."""
+
+import pytest
+import torch
+
+from distgemm import autotune, grouped_autotune
+
+BF16 = torch.bfloat16
+
+
+@pytest.fixture
+def timed(monkeypatch, tmp_path):
+    monkeypatch.setenv("DISTGEMM_AUTOTUNE_CACHE", str(tmp_path / "cache.json"))
+    monkeypatch.setattr(autotune, "may_time", lambda: True)
+    monkeypatch.setattr(autotune, "_LOADED", True)
+    monkeypatch.setattr(autotune, "_ENABLED", True)
+    monkeypatch.setattr(autotune, "_flush_buffer", lambda: None)
+    autotune.clear()
+    times = {}
+    monkeypatch.setattr(autotune, "_time_ms", lambda fn, reps, flush: times[fn()])
+    yield times
+    autotune.clear()
+
+
+def names(kind=0):
+    found = grouped_autotune.config_names(kind, BF16, BF16 if kind < 2 else torch.float32)
+    if len(found) < 2:
+        pytest.skip("this build has fewer than two grouped configurations for the pass")
+    return found
+
+
+def choose(times, kind=0, with_torch=True, refuse=(), n=512):
+    configs = names(kind)
+    out = BF16 if kind < 2 else torch.float32
+
+    def run_config(i):
+        if i in refuse:
+            raise RuntimeError("CUTLASS cannot implement")
+        return f"cutlass:{configs[i]}"
+
+    run_torch = (lambda: grouped_autotune.TORCH) if with_torch else None
+    return grouped_autotune.choose(kind, 8, 1000, n, 256, BF16, out, False, run_config, run_torch,
+                                   None)
+
+
+def test_fastest_config_wins(timed):
+    configs = names()
+    timed.update({f"cutlass:{c}": 1.0 for c in configs})
+    timed[f"cutlass:{configs[-1]}"] = 0.5
+    timed[grouped_autotune.TORCH] = 0.9
+    choice = choose(timed)
+    assert choice == f"cutlass:{configs[-1]}"
+    assert grouped_autotune.config_index(choice, 0, BF16, BF16) == len(configs) - 1
+
+
+def test_torch_keeps_near_ties(timed):
+    configs = names()
+    timed.update({f"cutlass:{c}": 1.0 for c in configs})
+    timed[grouped_autotune.TORCH] = 1.01
+    choice = choose(timed)
+    assert choice == grouped_autotune.TORCH
+    assert grouped_autotune.config_index(choice, 0, BF16, BF16) == -1  # not one of ours
+
+
+def test_refusing_candidates_are_left_out(timed):
+    configs = names()
+    timed.update({f"cutlass:{c}": 2.0 for c in configs})
+    timed[f"cutlass:{configs[0]}"] = 0.1  # fastest, but it raises on this call
+    timed[grouped_autotune.TORCH] = 1.0
+    assert choose(timed, refuse=(0,)) == grouped_autotune.TORCH
+
+
+def test_choice_is_remembered_per_problem(timed):
+    configs = names(2)
+    timed.update({f"cutlass:{c}": 1.0 + i for i, c in enumerate(configs)})
+    assert choose(timed, kind=2, with_torch=False) == f"cutlass:{configs[0]}"
+    timed.update({f"cutlass:{configs[0]}": 9.0})  # not timed again for the same problem
+    assert choose(timed, kind=2, with_torch=False) == f"cutlass:{configs[0]}"
+    assert choose(timed, kind=2, with_torch=False, n=768) == f"cutlass:{configs[1]}"  # another problem
+
+
+def test_nothing_is_timed_when_disabled(timed, monkeypatch):
+    names()
+    monkeypatch.setattr(autotune, "_ENABLED", False)
+    assert choose(timed) is None  # timed is empty: a timing would have raised KeyError
+    monkeypatch.setattr(autotune, "_ENABLED", True)
+    monkeypatch.setattr(autotune, "may_time", lambda: False)  # graph capture, compile
+    assert choose(timed) is None
