@@ -28,11 +28,14 @@ for step in ${STEPS:-}; do
       --out "$OUT/results" > "$OUT/bench_${s//,/_}.log" 2>&1; grep -v "^tune" "$OUT/bench_${s//,/_}.log" | tail -40 ;;
     tune:*) s="${step#tune:}"; timeout -s USR1 -k 15 "${TB:-300}" python3 -m distgemm.bench --suites "$s" --tune \
       --out "$OUT/results" > "$OUT/tune_${s//,/_}.log" 2>&1; tail -5 "$OUT/tune_${s//,/_}.log" ;;
-    fuzz) # the single-GPU fuzz, three ops at once on GPU 0 (scripts/reliability/run_all.sh runs it on two)
-      for t in gemm grouped_mm grouped_mm_wgrad; do
-        DISTGEMM_FUZZ_EXAMPLES="${FUZZ_EXAMPLES:-2000}" DISTGEMM_FUZZ_TIME_S="${FUZZ_TIME_S:-170}" \
-          DISTGEMM_FUZZ_REPORT="$OUT/fuzz_report.jsonl" timeout "${T:-240}" python3 -m pytest -q -rs \
-          -p no:cacheprovider "tests/gpu/test_fuzz_gpu.py::test_${t}_fuzz" > "$OUT/fuzz_$t.log" 2>&1 &
+    fuzz) # the single-GPU fuzz on GPU 0 (scripts/reliability/run_all.sh runs it on two): every op with
+      # the grouped tile choice of the cost model (DISTGEMM_AUTOTUNE=0: 2000 cases fit the time),
+      # and the grouped ops again with autotuning (each new problem timed first; fewer cases)
+      for run in gemm:1 grouped_mm:0 grouped_mm_wgrad:0 grouped_mm:1 grouped_mm_wgrad:1; do
+        t="${run%%:*}"; tune="${run##*:}"
+        DISTGEMM_AUTOTUNE="$tune" DISTGEMM_FUZZ_EXAMPLES="${FUZZ_EXAMPLES:-2000}" DISTGEMM_FUZZ_TIME_S="${FUZZ_TIME_S:-170}" \
+          DISTGEMM_FUZZ_REPORT="$OUT/fuzz_report_autotune$tune.jsonl" timeout "${T:-240}" python3 -m pytest -q -rs \
+          -p no:cacheprovider "tests/gpu/test_fuzz_gpu.py::test_${t}_fuzz" > "$OUT/fuzz_${t}_autotune$tune.log" 2>&1 &
       done; wait; tail -n 3 "$OUT"/fuzz_*.log ;;
     probe) PROBE_OUT="$OUT/host_probe.json" timeout "${T:-180}" python3 scripts/dev/host_probe.py > "$OUT/probe.log" 2>&1
       tail -12 "$OUT/probe.log" ;;
