@@ -121,6 +121,16 @@ def _backend(op: str, device, n: int, k: int, in_dtype, out_dtype, kind: int,
     return "loop", False
 
 
+def _accumulate_once(out: torch.Tensor, product_into: Callable[[torch.Tensor], None]) -> torch.Tensor:
+    """out += product, rounded to out's 16-bit dtype once: cuBLAS with beta = 1 and a bf16/fp16
+    C rounds the product to that dtype before adding (1-ulp errors, seen by the GPU fuzz), so the
+    multi-stream cuBLAS backend computes the product into FP32 zeros first (what it does not
+    write, rows past offs[-1] or empty groups, adds nothing)."""
+    tmp = torch.zeros(out.shape, dtype=torch.float32, device=out.device)
+    product_into(tmp)
+    return out.copy_(out.float() + tmp)
+
+
 def reference_grouped_mm(x, w, offs, out, accumulate, trans_w):
     """Per-group PyTorch loop with FP32 accumulation, into `out`."""
     for g, (s, e) in enumerate(group_bounds(offs, x.shape[0])):
@@ -263,6 +273,8 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *,
         autotune.record(choice)
         if out is None:
             return ops.grouped_mm(x, w, offs, out_dtype, trans_w, code, config)
+        if code == _CUBLAS and accumulate and out.dtype != torch.float32:
+            return _accumulate_once(out, lambda tmp: ops.grouped_mm_out(x, w, offs, tmp, False, trans_w, code))
         ops.grouped_mm_out(x, w, offs, out, accumulate, trans_w, code, config)
         return out
     if backend == "torch":
@@ -327,6 +339,8 @@ def grouped_mm_wgrad(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, *,
             return torch._grouped_mm(dy.T, x, offs=offs, out_dtype=out_dtype)
         if out is None:
             return ops.grouped_mm_wgrad(dy, x, offs, out_dtype, code, config)
+        if code == _CUBLAS and accumulate and out.dtype != torch.float32:
+            return _accumulate_once(out, lambda tmp: ops.grouped_mm_wgrad_out(dy, x, offs, tmp, False, code))
         ops.grouped_mm_wgrad_out(dy, x, offs, out, accumulate, code, config)
         return out
     if backend == "torch":

@@ -33,6 +33,8 @@ single_s="${SANITIZER_SINGLE_S:-100}"
 tp_s="${SANITIZER_TP_S:-55}"
 all_configs="${SANITIZER_ALL_CONFIGS:-memcheck}"
 tools=(memcheck racecheck synccheck initcheck)
+only="${SANITIZER_TOOLS:-${tools[*]}}"  # a subset, e.g. SANITIZER_TOOLS=initcheck
+want() { [[ " $only " == *" $1 "* ]]; }
 
 san="$(command -v compute-sanitizer || true)"
 for c in /usr/local/cuda/bin/compute-sanitizer /usr/local/cuda/compute-sanitizer/compute-sanitizer \
@@ -82,8 +84,10 @@ else
   gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
   second=$(( gpus > 1 ? 1 : 0 ))
   # single-GPU parts: all four at once, two per GPU (all on GPU 0 where there is one)
-  run memcheck single "$single_s" 0 & run racecheck single "$single_s" "$second" &
-  run synccheck single "$single_s" 0 & run initcheck single "$single_s" "$second" &
+  want memcheck && run memcheck single "$single_s" 0 &
+  want racecheck && run racecheck single "$single_s" "$second" &
+  want synccheck && run synccheck single "$single_s" 0 &
+  want initcheck && run initcheck single "$single_s" "$second" &
   wait
   if [ "$gpus" -ge 2 ]; then
     # TP parts: two tools at a time, each on both GPUs
