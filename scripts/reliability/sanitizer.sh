@@ -113,7 +113,11 @@ for tool in ("memcheck", "racecheck", "synccheck", "initcheck"):
         text = "".join(open(f, errors="replace").read() for f in logs)
         driver = os.path.join(out, f"{tool}_{part}.log")
         driver_text = open(driver, errors="replace").read() if os.path.exists(driver) else ""
-        counts = [int(n) for n in re.findall(r"ERROR SUMMARY: (\d+) error", text + driver_text)]
+        # one "ERROR SUMMARY: N errors" line per process (not the "N errors were not printed" one);
+        # racecheck says "RACECHECK SUMMARY: N hazards displayed (E errors, W warnings)"
+        counts = [int(n) for n in re.findall(r"ERROR SUMMARY: (\d+) errors?\s*$", text + driver_text, re.M)]
+        if not counts:
+            counts = [int(n) for n in re.findall(r"RACECHECK SUMMARY: \d+ hazards displayed \((\d+) errors", text)]
         n = sum(counts) if counts else None
         note = ""
         if "Device not supported" in text + driver_text:
