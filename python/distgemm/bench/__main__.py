@@ -27,7 +27,6 @@ import faulthandler
 import os
 import signal
 import sys
-import time
 
 import torch
 
@@ -109,33 +108,9 @@ def parse_args(argv=None):
     return args
 
 
-def poke_stalled_waits(every_s: float) -> None:
-    """Interrupts the main thread with a no-op signal every `every_s` seconds (0: never).
-
-    On the H200 VMs this was built on, a host wait on the GPU (an event's synchronize, a launch
-    into a full queue) twice stopped for good in one run while the GPU sat idle, and went on
-    within a second of the process receiving a signal (bench/NOTES.md, session 10): the
-    driver's wait missed its wake-up. The interrupted wait re-checks and returns; other system
-    calls are retried (PEP 475), so healthy machines only pay a signal every few seconds."""
-    if every_s <= 0:
-        return
-    import threading
-
-    signal.signal(signal.SIGUSR2, lambda *_: None)
-    main_id = threading.main_thread().ident
-
-    def poke():
-        while True:
-            time.sleep(every_s)
-            signal.pthread_kill(main_id, signal.SIGUSR2)
-
-    threading.Thread(target=poke, name="distgemm-bench-poke", daemon=True).start()
-
-
 def main(argv=None) -> None:
     # `kill -USR1 <pid>` (or `timeout -s USR1`) prints every thread's stack: where a run stalls.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
-    poke_stalled_waits(float(os.environ.get("DISTGEMM_BENCH_POKE_S", "5")))
     args = parse_args(argv)
     suites = args.suites
 
