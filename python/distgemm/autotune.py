@@ -163,6 +163,17 @@ def choose(key: str, candidates: Dict[str, Callable[[], object]], prefer: Option
     return choice
 
 
+CUTLASS_PREFIX = "cutlass:"  # a choice of one of distgemm's tile configurations: "cutlass:<config name>"
+
+
+def config_index(choice: Optional[str], names: tuple) -> Optional[int]:
+    """The index in `names` of a 'cutlass:<config>' choice this build still has, else None."""
+    if choice is None or not choice.startswith(CUTLASS_PREFIX):
+        return None
+    name = choice[len(CUTLASS_PREFIX):]
+    return names.index(name) if name in names else None
+
+
 def record(backend: str) -> None:
     global _LAST
     if not torch.compiler.is_compiling():

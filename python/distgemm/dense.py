@@ -228,17 +228,6 @@ def _c_form(c, m: int) -> str:
     return "full" if c.dim() == 2 and c.shape[0] == m and c.stride(0) != 0 else "bias"
 
 
-_CUTLASS_PREFIX = "cutlass:"
-
-
-def _cached_index(choice: Optional[str], names: tuple) -> Optional[int]:
-    """The tile index of a stored 'cutlass:<config>' choice that this build still has, else None."""
-    if choice is None or not choice.startswith(_CUTLASS_PREFIX):
-        return None
-    name = choice[len(_CUTLASS_PREFIX):]
-    return names.index(name) if name in names else None
-
-
 def _cublas_gemm(a, b, c, out_dtype):
     """alpha = 1, beta = 1 (or no c) through PyTorch's cuBLAS: the autotuner's peer candidate."""
     if c is None:
@@ -268,10 +257,10 @@ def _autotuned_gemm(a, b, c, alpha, beta, out_dtype, arch):
         return _cublas_gemm(a, b, c, out_dtype)
     ka, kb, kc, _, n_kernel = _kernel_operands(a, b, c, out_dtype, None)
     names = _config_names(a.dtype, b.dtype, out_dtype, _k_major(kb), arch)
-    index = _cached_index(choice, names)  # a cached tile choice: no candidates to build
+    index = autotune.config_index(choice, names)  # a cached tile choice: no candidates to build
     if index is None:
-        candidates = {f"{_CUTLASS_PREFIX}{name}": (lambda i=i: ops.gemm(ka, kb, kc, alpha, beta, out_dtype,
-                                                                         None, None, False, i))
+        candidates = {f"{autotune.CUTLASS_PREFIX}{name}":
+                      (lambda i=i: ops.gemm(ka, kb, kc, alpha, beta, out_dtype, None, None, False, i))
                       for i, name in enumerate(names)}
         if cublas_ok:
             candidates["cublas"] = lambda: _cublas_gemm(a, b, c, out_dtype)
@@ -284,7 +273,7 @@ def _autotuned_gemm(a, b, c, alpha, beta, out_dtype, arch):
             _remember_call(a, b, c, alpha, beta, out_dtype, _run_cublas(out_dtype))
             autotune.record(choice)
             return candidates[choice]()
-        index = _cached_index(choice, names)
+        index = autotune.config_index(choice, names)
     if c is None and n_kernel == n and ka is a and kb is b:  # operands read in place
         _remember_call(a, b, c, alpha, beta, out_dtype, _run_cutlass(alpha, beta, out_dtype, index, choice))
     autotune.record(choice)
@@ -351,11 +340,11 @@ def _autotuned_fp8_gemm(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_
         return lambda: _trim(ops.gemm(ka, kb, kc, alpha, beta, kernel_dtype, kscale_a, kscale_b, fast_accum, i),
                              n, kernel_dtype, out_dtype)
 
-    index = _cached_index(choice, names)
+    index = autotune.config_index(choice, names)
     if index is None:
         if not autotune.may_time():  # graph capture: no trial call of the peer, the heuristic runs
             return None
-        candidates = {f"{_CUTLASS_PREFIX}{name}": ours(i) for i, name in enumerate(names)}
+        candidates = {f"{autotune.CUTLASS_PREFIX}{name}": ours(i) for i, name in enumerate(names)}
         if peer is not None:
             try:
                 peer()  # PyTorch's own checks differ by version: a refusal drops the candidate
@@ -370,7 +359,7 @@ def _autotuned_fp8_gemm(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_
         if choice == _SCALED_MM:
             autotune.record(choice)
             return peer()
-        index = _cached_index(choice, names)
+        index = autotune.config_index(choice, names)
     autotune.record(choice)
     return ours(index)()
 

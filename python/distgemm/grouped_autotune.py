@@ -27,7 +27,6 @@ from . import autotune
 from ._library import ops
 
 TORCH = "torch._grouped_mm"
-_PREFIX = "cutlass:"
 _KIND_NAMES = ("forward", "dgrad", "wgrad")
 
 
@@ -43,13 +42,6 @@ def _key(kind: int, groups: int, tokens: int, n: int, k: int, in_dtype, out_dtyp
             f"|acc:{int(accumulate)}|torch:{int(torch_ok)}")
 
 
-def _index(choice: Optional[str], names: tuple) -> Optional[int]:
-    if choice is None or not choice.startswith(_PREFIX):
-        return None
-    name = choice[len(_PREFIX):]
-    return names.index(name) if name in names else None
-
-
 def choose(kind: int, groups: int, tokens: int, n: int, k: int, in_dtype, out_dtype, accumulate: bool,
            run_config: Callable[[int], object], run_torch: Optional[Callable[[], object]],
            device: Optional[torch.device]) -> Optional[str]:
@@ -62,11 +54,12 @@ def choose(kind: int, groups: int, tokens: int, n: int, k: int, in_dtype, out_dt
     names = config_names(kind, in_dtype, out_dtype)
     key = _key(kind, groups, tokens, n, k, in_dtype, out_dtype, accumulate, run_torch is not None)
     known = autotune.lookup(key)
-    if known == TORCH and run_torch is not None or _index(known, names) is not None:
+    if known == TORCH and run_torch is not None or autotune.config_index(known, names) is not None:
         return known
     if not autotune.may_time():
         return None
-    candidates = {f"{_PREFIX}{name}": (lambda i=i: run_config(i)) for i, name in enumerate(names)}
+    candidates = {f"{autotune.CUTLASS_PREFIX}{name}": (lambda i=i: run_config(i))
+                  for i, name in enumerate(names)}
     if run_torch is not None:
         candidates[TORCH] = run_torch
     candidates = {name: fn for name, fn in candidates.items() if _runs(fn)}
@@ -90,5 +83,5 @@ def config_index(choice: Optional[str], kind: int, in_dtype, out_dtype) -> int:
     """The core's config index of a 'cutlass:<config>' choice; -1 (the cost model) otherwise."""
     if choice is None:  # no lookup of the build's configs: torch.compile traces this
         return -1
-    index = _index(choice, config_names(kind, in_dtype, out_dtype))
+    index = autotune.config_index(choice, config_names(kind, in_dtype, out_dtype))
     return -1 if index is None else index
