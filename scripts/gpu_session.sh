@@ -17,14 +17,23 @@ else
   python3 -m pip install -q --no-deps --force-reinstall /tmp/wh/distgemm-*.whl
   cp /tmp/wh/distgemm-*.whl "$OUT/" ; ls -la /tmp/wh; stamp "built"
 fi
+# A step's timeout kills its direct child only: a compute-sanitizer or pytest child left running
+# time-slices the GPU with every later step (the bench stalls of session 10). Log and end them.
+reap() {
+  nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv,noheader >> "$OUT/gpu_apps.log" 2>&1
+  for pid in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null); do
+    [ "$pid" != "$$" ] && kill -9 "$pid" 2>/dev/null && stamp "reaped stray GPU process $pid"
+  done
+}
 for step in ${STEPS:-}; do
+  reap
   case "$step" in
     segv1) timeout 120 cuda-gdb -batch -ex run -ex bt --args python3 -c "import torch, distgemm; print(torch.ops.distgemm.gemm_select_config(64, 64, 64, torch.bfloat16, torch.bfloat16, torch.bfloat16, True, 80, 108))" > "$OUT/segv1.log" 2>&1 ;;
     cpu|gpu|multigpu) timeout "${T:-400}" python3 -m pytest -q -ra -p no:cacheprovider "tests/$step" > "$OUT/tests_$step.log" 2>&1; tail -5 "$OUT/tests_$step.log" ;;
     all) timeout "${T:-540}" python3 -m pytest -q -ra -p no:cacheprovider > "$OUT/tests_all.log" 2>&1; tail -8 "$OUT/tests_all.log" ;;
     pytest:*) f="${step#pytest:}"; log="$OUT/tests_$(basename "${f%%.py*}").log"
       timeout "${T:-400}" python3 -m pytest -q -ra -p no:cacheprovider "$f" > "$log" 2>&1; tail -15 "$log" ;;
-    bench:*) s="${step#bench:}"; timeout -s USR1 -k 15 "${TB:-300}" python3 -m distgemm.bench --suites "$s" ${BENCH_ARGS:-} \
+    bench:*) s="${step#bench:}"; CUDA_MODULE_LOADING=EAGER timeout -s USR1 -k 15 "${TB:-300}" python3 -m distgemm.bench --suites "$s" ${BENCH_ARGS:-} \
       --out "$OUT/results" > "$OUT/bench_${s//,/_}.log" 2>&1; grep -v "^tune" "$OUT/bench_${s//,/_}.log" | tail -40 ;;
     tune:*) s="${step#tune:}"; timeout -s USR1 -k 15 "${TB:-300}" python3 -m distgemm.bench --suites "$s" --tune \
       --out "$OUT/results" > "$OUT/tune_${s//,/_}.log" 2>&1; tail -5 "$OUT/tune_${s//,/_}.log" ;;
@@ -37,6 +46,8 @@ for step in ${STEPS:-}; do
           DISTGEMM_FUZZ_REPORT="$OUT/fuzz_report_autotune$tune.jsonl" timeout "${T:-240}" python3 -m pytest -q -rs \
           -p no:cacheprovider "tests/gpu/test_fuzz_gpu.py::test_${t}_fuzz" > "$OUT/fuzz_${t}_autotune$tune.log" 2>&1 &
       done; wait; tail -n 3 "$OUT"/fuzz_*.log ;;
+    gprofile) PROFILE_OUT="$OUT/grouped_profile.json" CUDA_MODULE_LOADING=EAGER timeout -s USR1 -k 15 "${T:-240}" \
+      python3 scripts/dev/grouped_profile.py ${PROFILE_ROWS:-} > "$OUT/grouped_profile.log" 2>&1; tail -40 "$OUT/grouped_profile.log" ;;
     probe) PROBE_OUT="$OUT/host_probe.json" timeout "${T:-180}" python3 scripts/dev/host_probe.py > "$OUT/probe.log" 2>&1
       tail -12 "$OUT/probe.log" ;;
     soak) timeout "${T:-120}" python3 scripts/reliability/soak.py --out "$OUT/soak.json" --calls 10000 \

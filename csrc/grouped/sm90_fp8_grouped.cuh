@@ -266,6 +266,7 @@ __device__ void fill_fp8_group_arguments(typename G::Arrays& arr, const GroupedP
 // every block of the row repacks its share of the group's scales (forward only).
 template <class G>
 __global__ void build_fp8_grouped_arguments(typename G::Arrays arr, GroupedProblem p) {
+  allow_dependent_gemm_launch();
   const int64_t threads = int64_t(gridDim.x) * blockDim.x;
   const int64_t tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (blockIdx.y == 0) {

@@ -176,6 +176,7 @@ __device__ void fill_group_arguments(typename G::Arrays& arr, const GroupedProbl
 
 template <class G>
 __global__ void build_grouped_arguments(typename G::Arrays arr, GroupedProblem p) {
+  allow_dependent_gemm_launch();
   using Element = typename G::Element;
   const int64_t zeros = p.n > p.k ? p.n : p.k;
   for (int64_t i = blockIdx.x * blockDim.x + threadIdx.x; i < zeros; i += gridDim.x * blockDim.x)

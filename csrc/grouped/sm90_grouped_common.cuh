@@ -4,12 +4,26 @@
 
 #include <cstddef>
 
+#include <cutlass/arch/grid_dependency_control.h>
 #include <cutlass/cutlass.h>
 
 #include "common/status.h"
 #include "grouped/grouped_problem.h"
 
 namespace distgemm::grouped::sm90 {
+
+// The GEMM is launched as a programmatic dependent of the argument builder (PDL): its CTAs are
+// scheduled and set up their pipelines while the builder runs, and wait for the builder's
+// writes at CUTLASS's griddepcontrol.wait. Only where the kernels were compiled with that wait.
+#if defined(CUTLASS_ENABLE_GDC_FOR_SM90)
+constexpr bool kLaunchGemmAsDependent = true;
+#else
+constexpr bool kLaunchGemmAsDependent = false;
+#endif
+
+// Called first by every argument builder: lets the dependent GEMM launch now; it still waits
+// for the builder to finish before reading what it wrote.
+__device__ __forceinline__ void allow_dependent_gemm_launch() { cutlass::arch::launch_dependent_grids(); }
 
 // Typed arrays, each 256-byte aligned, one after the other from `base` (nullptr: only counts).
 struct WorkspaceCarver {
@@ -37,7 +51,7 @@ dg_status run_cutlass_grouped(const GroupedProblem& p, cudaStream_t stream, cons
     return fail(DG_ERROR_INTERNAL, cat("CUTLASS ", what, " cannot implement N=", p.n, " K=", p.k));
   if (gemm.initialize(args, arr.cutlass_workspace, stream) != cutlass::Status::kSuccess)
     return fail(DG_ERROR_INTERNAL, cat("CUTLASS ", what, " initialization failed"));
-  if (gemm.run(stream) != cutlass::Status::kSuccess)
+  if (gemm.run(stream, nullptr, kLaunchGemmAsDependent) != cutlass::Status::kSuccess)
     return fail(DG_ERROR_CUDA, cat(what, " launch failed: ", cudaGetErrorString(cudaGetLastError())));
   return DG_SUCCESS;
 }

@@ -128,12 +128,13 @@ def gemm(
     of b, promoted to FP32 every 128 of K (the grouped FP8 kernel with one group).
     Differentiable for bfloat16/float16 in a, b and c.
     """
-    autograd = needs_autograd(a, b, c)
-    looked_up = not autograd and scale_a is None and scale_b is None and not use_fast_accum
-    if looked_up:  # a repeated call skips the checks too (they are functions of its signature)
-        run = _repeat_call(a, b, c, alpha, beta, getattr(a, "dtype", None) if out_dtype is None else out_dtype)
+    plain = scale_a is None and scale_b is None and not use_fast_accum
+    if plain:  # a repeated call skips the checks too (they are functions of its signature)
+        run = _repeat_call(a, b, c, alpha, beta, out_dtype)
         if run is not None:
             return run(a, b, c)
+    autograd = needs_autograd(a, b, c)
+    looked_up = plain and not autograd
     out_dtype = check_operands("distgemm.gemm", a, b, c, out_dtype, scale_a, scale_b)
     if is_block_scaled(a, b, scale_a, scale_b):
         return _block_scaled_gemm(a, b, alpha, scale_a, scale_b)
@@ -148,20 +149,27 @@ _REPEAT_CALLS = RepeatCalls()
 
 
 def _call_signature(a, b, c, alpha, beta, out_dtype) -> Optional[tuple]:
+    """The key of a call in _REPEAT_CALLS (out_dtype None: a's dtype); None for non-tensors,
+    which the checks will name."""
     try:
         return (a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype, b.device,
-                None if c is None else (c.shape, c.stride(), c.dtype, c.device), alpha, beta, out_dtype)
-    except AttributeError:  # not tensors: the checks name the argument
+                None if c is None else (c.shape, c.stride(), c.dtype, c.device), alpha, beta,
+                a.dtype if out_dtype is None else out_dtype)
+    except AttributeError:
         return None
 
 
 def _repeat_call(a, b, c, alpha, beta, out_dtype) -> Optional[Callable]:
-    """The runner of a call (no scales, no autograd) seen before with this signature, where it
-    may run as is (eager, autotuning on); else None (the full path)."""
-    if not _REPEAT_CALLS or torch.compiler.is_compiling():
+    """The runner of a call (no scales) seen before with this signature, where it may run as is
+    (eager, no autograd to record, autotuning on); else None (the full path). Every call of a
+    few-microsecond GEMM comes through here: each step is written for host time."""
+    if not _REPEAT_CALLS or torch.compiler.is_compiling() or not autotune.enabled():
         return None
     run = _REPEAT_CALLS.get(_call_signature(a, b, c, alpha, beta, out_dtype))
-    return run if run is not None and autotune.enabled() else None
+    if run is None or (torch.is_grad_enabled() and (
+            a.requires_grad or b.requires_grad or (c is not None and c.requires_grad))):
+        return None
+    return run
 
 
 def _remember_call(a, b, c, alpha, beta, out_dtype, run: Callable) -> None:
@@ -366,9 +374,13 @@ def _autotuned_fp8_gemm(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_
 
 # The runners of repeated calls: _repeat_call has established that nothing is being traced.
 def _run_cublas(out_dtype):
+    record = autotune.record_eager
+
     def run(a, b, c):
-        autotune.record_eager("cublas")
-        return _cublas_gemm(a, b, c, out_dtype)
+        record("cublas")
+        if c is None:  # F.linear: a @ b.T without a Python-side view of b (~0.3 us less)
+            return torch.nn.functional.linear(a, b)
+        return torch.addmm(c.to(out_dtype), a, b.t())
     return run
 
 

@@ -14,7 +14,11 @@ def timed(monkeypatch, tmp_path):
     monkeypatch.setattr(autotune, "_LOADED", True)
     autotune.clear()
     times = {}
-    monkeypatch.setattr(autotune, "_time_ms", lambda fn, reps, flush: times[fn()])
+
+    def time_ms(fn, reps, flush):  # a number, or a list: the next timing of that candidate
+        t = times[fn()]
+        return t.pop(0) if isinstance(t, list) else t
+    monkeypatch.setattr(autotune, "_time_ms", time_ms)
     monkeypatch.setattr(autotune, "_flush_buffer", lambda: None)
     yield times
     autotune.clear()
@@ -41,3 +45,17 @@ def test_choice_is_remembered(timed):
     timed.update({"a": 0.1})  # not timed again: the stored choice stands
     assert autotune.choose("k2", candidates(["a", "b"])) == "b"
     assert autotune.lookup("k2") == "b"
+
+
+def test_a_close_win_must_hold_head_to_head(timed):
+    # 5% ahead in the first rounds (one of several candidates, by chance), level when timed
+    # again beside the vendor alone: the vendor keeps it
+    timed.update({"ours": [0.95] * 3 + [1.0] * 3, "other": 1.1, "vendor": 1.0})
+    assert autotune.choose("close", candidates(["ours", "other", "vendor"]), prefer="vendor") == "vendor"
+    timed.update({"ours": [0.95] * 3 + [0.94] * 3, "vendor": 1.0})
+    assert autotune.choose("close-held", candidates(["ours", "other", "vendor"]), prefer="vendor") == "ours"
+
+
+def test_a_clear_win_is_not_timed_again(timed):
+    timed.update({"ours": [0.5] * 3, "vendor": 1.0})  # a fourth timing of ours would fail
+    assert autotune.choose("clear", candidates(["ours", "vendor"]), prefer="vendor") == "ours"
