@@ -51,16 +51,9 @@ struct Sm90Grouped {
   using Traits = ScheduleTraits<Sched>;
   using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;
 
-  // FP32 out (the wgrad into main_grad): epilogue subtiles of 64 columns, not CUTLASS's auto
-  // 32. Each TMA store then moves 32 KB (cooperative) / 16 KB (ping-pong), and the two stores
-  // in flight per SM cover the memory latency: with 16 KB ones a wgrad of few tokens per expert
-  // (its time mostly the FP32 writes) stored at 2.4 TB/s where cuBLAS's bmm reached 3.1.
-  using EpilogueTile = std::conditional_t<
-      Out == DG_F32, Shape<Int<(Sched == gemm::kCooperative ? 128 : 64)>, _64>,
-      cutlass::epilogue::collective::EpilogueTileAuto>;
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-      EpilogueTile, float, float, ElementD, LayoutD*, kAlignD,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementD, LayoutD*, kAlignD,
       ElementD, LayoutD*, kAlignD, typename Traits::Epilogue,
       cutlass::epilogue::fusion::LinearCombination<ElementD, float>>::CollectiveOp;
 

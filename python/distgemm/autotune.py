@@ -112,10 +112,8 @@ def _time_ms(fn: Callable[[], object], reps: int, flush: torch.Tensor) -> float:
 
 
 def _flush_buffer() -> torch.Tensor:
-    """A buffer of twice the L2's size, to evict it between timed calls (freed after tuning).
-    Twice, as the benchmarks flush: with one L2's worth (one of the differences between
-    the two timings) the tuner kept, on a memory-bound GEMM (25 x 9216 x 7168), a tile that the
-    benchmark then timed 6-8% behind cuBLAS, in two runs, the second after a head-to-head."""
+    """A buffer of twice the L2's size, as the benchmarks flush, to evict it between timed calls
+    (freed after tuning)."""
     l2 = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "L2_cache_size", 0) or 64 << 20
     return torch.empty(2 * l2 // 4, dtype=torch.int32, device=torch.cuda.current_device())
 
