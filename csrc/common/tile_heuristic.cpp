@@ -46,33 +46,34 @@ int64_t usable_sms(const TileConfig& c, int sm_count) {
 // `tiles` tiles in whole waves over `sms` SMs, times the work per tile (mainloop + epilogue)
 // over the tile's measured efficiency. In double: a checked problem's tile count fits int64,
 // but the heuristic must not overflow on whatever it is asked about (exact below 2^53 tiles).
-double waves_cost(const TileConfig& c, double tiles, double k, int64_t sms) {
+double waves_cost(const TileConfig& c, double tiles, double k, int64_t sms, double epilogue_scale) {
   const double waves = std::ceil(tiles / static_cast<double>(sms));
   const TileCost cost = tile_cost(c);
-  return waves * c.tile_m * c.tile_n * (k + cost.epilogue_k) / cost.efficiency;
+  return waves * c.tile_m * c.tile_n * (k + cost.epilogue_k * epilogue_scale) / cost.efficiency;
 }
 
 }  // namespace
 
 double estimate_cost(const TileConfig& c, int64_t m, int64_t n, double k, int64_t batches,
-                     int sm_count) {
+                     int sm_count, double epilogue_scale) {
   const int64_t sms = usable_sms(c, sm_count);
   if (sms <= 0 || m <= 0 || n <= 0 || batches <= 0) return 1e300;
   const double tiles = static_cast<double>(clustered_tiles(m, c.tile_m, c.cluster_m)) *
                        static_cast<double>(clustered_tiles(n, c.tile_n, c.cluster_n)) *
                        static_cast<double>(batches);
-  return waves_cost(c, tiles, k, sms);
+  return waves_cost(c, tiles, k, sms, epilogue_scale);
 }
 
 double estimate_grouped_cost(const TileConfig& c, int64_t tokens, int64_t groups, int64_t n,
-                             double k, int sm_count) {
+                             double k, int sm_count, double epilogue_scale) {
   const int64_t sms = usable_sms(c, sm_count);
   if (sms <= 0 || tokens < 0 || groups <= 0 || n <= 0) return 1e300;
   const double granule = static_cast<double>(c.tile_m) * c.cluster_m;
   const double busy_groups = static_cast<double>(std::min(groups, tokens));  // others are empty
   const double rows = static_cast<double>(tokens) + busy_groups * granule / 2;
   const double tiles_m = std::ceil(rows / granule) * c.cluster_m;
-  return waves_cost(c, tiles_m * static_cast<double>(clustered_tiles(n, c.tile_n, c.cluster_n)), k, sms);
+  return waves_cost(c, tiles_m * static_cast<double>(clustered_tiles(n, c.tile_n, c.cluster_n)), k, sms,
+                    epilogue_scale);
 }
 
 }  // namespace distgemm

@@ -22,8 +22,10 @@ TileConfig tile_config(const Instance& inst) {
 // config `c`: waves of the persistent grid (tiles rounded up to whole clusters) times the
 // work per tile (mainloop + epilogue) over the tile's measured efficiency. Lower is faster.
 // k is in 16-bit-element units: FP8 contributes k / 2 (its tensor cores run twice as fast).
+// epilogue_scale: the output's bytes per element over 2 (2 for FP32 out): the epilogue's cost
+// is its writes.
 double estimate_cost(const TileConfig& c, int64_t m, int64_t n, double k, int64_t batches,
-                     int sm_count);
+                     int sm_count, double epilogue_scale = 1.0);
 
 // Relative time of a grouped GEMM (forward or dgrad): `groups` problems of unknown row counts
 // summing to `tokens` (the routing lives on the device), each n x k. CUTLASS's group scheduler
@@ -31,16 +33,21 @@ double estimate_cost(const TileConfig& c, int64_t m, int64_t n, double k, int64_
 // model charges each non-empty group half of that granule: the expected padding when group
 // sizes are not multiples of it, which real routing makes the common case.
 double estimate_grouped_cost(const TileConfig& c, int64_t tokens, int64_t groups, int64_t n,
-                             double k, int sm_count);
+                             double k, int sm_count, double epilogue_scale = 1.0);
 
-// The candidate of lowest `cost(TileConfig)` (the first on near-ties); nullptr if none.
+// The candidate of lowest `cost(TileConfig)`; nullptr if none. On near-ties (0.1%) the one of
+// the larger cluster, whose multicast halves one operand's reads from L2 (the cost has no term
+// for it: ping-pong 128x128 FP32 wgrads ran up to 19% faster in 2x1 clusters than in 1x1, on 3
+// of 4 problems; bench/NOTES.md, session 11), else the first.
 template <class Instance, class Cost>
 const Instance* select_cheapest_by(const std::vector<const Instance*>& candidates, Cost cost) {
   const Instance* best = nullptr;
   double best_cost = 0;
+  auto cluster = [](const Instance* i) { return i->cluster_m * i->cluster_n; };
   for (const Instance* inst : candidates) {
     const double c = cost(tile_config(*inst));
-    if (!best || c < best_cost * 0.999) {
+    const bool near_tie = best && c <= best_cost * 1.001 && c >= best_cost * 0.999;
+    if (!best || c < best_cost * 0.999 || (near_tie && cluster(inst) > cluster(best))) {
       best = inst;
       best_cost = c;
     }
@@ -48,12 +55,13 @@ const Instance* select_cheapest_by(const std::vector<const Instance*>& candidate
   return best;
 }
 
-// The candidate with the lowest estimate_cost (the first on near-ties); nullptr if none.
+// The candidate with the lowest estimate_cost (select_cheapest_by's near-tie rule); nullptr if none.
 template <class Instance>
 const Instance* select_cheapest(const std::vector<const Instance*>& candidates, int64_t m,
-                                int64_t n, double k, int64_t batches, int sm_count) {
+                                int64_t n, double k, int64_t batches, int sm_count,
+                                double epilogue_scale = 1.0) {
   return select_cheapest_by(candidates, [&](const TileConfig& c) {
-    return estimate_cost(c, m, n, k, batches, sm_count);
+    return estimate_cost(c, m, n, k, batches, sm_count, epilogue_scale);
   });
 }
 

@@ -310,12 +310,15 @@ dg_status plan(const dg_grouped_desc* desc, int device_arch, int sm_count, Group
   } else {
     // The cost model counts K in 16-bit elements: FP8 tensor cores do twice the work per cycle.
     const double per_16bit = p->scale_mode == DG_SCALE_NONE ? 1.0 : 0.5;
+    const double epilogue_scale = dtype_bytes(desc->out_dtype) / 2.0;
     if (p->kind == DG_GROUPED_WGRAD) {  // every group is an N x K tile grid, its tokens deep
       const int64_t mean_rows = std::max<int64_t>(1, p->tokens / p->groups);
-      *chosen = select_cheapest(list, p->n, p->k, per_16bit * mean_rows, p->groups, sm_count);
+      *chosen = select_cheapest(list, p->n, p->k, per_16bit * mean_rows, p->groups, sm_count,
+                                epilogue_scale);
     } else {  // forward and dgrad: G groups of unknown sizes, each padded to its cluster granule
       *chosen = select_cheapest_by(list, [&](const TileConfig& c) {
-        return estimate_grouped_cost(c, p->tokens, p->groups, p->n, per_16bit * p->k, sm_count);
+        return estimate_grouped_cost(c, p->tokens, p->groups, p->n, per_16bit * p->k, sm_count,
+                                     epilogue_scale);
       });
     }
   }

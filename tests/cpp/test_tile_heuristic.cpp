@@ -95,3 +95,36 @@ TEST(DenseCost, RoundsTilesToWholeClusters) {
   EXPECT_DOUBLE_EQ(estimate_cost(c, 129, 4096, 4096, 1, kH200Sms),
                    estimate_cost(c, 256, 4096, 4096, 1, kH200Sms));
 }
+
+TEST(DenseCost, ChargesAnFp32EpilogueTwice) {
+  // Same tiles, same waves: only the epilogue term doubles, so the mainloop-heavy cost grows
+  // by less than 2x and the difference is the 16-bit epilogue's share.
+  const TileConfig c{gemm::kCooperative, 128, 256, 2, 1};
+  const double bf16 = estimate_cost(c, 4096, 4096, 256, 8, kH200Sms);
+  const double fp32 = estimate_cost(c, 4096, 4096, 256, 8, kH200Sms, 2.0);
+  const double no_epilogue = estimate_cost(c, 4096, 4096, 0, 8, kH200Sms);
+  EXPECT_GT(fp32, bf16);
+  EXPECT_DOUBLE_EQ(fp32 - bf16, no_epilogue);
+  // A few-token FP32 wgrad (256 tokens deep): charging the FP32 epilogue moves the choice
+  // toward the ping-pong tile, which hides its epilogue behind the other warpgroup's math.
+  const TileConfig pingpong{gemm::kPingpong, 128, 128, 2, 1};
+  EXPECT_LT(estimate_cost(pingpong, 1536, 2048, 256, 128, kH200Sms, 2.0) /
+                estimate_cost(c, 1536, 2048, 256, 128, kH200Sms, 2.0),
+            estimate_cost(pingpong, 1536, 2048, 256, 128, kH200Sms) /
+                estimate_cost(c, 1536, 2048, 256, 128, kH200Sms));
+}
+
+TEST(SelectCheapest, BreaksNearTiesTowardTheLargerCluster) {
+  // Equal modelled cost (a wgrad: its rows are N, never padded by a cluster): the multicast
+  // of the 2x1 cluster decides, whichever comes first in the list.
+  const Candidate c1x1{gemm::kPingpong, 128, 128, 1, 1};
+  const Candidate c2x1{gemm::kPingpong, 128, 128, 2, 1};
+  const Candidate cheaper{gemm::kCooperative, 128, 256, 1, 1};
+  auto flat = [](const TileConfig&) { return 1.0; };
+  EXPECT_EQ(select_cheapest_by(std::vector<const Candidate*>{&c1x1, &c2x1}, flat), &c2x1);
+  EXPECT_EQ(select_cheapest_by(std::vector<const Candidate*>{&c2x1, &c1x1}, flat), &c2x1);
+  // A real difference still wins over a larger cluster.
+  auto cost = [](const TileConfig& c) { return c.tile_n == 256 ? 0.9 : 1.0; };
+  EXPECT_EQ(select_cheapest_by(std::vector<const Candidate*>{&c2x1, &cheaper}, cost), &cheaper);
+  EXPECT_EQ(select_cheapest_by(std::vector<const Candidate*>{}, flat), nullptr);
+}
