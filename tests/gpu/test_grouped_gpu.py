@@ -105,14 +105,19 @@ def test_every_config(kind, out_dtype, n, k):
     counts = random_counts(7, 1500, (4,))
     offs = make_offs(counts)
     x = torch.randn(1500, k, device=DEV).bfloat16()
+    # Into NaN-filled outputs: an element a config leaves unwritten fails the comparison instead
+    # of passing with the previous config's (equal) result in recycled memory.
     if kind == 2:
         dy = torch.randn(1500, n, device=DEV).bfloat16()
         for config in range(len(names)):
-            assert_close(ops.grouped_mm_wgrad(dy, x, offs, out_dtype, 0, config), ref_wgrad(dy, x, counts))
+            out = torch.full((7, n, k), float("nan"), device=DEV, dtype=out_dtype)
+            ops.grouped_mm_wgrad_out(dy, x, offs, out, False, 0, config)
+            assert_close(out, ref_wgrad(dy, x, counts))
     else:
         w = torch.randn(7, n, k, device=DEV).bfloat16() if kind == 0 else torch.randn(7, k, n, device=DEV).bfloat16()
         for config in range(len(names)):
-            out = ops.grouped_mm(x, w, offs, out_dtype, kind == 0, 0, config)
+            out = torch.full((1500, n), float("nan"), device=DEV, dtype=out_dtype)
+            ops.grouped_mm_out(x, w, offs, out, False, kind == 0, 0, config)
             assert_close(out, ref_forward(x, w, counts, trans_w=kind == 0))
 
 
