@@ -46,7 +46,7 @@ const Instance* select_cheapest_by(const std::vector<const Instance*>& candidate
   auto cluster = [](const Instance* i) { return i->cluster_m * i->cluster_n; };
   for (const Instance* inst : candidates) {
     const double c = cost(tile_config(*inst));
-    const bool near_tie = best && c <= best_cost * 1.001 && c >= best_cost * 0.999;
+    const bool near_tie = best && c <= best_cost * 1.001;  // lower costs: the first test below
     if (!best || c < best_cost * 0.999 || (near_tie && cluster(inst) > cluster(best))) {
       best = inst;
       best_cost = c;
