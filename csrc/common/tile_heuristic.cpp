@@ -25,6 +25,7 @@ TileCost tile_cost(const TileConfig& c) {
       return {c.tile_m >= 128 ? 0.95 : 0.8, 64};
     case gemm::kCooperative:
     case gemm::kCooperativeFastAccum:
+    case gemm::kContiguous:
       return {area >= 128 * 256 ? 1.0 : area >= 128 * 192 ? 0.93 : 0.88, 128};
     default:
       return {area >= 256 * 128 ? 1.0 : 0.9, 128};  // sm100 1-SM / 2-SM tiles

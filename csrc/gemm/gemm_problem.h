@@ -49,6 +49,7 @@ enum Schedule : int {
   kTwoSm = 3,        // sm100: 2-SM UMMA pair
   kCooperativeFastAccum = 4,  // sm90 FP8: no FP32 promotion of partial sums
   kPingpongFastAccum = 5,
+  kContiguous = 6,  // sm90 grouped: cooperative over the contiguous tokens, one descriptor per operand
 };
 // Spellings used in the .def instance lists.
 constexpr int coop = kCooperative;
@@ -57,6 +58,7 @@ constexpr int sm1 = kOneSm;
 constexpr int sm2 = kTwoSm;
 constexpr int coop_fa = kCooperativeFastAccum;
 constexpr int pingpong_fa = kPingpongFastAccum;
+constexpr int contig = kContiguous;
 
 constexpr bool is_fast_accum(int schedule) {
   return schedule == kCooperativeFastAccum || schedule == kPingpongFastAccum;

@@ -25,6 +25,11 @@ namespace {
    #S "_" #TM "x" #TN "_c" #CM "x" #CN,                                                     \
    &Sm90GroupedKernel<IN, OUT, KIND, S, TM, TN, CM, CN>::run,                               \
    &Sm90GroupedKernel<IN, OUT, KIND, S, TM, TN, CM, CN>::workspace},
+#define DG_SM90_GROUPED_CONTIGUOUS(IN, OUT, KIND, TM, TN)                                   \
+  {90, IN, OUT, dg_grouped_kind(KIND), DG_SCALE_NONE, gemm::kContiguous, TM, TN, 1, 1,        \
+   "contig_" #TM "x" #TN "_c1x1",                                                           \
+   &Sm90GroupedContiguousKernel<IN, OUT, KIND, TM, TN>::run,                                \
+   &Sm90GroupedContiguousKernel<IN, OUT, KIND, TM, TN>::workspace},
 // An FP8 instance whose A operand is IN (e4m3, or e5m2 for a gradient) against an e4m3 B.
 #define DG_SM90_FP8_GROUPED_OF(IN, PREFIX, MODE, OUT, KIND, S, TM, TN, CM, CN)               \
   {90, IN, OUT, dg_grouped_kind(KIND), dg_scale_mode(MODE), Schedule(S), TM, TN, CM, CN,      \
@@ -35,6 +40,7 @@ namespace {
 #define DG_SM90_FP8_E5M2_GROUPED(...) DG_SM90_FP8_GROUPED_OF(DG_E5M2, "e5m2_", __VA_ARGS__)
 #else
 #define DG_SM90_GROUPED(...)
+#define DG_SM90_GROUPED_CONTIGUOUS(...)
 #define DG_SM90_FP8_GROUPED(...)
 #define DG_SM90_FP8_E5M2_GROUPED(...)
 #endif
@@ -51,6 +57,7 @@ const GroupedInstance kInstanceTable[] = {
     GroupedInstance{},
 };
 #undef DG_SM90_GROUPED
+#undef DG_SM90_GROUPED_CONTIGUOUS
 #undef DG_SM90_FP8_GROUPED
 #undef DG_SM90_FP8_E5M2_GROUPED
 #undef DG_SM90_FP8_GROUPED_OF
@@ -351,7 +358,7 @@ extern "C" dg_status dg_grouped_gemm(const dg_grouped_desc* desc, void* workspac
   DG_RETURN_IF_ERROR(plan(desc, dev.arch, dev.sm_count, &p, &inst));
   if (p.tokens == 0 && p.kind != DG_GROUPED_WGRAD) return DG_SUCCESS;  // no rows to write
   const size_t needed = inst->workspace(p);
-  DG_REQUIRE(workspace != nullptr && workspace_bytes >= needed, "workspace of ", workspace_bytes,
+  DG_REQUIRE(needed == 0 || (workspace != nullptr && workspace_bytes >= needed), "workspace of ", workspace_bytes,
              " bytes is smaller than the ", needed, " needed");
   p.device = device;
   p.workspace = workspace;

@@ -55,6 +55,14 @@ struct Sm90GroupedKernel {
   static size_t workspace(const GroupedProblem& problem);
 };
 
+// Defined in sm90_grouped_contiguous.cuh (forward and dgrad over the contiguous tokens, one
+// descriptor per operand, no argument arrays), instantiated from grouped_instances.def.
+template <dg_dtype In, dg_dtype Out, int Kind, int TileM, int TileN>
+struct Sm90GroupedContiguousKernel {
+  static dg_status run(const GroupedProblem& problem, cudaStream_t stream);
+  static size_t workspace(const GroupedProblem& problem);
+};
+
 // Defined in sm90_fp8_grouped.cuh, instantiated from grouped_fp8_instances.def. InA: A's dtype,
 // e4m3, or e5m2 for a gradient (dy in a dgrad, dy^T in a wgrad) against an e4m3 B.
 template <int Mode, dg_dtype Out, int Kind, int TileM, int TileN, int ClusterM, int ClusterN, dg_dtype InA>
@@ -71,5 +79,6 @@ constexpr int dgrad = DG_GROUPED_DGRAD;
 constexpr int wgrad = DG_GROUPED_WGRAD;
 using gemm::coop;
 using gemm::pingpong;
+using gemm::contig;
 
 }  // namespace distgemm::grouped

@@ -121,6 +121,56 @@ def test_every_config(kind, out_dtype, n, k):
             assert_close(out, ref_forward(x, w, counts, trans_w=kind == 0))
 
 
+@pytest.mark.parametrize("kind", [0, 1])
+def test_every_config_accumulates_bf16(kind):
+    """accumulate=True into a bf16 out, every forward / dgrad config: one rounding of out + x @ w."""
+    names = ops.grouped_configs(kind, torch.bfloat16, torch.bfloat16, device_arch(torch.device(DEV)))
+    n, k, t = 264, 136, 1100
+    counts = random_counts(5, t, (1,))
+    offs = make_offs(counts)
+    x = torch.randn(t, k, device=DEV).bfloat16()
+    w = torch.randn(5, n, k, device=DEV).bfloat16() if kind == 0 else torch.randn(5, k, n, device=DEV).bfloat16()
+    start = torch.randn(t, n, device=DEV).bfloat16()
+    expected = start.double() + ref_forward(x, w, counts, trans_w=kind == 0)
+    for config in range(len(names)):
+        out = start.clone()
+        ops.grouped_mm_out(x, w, offs, out, True, kind == 0, 0, config)
+        assert_close(out, expected)
+
+
+def contiguous_configs(kind):
+    names = ops.grouped_configs(kind, torch.bfloat16, torch.bfloat16, device_arch(torch.device(DEV)))
+    return [(i, name) for i, name in enumerate(names) if name.startswith("contig_")]
+
+
+@pytest.mark.parametrize("groups,tokens", [(3, 5), (33, 3001), (300, 4000), (2000, 2500)])
+@pytest.mark.parametrize("kind", [0, 1])
+def test_contiguous_kernel_ragged_routing(kind, groups, tokens):
+    """The contiguous-token kernel walks the offsets itself, 32 groups a step: G across that
+    step, groups of 0, 1 and more rows than a tile, a tile straddling two groups; each group
+    checked on its own, and the rows around out untouched."""
+    configs = contiguous_configs(kind)
+    assert configs, "no contiguous-token grouped kernel in this build"
+    n, k = 200, 72  # N not a multiple of any tile; K one partial 64-wide step past the first
+    torch.manual_seed(groups)
+    counts = random_counts(groups, tokens, tuple(range(0, groups, 3)))
+    offs = make_offs(counts)
+    x = torch.randn(tokens, k, device=DEV).bfloat16()
+    w = (torch.randn(groups, n, k, device=DEV) if kind == 0 else torch.randn(groups, k, n, device=DEV)).bfloat16()
+    ref = ref_forward(x, w, counts, trans_w=kind == 0)
+    for config, name in configs:
+        storage = torch.full((tokens + 256, n), 7.0, device=DEV, dtype=torch.bfloat16)
+        out = storage[128:128 + tokens]
+        out.fill_(float("nan"))
+        ops.grouped_mm_out(x, w, offs, out, False, kind == 0, 0, config)
+        assert torch.all(storage[:128] == 7.0) and torch.all(storage[128 + tokens:] == 7.0), name
+        s = 0
+        for g, c in enumerate(counts):
+            if c:
+                assert_close(out[s:s + c], ref[s:s + c])
+            s += c
+
+
 @pytest.mark.parametrize("backend", ["cutlass", "cublas", "torch"])
 def test_backends_agree(backend, monkeypatch):
     monkeypatch.setenv("DISTGEMM_GROUPED_BACKEND", backend)

@@ -1,0 +1,329 @@
+// SM90 grouped GEMM over the contiguous token tensor (forward and dgrad, bf16/fp16): one TMA
+// descriptor for x (T, K) and one for w (G, ., .) with the group as its batch coordinate, so
+// no per-group descriptor is built or fenced (the ptr-array kernels' cost on small problems),
+// and no argument-builder kernel runs first. Every warp walks the device-side offsets itself.
+//
+// A tile's A rows start at its group's first row (any row: TMA takes element coordinates);
+// rows past the group's end load the next group's tokens and are never stored: the epilogue
+// stages the FP32 tile in shared memory and writes only the group's rows, 16-byte vectors
+// where the dtype allows. Persistent CTAs, two consumer warpgroups on one tile (CUTLASS's
+// cooperative mainloop collective), one producer warp.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/grid_dependency_control.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/cutlass.h>
+#include <cutlass/gemm/collective/collective_builder.hpp>
+#include <cutlass/gemm/dispatch_policy.hpp>
+#include <cutlass/pipeline/pipeline.hpp>
+
+#include "common/cutlass_types.cuh"
+#include "common/status.h"
+#include "grouped/grouped_problem.h"
+
+namespace distgemm::grouped::sm90 {
+
+using namespace cute;
+
+template <dg_dtype In, dg_dtype Out, int Kind, int TileM, int TileN>
+struct ContiguousGrouped {
+  static_assert(Kind == DG_GROUPED_FORWARD || Kind == DG_GROUPED_DGRAD,
+                "the contiguous kernel computes forward and dgrad (rows are tokens)");
+  static_assert(TileM == 128, "two consumer warpgroups of 64 rows each");
+  using Element = cutlass_type_t<In>;
+  using ElementD = cutlass_type_t<Out>;
+  using LayoutA = cutlass::layout::RowMajor;  // x or dy: (T, K) K-major
+  // forward: w (G, N, K) K-major; dgrad: w (G, K, N), N-major.
+  using LayoutB = std::conditional_t<Kind == DG_GROUPED_FORWARD, cutlass::layout::ColumnMajor,
+                                     cutlass::layout::RowMajor>;
+  static constexpr int kAlign = 16 / sizeof(Element);
+  using TileShape = Shape<Int<TileM>, Int<TileN>, Int<128 / sizeof(Element)>>;
+  using ClusterShape = Shape<_1, _1, _1>;
+
+  // The epilogue stages kEpiN columns of the FP32 tile at a time (narrower for 256-wide tiles,
+  // which keeps them a fourth mainloop stage); rows padded by 8 floats so that the consumers'
+  // accumulator writes spread over the banks.
+  static constexpr int kEpiN = TileN >= 256 ? 32 : TileN < 64 ? TileN : 64;
+  static constexpr int kStagingLd = kEpiN + 8;
+  static constexpr int kStagingBytes = TileM * kStagingLd * 4;
+
+  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA, kAlign, Element,
+      LayoutB, kAlign, float, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<kStagingBytes>,
+      cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
+  using TiledMma = typename CollectiveMainloop::TiledMma;
+  using Pipeline = typename CollectiveMainloop::MainloopPipeline;
+  using PipelineState = typename CollectiveMainloop::PipelineState;
+  using StrideA = typename CollectiveMainloop::StrideA;
+  using StrideB = typename CollectiveMainloop::StrideB;
+
+  static constexpr int kProducerThreads = 128;
+  static constexpr int kConsumerThreads = 256;
+  static constexpr int kThreads = kProducerThreads + kConsumerThreads;
+  static_assert(size(TiledMma{}) == kConsumerThreads);
+
+  struct SharedStorage {
+    typename CollectiveMainloop::TensorStorage mainloop;  // first: 1024-byte aligned swizzles
+    alignas(128) float staging[TileM * kStagingLd];
+    alignas(16) typename CollectiveMainloop::PipelineStorage pipeline;
+  };
+  static constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage));
+
+  struct Params {
+    typename CollectiveMainloop::Params mainloop;
+    ElementD* d;
+    const int32_t* offs;
+    int groups;
+    int tokens;
+    int n, k;
+    int n_tiles;
+    bool accumulate;
+  };
+
+  static Params params(const GroupedProblem& p) {
+    StrideA sa{};
+    get<0>(sa) = p.k;
+    StrideB sb{};
+    if constexpr (Kind == DG_GROUPED_FORWARD) get<0>(sb) = p.k; else get<1>(sb) = p.n;
+    get<2>(sb) = p.n * p.k;
+    const int t = static_cast<int>(p.tokens), n = static_cast<int>(p.n), k = static_cast<int>(p.k);
+    typename CollectiveMainloop::Arguments args{static_cast<Element const*>(p.a), sa,
+                                                static_cast<Element const*>(p.b), sb};
+    // x's descriptor spans all T tokens (one batch); w's spans the G groups (the batch
+    // coordinate). The collective builds both from one problem shape, so it is asked twice
+    // (in the second, A is a valid one-row stand-in that is never used).
+    Params out{};
+    out.mainloop = CollectiveMainloop::to_underlying_arguments(make_shape(t, n, k, 1), args, nullptr);
+    StrideA one_row = sa;
+    get<2>(one_row) = p.k;
+    args.dA = one_row;
+    out.mainloop.tma_load_b =
+        CollectiveMainloop::to_underlying_arguments(make_shape(1, n, k, p.groups), args, nullptr).tma_load_b;
+    out.d = static_cast<ElementD*>(p.d);
+    out.offs = p.offs;
+    out.groups = p.groups;
+    out.tokens = t;
+    out.n = n;
+    out.k = k;
+    out.n_tiles = (n + TileN - 1) / TileN;
+    out.accumulate = p.accumulate;
+    return out;
+  }
+};
+
+// Which group, and which of its tiles, tile t is: tiles are numbered group by group, within a
+// group M-fastest. Called with the whole warp and a t that never decreases, so the walk over
+// the offsets is shared by a CTA's tiles and done 32 groups per step.
+template <int TileM>
+struct GroupTileWalker {
+  const int32_t* offs;
+  int groups, tokens, n_tiles;
+  int g = -1;
+  int64_t base = 0, count = 0;  // group g holds tiles [base, base + count)
+  int start = 0, rows = 0, m_tiles = 0;
+
+  // Group gi's rows, as the ptr-array kernels read them: offsets clamped to [0, T], a group
+  // ending before it starts is empty.
+  __device__ void bounds(int gi, int& s, int& e) const {
+    auto clamp_row = [&](int32_t r) { return r < 0 ? 0 : (r > tokens ? tokens : r); };
+    s = gi == 0 ? 0 : clamp_row(offs[gi - 1]);
+    e = max(clamp_row(offs[gi]), s);
+  }
+
+  __device__ bool locate(int64_t t) {
+    if (g >= 0 && t < base + count) return true;
+    const int lane = threadIdx.x % 32;
+    base += count;
+    g += 1;
+    while (g < groups) {
+      const int gi = g + lane;
+      int s = 0, e = 0;
+      if (gi < groups) bounds(gi, s, e);
+      const int mt = (e - s + TileM - 1) / TileM;
+      const int64_t c = int64_t(mt) * n_tiles;
+      int64_t incl = c;
+      for (int o = 1; o < 32; o *= 2) {
+        const int64_t v = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += v;
+      }
+      const int64_t total = __shfl_sync(0xffffffffu, incl, 31);
+      if (t < base + total) {
+        const unsigned hit = __ballot_sync(0xffffffffu, t < base + incl);
+        const int first = __ffs(hit) - 1;
+        base += __shfl_sync(0xffffffffu, incl - c, first);
+        count = __shfl_sync(0xffffffffu, c, first);
+        start = __shfl_sync(0xffffffffu, s, first);
+        rows = __shfl_sync(0xffffffffu, e - s, first);
+        m_tiles = __shfl_sync(0xffffffffu, mt, first);
+        g += first;
+        return true;
+      }
+      base += total;
+      g += 32;
+    }
+    count = 0;
+    return false;
+  }
+  __device__ int m_tile(int64_t t) const { return static_cast<int>((t - base) % m_tiles); }
+  __device__ int n_tile(int64_t t) const { return static_cast<int>((t - base) / m_tiles); }
+};
+
+// The consumers' epilogue: the FP32 tile through shared memory, kEpiN columns at a time, out
+// to the group's rows only (adding the old values when accumulating: one rounding, as the
+// ptr-array kernels' beta = 1).
+template <class K, class Accumulators>
+__device__ void store_group_tile(typename K::Params const& params, Accumulators const& acc,
+                                 float* staging, int mma_thread, int row0, int rows_valid,
+                                 int col0) {
+  using ElementD = typename K::ElementD;
+  constexpr int kTileM = size<0>(typename K::TileShape{});
+  constexpr int kTileN = size<1>(typename K::TileShape{});
+  constexpr int kVec = 4;  // columns per thread and store: 8 bytes of bf16, 16 of float
+  constexpr int kChunksPerRow = K::kEpiN / kVec;
+  typename K::TiledMma tiled_mma;
+  auto thr_mma = tiled_mma.get_thread_slice(mma_thread);
+  Tensor coords = thr_mma.partition_C(make_identity_tensor(make_shape(Int<kTileM>{}, Int<kTileN>{})));
+  CUTE_UNROLL
+  for (int pass = 0; pass < kTileN / K::kEpiN; ++pass) {
+    cutlass::arch::NamedBarrier::sync(K::kConsumerThreads, 0);  // the last pass's reads are done
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc); ++i) {
+      const int r = get<0>(coords(i));
+      const int c = get<1>(coords(i)) - pass * K::kEpiN;
+      if (c >= 0 && c < K::kEpiN) staging[r * K::kStagingLd + c] = acc(i);
+    }
+    cutlass::arch::NamedBarrier::sync(K::kConsumerThreads, 0);
+    const int pass_col = col0 + pass * K::kEpiN;
+    for (int chunk = mma_thread; chunk < kTileM * kChunksPerRow; chunk += K::kConsumerThreads) {
+      const int r = chunk / kChunksPerRow;
+      const int c = chunk % kChunksPerRow * kVec;
+      if (r >= rows_valid || pass_col + c >= params.n) continue;
+      const float4 v = *reinterpret_cast<const float4*>(staging + r * K::kStagingLd + c);
+      float out[kVec] = {v.x, v.y, v.z, v.w};
+      ElementD* dst = params.d + int64_t(row0 + r) * params.n + pass_col + c;
+      cutlass::Array<ElementD, kVec> packed;
+      if (params.accumulate) {
+        packed = *reinterpret_cast<const cutlass::Array<ElementD, kVec>*>(dst);
+        CUTE_UNROLL
+        for (int j = 0; j < kVec; ++j) out[j] += static_cast<float>(packed[j]);
+      }
+      CUTE_UNROLL
+      for (int j = 0; j < kVec; ++j) packed[j] = static_cast<ElementD>(out[j]);
+      *reinterpret_cast<cutlass::Array<ElementD, kVec>*>(dst) = packed;
+    }
+  }
+}
+
+template <class K>
+__global__ void __launch_bounds__(K::kThreads, 1)
+contiguous_grouped_gemm(const __grid_constant__ typename K::Params params) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using Mainloop = typename K::CollectiveMainloop;
+  using Pipeline = typename K::Pipeline;
+  extern __shared__ __align__(1024) char smem[];
+  auto& shared = *reinterpret_cast<typename K::SharedStorage*>(smem);
+  const int warp = cutlass::canonical_warp_idx_sync();
+  const int warp_group = cutlass::canonical_warp_group_idx();
+
+  typename Pipeline::Params pipe{};
+  pipe.role = warp_group == 0 ? (warp == 0 ? Pipeline::ThreadCategory::Producer
+                                           : Pipeline::ThreadCategory::NonParticipant)
+                              : Pipeline::ThreadCategory::Consumer;
+  pipe.is_leader = threadIdx.x % 128 == 0;
+  pipe.num_consumers = K::kConsumerThreads;
+  pipe.transaction_bytes = params.mainloop.tma_transaction_bytes;
+  Pipeline pipeline(shared.pipeline, pipe, typename K::ClusterShape{});
+  if (warp == 0 && cute::elect_one_sync()) Mainloop::prefetch_tma_descriptors(params.mainloop);
+  __syncthreads();
+  // Launched as a programmatic dependent: the offsets and operands may come from the kernel
+  // before; nothing global is touched until it is complete.
+  cutlass::arch::wait_on_dependent_grids();
+
+  GroupTileWalker<size<0>(typename K::TileShape{})> walker{params.offs, params.groups, params.tokens,
+                                                           params.n_tiles};
+  Mainloop mainloop;
+  Tensor mA = params.mainloop.tma_load_a.get_tma_tensor(make_shape(params.tokens, params.k, 1));
+  Tensor mB = params.mainloop.tma_load_b.get_tma_tensor(make_shape(params.n, params.k, params.groups));
+  const int k_tiles = (params.k + size<2>(typename K::TileShape{}) - 1) / size<2>(typename K::TileShape{});
+
+  if (warp_group == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<40>();
+    if (warp != 0) return;
+    auto write = cutlass::make_producer_start_state<Pipeline>();
+    for (int64_t t = blockIdx.x; walker.locate(t); t += gridDim.x) {
+      const int row0 = walker.start + walker.m_tile(t) * size<0>(typename K::TileShape{});
+      Tensor gA = local_tile(domain_offset(make_coord(row0, 0, 0), mA), typename K::TileShape{},
+                             make_coord(_, _, _), Step<_1, Underscore, _1>{});
+      Tensor gB = local_tile(domain_offset(make_coord(0, 0, walker.g), mB), typename K::TileShape{},
+                             make_coord(_, _, _), Step<Underscore, _1, _1>{});
+      auto k_iter = cute::make_coord_iterator(shape<3>(gA));
+      mainloop.load(params.mainloop, pipeline, write, cute::make_tuple(gA, gB),
+                    make_coord(0, walker.n_tile(t), _, 0), k_iter, k_tiles, threadIdx.x % 32, 0u,
+                    shared.mainloop);
+      write.advance(k_tiles);
+    }
+    mainloop.load_tail(pipeline, write);
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<232>();
+    const int mma_thread = threadIdx.x - K::kProducerThreads;
+    typename K::PipelineState read;
+    typename K::TiledMma tiled_mma;
+    for (int64_t t = blockIdx.x; walker.locate(t); t += gridDim.x) {
+      Tensor acc = partition_fragment_C(tiled_mma, take<0, 2>(typename K::TileShape{}));
+      mainloop.mma(pipeline, read, acc, k_tiles, mma_thread, shared.mainloop, params.mainloop);
+      mainloop.mma_tail(pipeline, read, k_tiles);
+      read.advance(k_tiles);
+      const int m_tile = walker.m_tile(t);
+      constexpr int kTileM = size<0>(typename K::TileShape{});
+      store_group_tile<K>(params, acc, shared.staging, mma_thread, walker.start + m_tile * kTileM,
+                          min(kTileM, walker.rows - m_tile * kTileM),
+                          walker.n_tile(t) * size<1>(typename K::TileShape{}));
+    }
+  }
+#endif
+}
+
+}  // namespace distgemm::grouped::sm90
+
+namespace distgemm::grouped {
+
+template <dg_dtype In, dg_dtype Out, int Kind, int TM, int TN>
+dg_status Sm90GroupedContiguousKernel<In, Out, Kind, TM, TN>::run(const GroupedProblem& p,
+                                                                  cudaStream_t stream) {
+  using K = sm90::ContiguousGrouped<In, Out, Kind, TM, TN>;
+  if (p.tokens == 0) return DG_SUCCESS;
+  const typename K::Params params = K::params(p);
+  // At most one tile row per group more than the tokens alone need.
+  const int64_t tiles = ((p.tokens + TM - 1) / TM + std::min<int64_t>(p.groups, p.tokens)) * params.n_tiles;
+  const int grid = static_cast<int>(std::min<int64_t>(tiles, std::max(p.sm_count, 1)));
+  auto kernel = &sm90::contiguous_grouped_gemm<K>;
+  DG_CUDA_RETURN(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, K::kSmemBytes));
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(grid);
+  config.blockDim = dim3(K::kThreads);
+  config.dynamicSmemBytes = K::kSmemBytes;
+  config.stream = stream;
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;  // overlap the launch with the kernel before
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = &attribute;
+  config.numAttrs = 1;
+  DG_CUDA_RETURN(cudaLaunchKernelEx(&config, kernel, params));
+  return DG_SUCCESS;
+}
+
+template <dg_dtype In, dg_dtype Out, int Kind, int TM, int TN>
+size_t Sm90GroupedContiguousKernel<In, Out, Kind, TM, TN>::workspace(const GroupedProblem&) {
+  return 0;
+}
+
+}  // namespace distgemm::grouped
+
+#define DG_INSTANTIATE_SM90_GROUPED_CONTIGUOUS(IN, OUT, KIND, TM, TN)                        \
+  template struct distgemm::grouped::Sm90GroupedContiguousKernel<IN, OUT, distgemm::grouped::KIND, TM, TN>;
