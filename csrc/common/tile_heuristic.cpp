@@ -53,6 +53,13 @@ double waves_cost(const TileConfig& c, double tiles, double k, int64_t sms, doub
   return waves * c.tile_m * c.tile_n * (k + cost.epilogue_k * epilogue_scale) / cost.efficiency;
 }
 
+// What a ptr-array grouped kernel pays before its first tile's math and the contiguous one
+// does not: the argument-builder kernel and each CTA's per-group descriptor set-up, in the
+// cost's units (tile area x K). Read off the H200 profile (bench/results/h200_grouped_profile.json,
+// session 12): 4 groups x 256 tokens, N 2048, K 768, one wave of 128x128 tiles ran 12.6 us in
+// the contiguous kernel and 16.6 us in the ptr-array one; four waves of the same tile ran equal.
+constexpr double kPtrArraySetup = 128.0 * 128.0 * 480.0;
+
 }  // namespace
 
 double estimate_cost(const TileConfig& c, int64_t m, int64_t n, double k, int64_t batches,
@@ -73,8 +80,9 @@ double estimate_grouped_cost(const TileConfig& c, int64_t tokens, int64_t groups
   const double busy_groups = static_cast<double>(std::min(groups, tokens));  // others are empty
   const double rows = static_cast<double>(tokens) + busy_groups * granule / 2;
   const double tiles_m = std::ceil(rows / granule) * c.cluster_m;
-  return waves_cost(c, tiles_m * static_cast<double>(clustered_tiles(n, c.tile_n, c.cluster_n)), k, sms,
-                    epilogue_scale);
+  const double setup = c.schedule == gemm::kContiguous ? 0.0 : kPtrArraySetup;
+  return setup + waves_cost(c, tiles_m * static_cast<double>(clustered_tiles(n, c.tile_n, c.cluster_n)),
+                            k, sms, epilogue_scale);
 }
 
 }  // namespace distgemm

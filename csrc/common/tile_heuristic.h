@@ -31,7 +31,9 @@ double estimate_cost(const TileConfig& c, int64_t m, int64_t n, double k, int64_
 // summing to `tokens` (the routing lives on the device), each n x k. CUTLASS's group scheduler
 // rounds every group's rows up to whole clusters of tiles (tile_m * cluster_m rows), so the
 // model charges each non-empty group half of that granule: the expected padding when group
-// sizes are not multiples of it, which real routing makes the common case.
+// sizes are not multiples of it, which real routing makes the common case. The ptr-array
+// kernels add a fixed set-up (argument builder, per-group descriptors) that the contiguous-token
+// kernel (schedule kContiguous) does not pay.
 double estimate_grouped_cost(const TileConfig& c, int64_t tokens, int64_t groups, int64_t n,
                              double k, int sm_count, double epilogue_scale = 1.0);
 

@@ -25,11 +25,11 @@ namespace {
    #S "_" #TM "x" #TN "_c" #CM "x" #CN,                                                     \
    &Sm90GroupedKernel<IN, OUT, KIND, S, TM, TN, CM, CN>::run,                               \
    &Sm90GroupedKernel<IN, OUT, KIND, S, TM, TN, CM, CN>::workspace},
-#define DG_SM90_GROUPED_CONTIGUOUS(IN, OUT, KIND, TM, TN)                                   \
-  {90, IN, OUT, dg_grouped_kind(KIND), DG_SCALE_NONE, gemm::kContiguous, TM, TN, 1, 1,        \
-   "contig_" #TM "x" #TN "_c1x1",                                                           \
-   &Sm90GroupedContiguousKernel<IN, OUT, KIND, TM, TN>::run,                                \
-   &Sm90GroupedContiguousKernel<IN, OUT, KIND, TM, TN>::workspace},
+#define DG_SM90_GROUPED_CONTIGUOUS(IN, OUT, KIND, TM, TN, CM)                               \
+  {90, IN, OUT, dg_grouped_kind(KIND), DG_SCALE_NONE, gemm::kContiguous, TM, TN, CM, 1,       \
+   "contig_" #TM "x" #TN "_c" #CM "x1",                                                     \
+   &Sm90GroupedContiguousKernel<IN, OUT, KIND, TM, TN, CM>::run,                            \
+   &Sm90GroupedContiguousKernel<IN, OUT, KIND, TM, TN, CM>::workspace},
 // An FP8 instance whose A operand is IN (e4m3, or e5m2 for a gradient) against an e4m3 B.
 #define DG_SM90_FP8_GROUPED_OF(IN, PREFIX, MODE, OUT, KIND, S, TM, TN, CM, CN)               \
   {90, IN, OUT, dg_grouped_kind(KIND), dg_scale_mode(MODE), Schedule(S), TM, TN, CM, CN,      \

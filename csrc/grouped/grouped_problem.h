@@ -57,7 +57,7 @@ struct Sm90GroupedKernel {
 
 // Defined in sm90_grouped_contiguous.cuh (forward and dgrad over the contiguous tokens, one
 // descriptor per operand, no argument arrays), instantiated from grouped_instances.def.
-template <dg_dtype In, dg_dtype Out, int Kind, int TileM, int TileN>
+template <dg_dtype In, dg_dtype Out, int Kind, int TileM, int TileN, int ClusterM>
 struct Sm90GroupedContiguousKernel {
   static dg_status run(const GroupedProblem& problem, cudaStream_t stream);
   static size_t workspace(const GroupedProblem& problem);

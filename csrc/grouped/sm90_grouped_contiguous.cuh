@@ -2,6 +2,8 @@
 // descriptor for x (T, K) and one for w (G, ., .) with the group as its batch coordinate, so
 // no per-group descriptor is built or fenced (the ptr-array kernels' cost on small problems),
 // and no argument-builder kernel runs first. Every warp walks the device-side offsets itself.
+// Clusters of ClusterM CTAs along M share (multicast) the group's weight tile: they take
+// adjacent tile rows of one group and N tile, the last pair's spare CTA storing nothing.
 //
 // A tile's A rows start at its group's first row (any row: TMA takes element coordinates);
 // rows past the group's end load the next group's tokens and are never stored: the epilogue
@@ -30,7 +32,7 @@ namespace distgemm::grouped::sm90 {
 
 using namespace cute;
 
-template <dg_dtype In, dg_dtype Out, int Kind, int TileM, int TileN>
+template <dg_dtype In, dg_dtype Out, int Kind, int TileM, int TileN, int ClusterM>
 struct ContiguousGrouped {
   static_assert(Kind == DG_GROUPED_FORWARD || Kind == DG_GROUPED_DGRAD,
                 "the contiguous kernel computes forward and dgrad (rows are tokens)");
@@ -43,7 +45,8 @@ struct ContiguousGrouped {
                                      cutlass::layout::RowMajor>;
   static constexpr int kAlign = 16 / sizeof(Element);
   using TileShape = Shape<Int<TileM>, Int<TileN>, Int<128 / sizeof(Element)>>;
-  using ClusterShape = Shape<_1, _1, _1>;
+  using ClusterShape = Shape<Int<ClusterM>, _1, _1>;
+  static constexpr int kClusterM = ClusterM;
 
   // The epilogue stages kEpiN columns of the FP32 tile at a time (narrower for 256-wide tiles,
   // which keeps them a fourth mainloop stage); rows padded by 8 floats so that the consumers'
@@ -117,16 +120,17 @@ struct ContiguousGrouped {
   }
 };
 
-// Which group, and which of its tiles, tile t is: tiles are numbered group by group, within a
-// group M-fastest. Called with the whole warp and a t that never decreases, so the walk over
-// the offsets is shared by a CTA's tiles and done 32 groups per step.
-template <int TileM>
+// Which group, and which of its work units, unit t is. A unit is a cluster's work: ClusterM
+// tile rows (M-adjacent) of one N tile. Units are numbered group by group, within a group
+// M-fastest. Called with the whole warp and a t that never decreases, so the walk over the
+// offsets is shared by a CTA's units and done 32 groups per step.
+template <int TileM, int ClusterM>
 struct GroupTileWalker {
   const int32_t* offs;
   int groups, tokens, n_tiles;
   int g = -1;
-  int64_t base = 0, count = 0;  // group g holds tiles [base, base + count)
-  int start = 0, rows = 0, m_tiles = 0;
+  int64_t base = 0, count = 0;  // group g holds units [base, base + count)
+  int start = 0, rows = 0, m_units = 0;
 
   // Group gi's rows, as the ptr-array kernels read them: offsets clamped to [0, T], a group
   // ending before it starts is empty.
@@ -145,7 +149,7 @@ struct GroupTileWalker {
       const int gi = g + lane;
       int s = 0, e = 0;
       if (gi < groups) bounds(gi, s, e);
-      const int mt = (e - s + TileM - 1) / TileM;
+      const int mt = ((e - s + TileM - 1) / TileM + ClusterM - 1) / ClusterM;
       const int64_t c = int64_t(mt) * n_tiles;
       int64_t incl = c;
       for (int o = 1; o < 32; o *= 2) {
@@ -160,7 +164,7 @@ struct GroupTileWalker {
         count = __shfl_sync(0xffffffffu, c, first);
         start = __shfl_sync(0xffffffffu, s, first);
         rows = __shfl_sync(0xffffffffu, e - s, first);
-        m_tiles = __shfl_sync(0xffffffffu, mt, first);
+        m_units = __shfl_sync(0xffffffffu, mt, first);
         g += first;
         return true;
       }
@@ -170,8 +174,12 @@ struct GroupTileWalker {
     count = 0;
     return false;
   }
-  __device__ int m_tile(int64_t t) const { return static_cast<int>((t - base) % m_tiles); }
-  __device__ int n_tile(int64_t t) const { return static_cast<int>((t - base) / m_tiles); }
+  // This CTA's tile row in unit t: the `rank`-th of the unit's ClusterM (past the group's rows
+  // for the spare CTA of a group's last unit).
+  __device__ int m_tile(int64_t t, int rank) const {
+    return static_cast<int>((t - base) % m_units) * ClusterM + rank;
+  }
+  __device__ int n_tile(int64_t t) const { return static_cast<int>((t - base) / m_units); }
 };
 
 // The consumers' epilogue: the FP32 tile through shared memory, kEpiN columns at a time, out
@@ -240,32 +248,37 @@ contiguous_grouped_gemm(const __grid_constant__ typename K::Params params) {
   pipe.transaction_bytes = params.mainloop.tma_transaction_bytes;
   Pipeline pipeline(shared.pipeline, pipe, typename K::ClusterShape{});
   if (warp == 0 && cute::elect_one_sync()) Mainloop::prefetch_tma_descriptors(params.mainloop);
-  __syncthreads();
+  // Every CTA of the cluster has its barriers initialised before any multicast reaches them.
+  if constexpr (K::kClusterM > 1) cute::cluster_sync(); else __syncthreads();
   // Launched as a programmatic dependent: the offsets and operands may come from the kernel
   // before; nothing global is touched until it is complete.
   cutlass::arch::wait_on_dependent_grids();
 
-  GroupTileWalker<size<0>(typename K::TileShape{})> walker{params.offs, params.groups, params.tokens,
-                                                           params.n_tiles};
+  constexpr int kTileM = size<0>(typename K::TileShape{});
+  constexpr int kTileN = size<1>(typename K::TileShape{});
+  GroupTileWalker<kTileM, K::kClusterM> walker{params.offs, params.groups, params.tokens, params.n_tiles};
   Mainloop mainloop;
   Tensor mA = params.mainloop.tma_load_a.get_tma_tensor(make_shape(params.tokens, params.k, 1));
   Tensor mB = params.mainloop.tma_load_b.get_tma_tensor(make_shape(params.n, params.k, params.groups));
   const int k_tiles = (params.k + size<2>(typename K::TileShape{}) - 1) / size<2>(typename K::TileShape{});
+  // The cluster's units: all its CTAs walk the same sequence, so their pipelines stay in step.
+  const int rank = static_cast<int>(cute::block_rank_in_cluster());
+  const int64_t first_unit = blockIdx.x / K::kClusterM, unit_stride = gridDim.x / K::kClusterM;
 
   if (warp_group == 0) {
     cutlass::arch::warpgroup_reg_dealloc<40>();
     if (warp != 0) return;
     auto write = cutlass::make_producer_start_state<Pipeline>();
-    for (int64_t t = blockIdx.x; walker.locate(t); t += gridDim.x) {
-      const int row0 = walker.start + walker.m_tile(t) * size<0>(typename K::TileShape{});
+    for (int64_t t = first_unit; walker.locate(t); t += unit_stride) {
+      const int row0 = walker.start + walker.m_tile(t, rank) * kTileM;
       Tensor gA = local_tile(domain_offset(make_coord(row0, 0, 0), mA), typename K::TileShape{},
                              make_coord(_, _, _), Step<_1, Underscore, _1>{});
       Tensor gB = local_tile(domain_offset(make_coord(0, 0, walker.g), mB), typename K::TileShape{},
                              make_coord(_, _, _), Step<Underscore, _1, _1>{});
       auto k_iter = cute::make_coord_iterator(shape<3>(gA));
       mainloop.load(params.mainloop, pipeline, write, cute::make_tuple(gA, gB),
-                    make_coord(0, walker.n_tile(t), _, 0), k_iter, k_tiles, threadIdx.x % 32, 0u,
-                    shared.mainloop);
+                    make_coord(0, walker.n_tile(t), _, 0), k_iter, k_tiles, threadIdx.x % 32,
+                    static_cast<uint32_t>(rank), shared.mainloop);
       write.advance(k_tiles);
     }
     mainloop.load_tail(pipeline, write);
@@ -274,16 +287,14 @@ contiguous_grouped_gemm(const __grid_constant__ typename K::Params params) {
     const int mma_thread = threadIdx.x - K::kProducerThreads;
     typename K::PipelineState read;
     typename K::TiledMma tiled_mma;
-    for (int64_t t = blockIdx.x; walker.locate(t); t += gridDim.x) {
+    for (int64_t t = first_unit; walker.locate(t); t += unit_stride) {
       Tensor acc = partition_fragment_C(tiled_mma, take<0, 2>(typename K::TileShape{}));
       mainloop.mma(pipeline, read, acc, k_tiles, mma_thread, shared.mainloop, params.mainloop);
       mainloop.mma_tail(pipeline, read, k_tiles);
       read.advance(k_tiles);
-      const int m_tile = walker.m_tile(t);
-      constexpr int kTileM = size<0>(typename K::TileShape{});
+      const int m_tile = walker.m_tile(t, rank);
       store_group_tile<K>(params, acc, shared.staging, mma_thread, walker.start + m_tile * kTileM,
-                          min(kTileM, walker.rows - m_tile * kTileM),
-                          walker.n_tile(t) * size<1>(typename K::TileShape{}));
+                          min(kTileM, walker.rows - m_tile * kTileM), walker.n_tile(t) * kTileN);
     }
   }
 #endif
@@ -293,37 +304,42 @@ contiguous_grouped_gemm(const __grid_constant__ typename K::Params params) {
 
 namespace distgemm::grouped {
 
-template <dg_dtype In, dg_dtype Out, int Kind, int TM, int TN>
-dg_status Sm90GroupedContiguousKernel<In, Out, Kind, TM, TN>::run(const GroupedProblem& p,
-                                                                  cudaStream_t stream) {
-  using K = sm90::ContiguousGrouped<In, Out, Kind, TM, TN>;
+template <dg_dtype In, dg_dtype Out, int Kind, int TM, int TN, int CM>
+dg_status Sm90GroupedContiguousKernel<In, Out, Kind, TM, TN, CM>::run(const GroupedProblem& p,
+                                                                      cudaStream_t stream) {
+  using K = sm90::ContiguousGrouped<In, Out, Kind, TM, TN, CM>;
   if (p.tokens == 0) return DG_SUCCESS;
   const typename K::Params params = K::params(p);
-  // At most one tile row per group more than the tokens alone need.
-  const int64_t tiles = ((p.tokens + TM - 1) / TM + std::min<int64_t>(p.groups, p.tokens)) * params.n_tiles;
-  const int grid = static_cast<int>(std::min<int64_t>(tiles, std::max(p.sm_count, 1)));
+  // Units (a cluster's tiles): at most one per group more than the tokens alone need.
+  const int64_t units =
+      ((p.tokens + TM * CM - 1) / (TM * CM) + std::min<int64_t>(p.groups, p.tokens)) * params.n_tiles;
+  const int clusters = static_cast<int>(std::min<int64_t>(units, std::max(p.sm_count / CM, 1)));
   auto kernel = &sm90::contiguous_grouped_gemm<K>;
   DG_CUDA_RETURN(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, K::kSmemBytes));
   cudaLaunchConfig_t config{};
-  config.gridDim = dim3(grid);
+  config.gridDim = dim3(clusters * CM);
   config.blockDim = dim3(K::kThreads);
   config.dynamicSmemBytes = K::kSmemBytes;
   config.stream = stream;
-  cudaLaunchAttribute attribute{};
-  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;  // overlap the launch with the kernel before
-  attribute.val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = &attribute;
-  config.numAttrs = 1;
+  cudaLaunchAttribute attributes[2]{};
+  attributes[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;  // overlap the launch with the kernel before
+  attributes[0].val.programmaticStreamSerializationAllowed = 1;
+  attributes[1].id = cudaLaunchAttributeClusterDimension;
+  attributes[1].val.clusterDim.x = CM;
+  attributes[1].val.clusterDim.y = 1;
+  attributes[1].val.clusterDim.z = 1;
+  config.attrs = attributes;
+  config.numAttrs = 2;
   DG_CUDA_RETURN(cudaLaunchKernelEx(&config, kernel, params));
   return DG_SUCCESS;
 }
 
-template <dg_dtype In, dg_dtype Out, int Kind, int TM, int TN>
-size_t Sm90GroupedContiguousKernel<In, Out, Kind, TM, TN>::workspace(const GroupedProblem&) {
+template <dg_dtype In, dg_dtype Out, int Kind, int TM, int TN, int CM>
+size_t Sm90GroupedContiguousKernel<In, Out, Kind, TM, TN, CM>::workspace(const GroupedProblem&) {
   return 0;
 }
 
 }  // namespace distgemm::grouped
 
-#define DG_INSTANTIATE_SM90_GROUPED_CONTIGUOUS(IN, OUT, KIND, TM, TN)                        \
-  template struct distgemm::grouped::Sm90GroupedContiguousKernel<IN, OUT, distgemm::grouped::KIND, TM, TN>;
+#define DG_INSTANTIATE_SM90_GROUPED_CONTIGUOUS(IN, OUT, KIND, TM, TN, CM)                    \
+  template struct distgemm::grouped::Sm90GroupedContiguousKernel<IN, OUT, distgemm::grouped::KIND, TM, TN, CM>;

@@ -49,6 +49,20 @@ TEST(GroupedCost, ChargesHalfAClusterGranuleOfPaddingPerGroup) {
                    estimate_grouped_cost(along_n, 8, 8, 4096, 3584, kH200Sms));
 }
 
+TEST(GroupedCost, ContiguousKernelSkipsThePtrArraySetUp) {
+  const TileConfig contiguous{gemm::kContiguous, 128, 128, 1, 1};
+  const TileConfig ptr_array{gemm::kPingpong, 128, 128, 1, 2};
+  // One wave of short tiles (4 x 256 tokens, N 2048, K 768): the set-up decides.
+  EXPECT_LT(estimate_grouped_cost(contiguous, 1024, 4, 2048, 768, kH200Sms),
+            estimate_grouped_cost(ptr_array, 1024, 4, 2048, 768, kH200Sms));
+  // Large problems: the set-up is a rounding error, the tiles' own costs decide.
+  const TileConfig big_contiguous{gemm::kContiguous, 128, 256, 2, 1};
+  const TileConfig big_ptr_array{gemm::kCooperative, 128, 256, 2, 1};
+  EXPECT_NEAR(estimate_grouped_cost(big_contiguous, 32768, 8, 4096, 7168, kH200Sms) /
+                  estimate_grouped_cost(big_ptr_array, 32768, 8, 4096, 7168, kH200Sms),
+              1.0, 0.01);
+}
+
 TEST(GroupedCost, PadsNToWholeClustersToo) {
   // N = 384 is three 128-wide tiles: a cluster of two along N computes a fourth.
   const TileConfig along_m{gemm::kCooperative, 256, 128, 2, 1};
