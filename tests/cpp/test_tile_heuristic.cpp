@@ -55,12 +55,13 @@ TEST(GroupedCost, ContiguousKernelSkipsThePtrArraySetUp) {
   // One wave of short tiles (4 x 256 tokens, N 2048, K 768): the set-up decides.
   EXPECT_LT(estimate_grouped_cost(contiguous, 1024, 4, 2048, 768, kH200Sms),
             estimate_grouped_cost(ptr_array, 1024, 4, 2048, 768, kH200Sms));
-  // Large problems: the set-up is a rounding error, the tiles' own costs decide.
+  // Large problems: the set-up is a rounding error; the ptr-array tile's overlapped TMA stores
+  // make it the faster (measured 0.99 vs 0.93 of bmm at 8 x 4096 tokens, N 4096, K 7168).
   const TileConfig big_contiguous{gemm::kContiguous, 128, 256, 2, 1};
   const TileConfig big_ptr_array{gemm::kCooperative, 128, 256, 2, 1};
-  EXPECT_NEAR(estimate_grouped_cost(big_contiguous, 32768, 8, 4096, 7168, kH200Sms) /
-                  estimate_grouped_cost(big_ptr_array, 32768, 8, 4096, 7168, kH200Sms),
-              1.0, 0.01);
+  const double big = estimate_grouped_cost(big_ptr_array, 32768, 8, 4096, 7168, kH200Sms);
+  EXPECT_LT(big, estimate_grouped_cost(big_contiguous, 32768, 8, 4096, 7168, kH200Sms));
+  EXPECT_GT(big * 1.2, estimate_grouped_cost(big_contiguous, 32768, 8, 4096, 7168, kH200Sms));
 }
 
 TEST(GroupedCost, PadsNToWholeClustersToo) {
