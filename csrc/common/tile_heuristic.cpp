@@ -30,7 +30,8 @@ TileCost tile_cost(const TileConfig& c) {
       // The contiguous-token grouped kernel: the cooperative mainloop, but its masked epilogue
       // stores synchronously (the ptr-array kernels' TMA stores drain under the next tile):
       // 0.87-0.94 of the ptr-array 128x256 tile's speed on large problems (session 12 profile).
-      return {0.9 * (area >= 128 * 256 ? 1.0 : 0.88), 128};
+      // 64-row tiles: one consumer warpgroup, as the ping-pong 64-row tile's (0.8).
+      return {0.9 * (area >= 128 * 256 ? 1.0 : c.tile_m >= 128 ? 0.88 : 0.8), 128};
     default:
       return {area >= 256 * 128 ? 1.0 : 0.9, 128};  // sm100 1-SM / 2-SM tiles
   }

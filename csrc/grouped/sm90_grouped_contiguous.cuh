@@ -7,9 +7,10 @@
 //
 // A tile's A rows start at its group's first row (any row: TMA takes element coordinates);
 // rows past the group's end load the next group's tokens and are never stored: the epilogue
-// stages the FP32 tile in shared memory and writes only the group's rows, 16-byte vectors
-// where the dtype allows. Persistent CTAs, two consumer warpgroups on one tile (CUTLASS's
-// cooperative mainloop collective), one producer warp.
+// stages the FP32 tile in shared memory and writes only the group's rows. Persistent CTAs, one
+// producer warp; 128-row tiles are two consumer warpgroups of 64 rows each (CUTLASS's
+// cooperative mainloop collective), 64-row tiles one (twice the tiles where a problem has too
+// few of 128 rows to fill the GPU).
 #pragma once
 
 #include <algorithm>
@@ -36,7 +37,7 @@ template <dg_dtype In, dg_dtype Out, int Kind, int TileM, int TileN, int Cluster
 struct ContiguousGrouped {
   static_assert(Kind == DG_GROUPED_FORWARD || Kind == DG_GROUPED_DGRAD,
                 "the contiguous kernel computes forward and dgrad (rows are tokens)");
-  static_assert(TileM == 128, "two consumer warpgroups of 64 rows each");
+  static_assert(TileM == 64 || TileM == 128, "one or two consumer warpgroups of 64 rows each");
   using Element = cutlass_type_t<In>;
   using ElementD = cutlass_type_t<Out>;
   using LayoutA = cutlass::layout::RowMajor;  // x or dy: (T, K) K-major
@@ -59,7 +60,9 @@ struct ContiguousGrouped {
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA, kAlign, Element,
       LayoutB, kAlign, float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<kStagingBytes>,
-      cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
+      // The schedule only sets the warpgroups of the TiledMma: ping-pong's is one warpgroup.
+      std::conditional_t<TileM == 128, cutlass::gemm::KernelTmaWarpSpecializedCooperative,
+                         cutlass::gemm::KernelTmaWarpSpecializedPingpong>>::CollectiveOp;
   using TiledMma = typename CollectiveMainloop::TiledMma;
   using Pipeline = typename CollectiveMainloop::MainloopPipeline;
   using PipelineState = typename CollectiveMainloop::PipelineState;
@@ -67,7 +70,7 @@ struct ContiguousGrouped {
   using StrideB = typename CollectiveMainloop::StrideB;
 
   static constexpr int kProducerThreads = 128;
-  static constexpr int kConsumerThreads = 256;
+  static constexpr int kConsumerThreads = TileM * 2;  // a warpgroup per 64 rows
   static constexpr int kThreads = kProducerThreads + kConsumerThreads;
   static_assert(size(TiledMma{}) == kConsumerThreads);
 
