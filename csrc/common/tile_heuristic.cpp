@@ -30,8 +30,10 @@ TileCost tile_cost(const TileConfig& c) {
       // The contiguous-token grouped kernel: the cooperative mainloop, but its masked epilogue
       // stores synchronously (the ptr-array kernels' TMA stores drain under the next tile):
       // 0.87-0.94 of the ptr-array 128x256 tile's speed on large problems (session 12 profile).
-      // 64-row tiles: one consumer warpgroup, as the ping-pong 64-row tile's (0.8).
-      return {0.9 * (area >= 128 * 256 ? 1.0 : c.tile_m >= 128 ? 0.88 : 0.8), 128};
+      // 64-row tiles (one consumer warpgroup, the math stopped for every epilogue): 0.5, read
+      // off the same profile (64x128 beat 128x128 only on one-wave dgrads of long K: 4 x 256
+      // tokens, K 2048, 0.65 vs 0.55x bmm; 0.61 vs 0.78x on that problem's forward).
+      return {c.tile_m >= 128 ? 0.9 * (area >= 128 * 256 ? 1.0 : 0.88) : 0.5, 128};
     default:
       return {area >= 256 * 128 ? 1.0 : 0.9, 128};  // sm100 1-SM / 2-SM tiles
   }
