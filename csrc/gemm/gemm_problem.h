@@ -58,7 +58,6 @@ constexpr int sm1 = kOneSm;
 constexpr int sm2 = kTwoSm;
 constexpr int coop_fa = kCooperativeFastAccum;
 constexpr int pingpong_fa = kPingpongFastAccum;
-constexpr int contig = kContiguous;
 
 constexpr bool is_fast_accum(int schedule) {
   return schedule == kCooperativeFastAccum || schedule == kPingpongFastAccum;

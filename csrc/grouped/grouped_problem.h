@@ -79,6 +79,5 @@ constexpr int dgrad = DG_GROUPED_DGRAD;
 constexpr int wgrad = DG_GROUPED_WGRAD;
 using gemm::coop;
 using gemm::pingpong;
-using gemm::contig;
 
 }  // namespace distgemm::grouped

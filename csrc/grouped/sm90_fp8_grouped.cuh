@@ -181,23 +181,12 @@ struct Sm90Fp8Grouped {
   }
 };
 
-// Group g's rows [start, end) of the token dimension, clamped exactly as the bf16 kernel does.
-struct GroupRows {
-  int64_t start, rows;
-};
-__device__ inline GroupRows group_rows(const GroupedProblem& p, int g) {
-  auto clamp_row = [&](int64_t r) { return r < 0 ? int64_t(0) : (r > p.tokens ? p.tokens : r); };
-  const int64_t start = g == 0 ? 0 : clamp_row(p.offs[g - 1]);
-  const int64_t end = clamp_row(p.offs[g]);
-  return {start, end > start ? end - start : 0};
-}
-
 template <class G>
 __device__ void fill_fp8_group_arguments(typename G::Arrays& arr, const GroupedProblem& p, int g) {
   using ElementA = typename G::ElementA;
   using ElementB = typename G::ElementB;
   using ElementD = typename G::ElementD;
-  const GroupRows r = group_rows(p, g);
+  const GroupRows r = group_rows(p.offs, p.tokens, g);
   auto const* a = static_cast<ElementA const*>(p.a);
   auto const* b = static_cast<ElementB const*>(p.b);
   auto* d = static_cast<ElementD*>(p.d);
@@ -282,7 +271,7 @@ __global__ void build_fp8_grouped_arguments(typename G::Arrays arr, GroupedProbl
     if (tid == 0) fill_fp8_group_arguments<G>(arr, p, static_cast<int>(g));
     if constexpr (G::kKind == DG_GROUPED_FORWARD && !G::kRowScaled) {
       // x's scales, (t, kb) at scale_a[kb * ld + t], into the group's (Kb, rows) block.
-      const GroupRows r = group_rows(p, static_cast<int>(g));
+      const GroupRows r = group_rows(p.offs, p.tokens, static_cast<int>(g));
       const int64_t kb = G::k_blocks(p.k);
       float* sfa = arr.packed_sfa + r.start * kb;
       for (int64_t i = tid; i < r.rows * kb; i += threads) {

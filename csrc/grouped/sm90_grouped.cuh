@@ -129,11 +129,9 @@ template <class G>
 __device__ void fill_group_arguments(typename G::Arrays& arr, const GroupedProblem& p, int g) {
   using Element = typename G::Element;
   using ElementD = typename G::ElementD;
-  auto clamp_row = [&](int64_t r) { return r < 0 ? int64_t(0) : (r > p.tokens ? p.tokens : r); };
-  const int64_t start = g == 0 ? 0 : clamp_row(p.offs[g - 1]);
-  int64_t end = clamp_row(p.offs[g]);
-  if (end < start) end = start;
-  const int rows = static_cast<int>(end - start);
+  const GroupRows group = group_rows(p.offs, p.tokens, g);
+  const int64_t start = group.start;
+  const int rows = static_cast<int>(group.rows);
   auto const* a = static_cast<Element const*>(p.a);
   auto const* b = static_cast<Element const*>(p.b);
   auto* d = static_cast<ElementD*>(p.d);

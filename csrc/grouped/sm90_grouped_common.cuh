@@ -25,6 +25,18 @@ constexpr bool kLaunchGemmAsDependent = false;
 // for the builder to finish before reading what it wrote.
 __device__ __forceinline__ void allow_dependent_gemm_launch() { cutlass::arch::launch_dependent_grids(); }
 
+// Group g's rows [start, start + rows) of the token dimension, as every sm90 grouped kernel
+// reads the device-side offsets: clamped to [0, T]; a group ending before it starts is empty.
+struct GroupRows {
+  int64_t start, rows;
+};
+__device__ inline GroupRows group_rows(const int32_t* offs, int64_t tokens, int g) {
+  auto clamp_row = [&](int64_t r) { return r < 0 ? int64_t(0) : (r > tokens ? tokens : r); };
+  const int64_t start = g == 0 ? 0 : clamp_row(offs[g - 1]);
+  const int64_t end = clamp_row(offs[g]);
+  return {start, end > start ? end - start : 0};
+}
+
 // Typed arrays, each 256-byte aligned, one after the other from `base` (nullptr: only counts).
 struct WorkspaceCarver {
   char* base;

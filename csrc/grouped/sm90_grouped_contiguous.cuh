@@ -28,6 +28,7 @@
 #include "common/cutlass_types.cuh"
 #include "common/status.h"
 #include "grouped/grouped_problem.h"
+#include "grouped/sm90_grouped_common.cuh"
 
 namespace distgemm::grouped::sm90 {
 
@@ -49,10 +50,9 @@ struct ContiguousGrouped {
   using ClusterShape = Shape<Int<ClusterM>, _1, _1>;
   static constexpr int kClusterM = ClusterM;
 
-  // The epilogue stages kEpiN columns of the FP32 tile at a time (narrower for 256-wide tiles,
-  // which keeps them a fourth mainloop stage); rows padded by 8 floats so that the consumers'
-  // accumulator writes spread over the banks.
-  static constexpr int kEpiN = TileN >= 256 ? 32 : TileN < 64 ? TileN : 64;
+  // The epilogue stages kEpiN columns of the FP32 tile at a time; rows padded by 8 floats so
+  // that the consumers' accumulator writes spread over the banks.
+  static constexpr int kEpiN = TileN < 64 ? TileN : 64;
   static constexpr int kStagingLd = kEpiN + 8;
   static constexpr int kStagingBytes = TileM * kStagingLd * 4;
 
@@ -135,14 +135,6 @@ struct GroupTileWalker {
   int64_t base = 0, count = 0;  // group g holds units [base, base + count)
   int start = 0, rows = 0, m_units = 0;
 
-  // Group gi's rows, as the ptr-array kernels read them: offsets clamped to [0, T], a group
-  // ending before it starts is empty.
-  __device__ void bounds(int gi, int& s, int& e) const {
-    auto clamp_row = [&](int32_t r) { return r < 0 ? 0 : (r > tokens ? tokens : r); };
-    s = gi == 0 ? 0 : clamp_row(offs[gi - 1]);
-    e = max(clamp_row(offs[gi]), s);
-  }
-
   __device__ bool locate(int64_t t) {
     if (g >= 0 && t < base + count) return true;
     const int lane = threadIdx.x % 32;
@@ -150,9 +142,13 @@ struct GroupTileWalker {
     g += 1;
     while (g < groups) {
       const int gi = g + lane;
-      int s = 0, e = 0;
-      if (gi < groups) bounds(gi, s, e);
-      const int mt = ((e - s + TileM - 1) / TileM + ClusterM - 1) / ClusterM;
+      int s = 0, n_rows = 0;  // the group's rows, as the ptr-array kernels read them
+      if (gi < groups) {
+        const GroupRows r = group_rows(offs, tokens, gi);
+        s = static_cast<int>(r.start);
+        n_rows = static_cast<int>(r.rows);
+      }
+      const int mt = ((n_rows + TileM - 1) / TileM + ClusterM - 1) / ClusterM;
       const int64_t c = int64_t(mt) * n_tiles;
       int64_t incl = c;
       for (int o = 1; o < 32; o *= 2) {
@@ -166,7 +162,7 @@ struct GroupTileWalker {
         base += __shfl_sync(0xffffffffu, incl - c, first);
         count = __shfl_sync(0xffffffffu, c, first);
         start = __shfl_sync(0xffffffffu, s, first);
-        rows = __shfl_sync(0xffffffffu, e - s, first);
+        rows = __shfl_sync(0xffffffffu, n_rows, first);
         m_units = __shfl_sync(0xffffffffu, mt, first);
         g += first;
         return true;
