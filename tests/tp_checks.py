@@ -232,6 +232,31 @@ def check_mismatched_shapes(rank, world):
     assert_close(out, ref(torch.cat([a] * world), b))
 
 
+def check_collectives_path_on_every_rank(rank, world):
+    """Operands the fused kernels cannot take (K or N not a multiple of 16 bytes) on every rank:
+    the collectives path, right, also on a group whose ranks run the fused path (there the
+    ranks agree on the workspace first, tests/tp_fault_checks.py has one rank on each path).
+    Where no rank can run fused (gloo), a DISTGEMM_TP_BACKEND that differs changes nothing."""
+    dev = device_for(rank)
+    b = full((256, 128), torch.bfloat16, dev, 410)
+    a = full((64, 128), torch.bfloat16, dev, 411)
+    assert_close(distgemm.all_gather_matmul(a, b), ref(torch.cat([a] * world), b))
+    b_odd = full((256, 100), torch.bfloat16, dev, 412)  # K = 100 bf16: 200 bytes
+    a_odd = full((64, 100), torch.bfloat16, dev, 413)
+    assert_close(distgemm.all_gather_matmul(a_odd, b_odd), ref(torch.cat([a_odd] * world), b_odd))
+    rs_a = full((64 * world, 128), torch.bfloat16, dev, 414)
+    b_narrow = full((100, 128), torch.bfloat16, dev, 415)  # N = 100 bf16 out: 200 bytes
+    out = distgemm.matmul_reduce_scatter(rs_a, b_narrow)
+    assert_close(out, world * ref(rs_a, b_narrow)[rank * 64:(rank + 1) * 64])
+    assert_close(distgemm.all_gather_matmul(a, b), ref(torch.cat([a] * world), b))  # fused again
+    if dist.get_backend() != "nccl":
+        os.environ["DISTGEMM_TP_BACKEND"] = "collectives" if rank == 1 else "auto"
+        try:
+            assert_close(distgemm.all_gather_matmul(a, b), ref(torch.cat([a] * world), b))
+        finally:
+            del os.environ["DISTGEMM_TP_BACKEND"]
+
+
 def check_cuda_graph_replay(rank, world):
     dev = device_for(rank)
     m, n, k = 256, 512, 256

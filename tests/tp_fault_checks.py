@@ -428,6 +428,20 @@ def settings_disagree(ctx: RankCtx):
     _disagreement(ctx, "rs_split_differ_rs", [p], p, p, mine, agree, broken)
 
 
+def paths_disagree(ctx: RankCtx):
+    """One rank on the fused path, the other on the collectives fallback, after agreeing calls:
+    K (all-gather) or N (reduce-scatter) of 100 bf16 elements, no multiple of 16 bytes, on rank
+    1 only; and DISTGEMM_TP_BACKEND=collectives on rank 1 only. Every rank must name it at once,
+    not wait for the other past the timeout (the fused rank) or in NCCL (the other)."""
+    broken: list = []
+    ag, ag_odd = Problem(ctx, "ag", 512, k=256, seed=7), Problem(ctx, "ag", 512, k=100, seed=7)
+    _disagreement(ctx, "path_differs_ag", [ag, ag_odd], ag if ctx.rank == 0 else ag_odd, ag, broken=broken)
+    rs, rs_odd = Problem(ctx, "rs", 2048, n=512, seed=8), Problem(ctx, "rs", 2048, n=100, seed=8)
+    _disagreement(ctx, "path_differs_rs", [rs, rs_odd], rs if ctx.rank == 0 else rs_odd, rs, broken=broken)
+    mine = {"DISTGEMM_TP_BACKEND": "collectives" if ctx.rank == 1 else None}
+    _disagreement(ctx, "backend_differs_ag", [ag], ag, ag, mine, {"DISTGEMM_TP_BACKEND": None}, broken)
+
+
 def _check_all(ctx, pairs) -> list:
     """pairs: (Problem, output) computed without synchronizing; synchronize, check errors, judge."""
     problems = []

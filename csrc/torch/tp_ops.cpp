@@ -12,7 +12,7 @@ namespace {
 dg_tp_desc tp_desc(const dg_gemm_desc& gemm, int64_t rank, int64_t world,
                    const std::vector<int64_t>& workspaces, std::vector<void*>& storage,
                    int64_t workspace_bytes, double timeout_s, const std::vector<double>& settings,
-                   bool agree_only) {
+                   int agree_only) {
   storage.clear();
   for (int64_t ptr : workspaces) storage.push_back(reinterpret_cast<void*>(ptr));
   TORCH_CHECK_VALUE(static_cast<int64_t>(storage.size()) == world,
@@ -73,6 +73,30 @@ at::Tensor tp_gemm_reduce_scatter(const at::Tensor& a, const at::Tensor& b,
   return out;
 }
 
+// A rank whose call runs through the collectives fallback says so on the group's workspace
+// (DG_TP_AGREE_ELSEWHERE); `a` is its operand as passed (read for its shape and dtype only),
+// out (out_rows, n) of out_dtype is never allocated.
+void tp_agree_elsewhere(int64_t kind, const at::Tensor& a, int64_t out_rows, int64_t n, at::ScalarType out_dtype,
+                        const c10::optional<at::Tensor>& scale_a, int64_t rank, int64_t world,
+                        const std::vector<int64_t>& workspaces, int64_t workspace_bytes, double timeout_s) {
+  const bool all_gather = kind == DG_TP_ALL_GATHER_GEMM;
+  const char* op = all_gather ? "distgemm.all_gather_matmul" : "distgemm.matmul_reduce_scatter";
+  TORCH_CHECK_VALUE(all_gather || kind == DG_TP_GEMM_REDUCE_SCATTER, op, ": unknown tensor-parallel kind ", kind);
+  TORCH_CHECK_VALUE(a.dim() == 2, op, ": a must be 2-D");
+  const c10::cuda::CUDAGuard guard(a.device());
+  dg_gemm_desc g{};
+  g.a = to_matrix(a, "a");
+  g.d = dg_matrix{nullptr, to_dg_dtype(out_dtype, "out_dtype"), out_rows, n, n, 1};
+  if (scale_a) {  // its length is the scale mode
+    g.scale_a = static_cast<const float*>(scale_a->data_ptr());
+    g.scale_a_len = scale_a->numel();
+  }
+  std::vector<void*> storage;
+  const dg_tp_desc d = tp_desc(g, rank, world, workspaces, storage, workspace_bytes, timeout_s, {0, 0, 0, 0},
+                               DG_TP_AGREE_ELSEWHERE);
+  check(all_gather ? dg_all_gather_gemm(&d, current_stream()) : dg_gemm_reduce_scatter(&d, current_stream()), op);
+}
+
 // Bytes of each rank's workspace: kind 1 all-gather (rows = this rank's shard rows),
 // kind 2 reduce-scatter (rows = this rank's output rows).
 int64_t tp_workspace_size(int64_t kind, int64_t rows, int64_t k, int64_t n, at::ScalarType in_dtype,
@@ -104,6 +128,8 @@ TORCH_LIBRARY_FRAGMENT(distgemm, m) {
         "ScalarType out_dtype, Tensor? scale_a, Tensor? scale_b, bool fast_accum, int rank, "
         "int world, int[] workspaces, int workspace_bytes, float timeout_s, float[] settings, "
         "bool agree_only=False) -> Tensor");
+  m.def("tp_agree_elsewhere(int kind, Tensor a, int out_rows, int n, ScalarType out_dtype, Tensor? scale_a, "
+        "int rank, int world, int[] workspaces, int workspace_bytes, float timeout_s) -> ()");
   m.def("tp_workspace_size(int kind, int rows, int k, int n, ScalarType in_dtype, "
         "ScalarType out_dtype, int world) -> int",
         &distgemm::torch_binding::tp_workspace_size);
@@ -114,4 +140,5 @@ TORCH_LIBRARY_FRAGMENT(distgemm, m) {
 TORCH_LIBRARY_IMPL(distgemm, CUDA, m) {
   m.impl("tp_all_gather_gemm", &distgemm::torch_binding::tp_all_gather_gemm);
   m.impl("tp_gemm_reduce_scatter", &distgemm::torch_binding::tp_gemm_reduce_scatter);
+  m.impl("tp_agree_elsewhere", &distgemm::torch_binding::tp_agree_elsewhere);
 }

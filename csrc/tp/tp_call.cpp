@@ -28,6 +28,8 @@ dg_status check_tp(const dg_tp_desc* d, Peers* peers) {
   DG_REQUIRE(set.pieces >= 0 && set.pieces <= kMaxPieces, "settings.pieces must be 0 (automatic) or in [1, ",
              kMaxPieces, "], got ", set.pieces);
   DG_REQUIRE(!std::isnan(set.rs_split_gflops), "settings.rs_split_gflops must be a number, got NaN");
+  DG_REQUIRE(d->agree_only == 0 || d->agree_only == DG_TP_AGREE_ONLY || d->agree_only == DG_TP_AGREE_ELSEWHERE,
+             "agree_only must be 0, DG_TP_AGREE_ONLY or DG_TP_AGREE_ELSEWHERE, got ", d->agree_only);
   for (int r = 0; r < d->world; ++r) {
     DG_REQUIRE(d->peer_workspaces[r] != nullptr &&
                    (reinterpret_cast<uintptr_t>(d->peer_workspaces[r]) & 255u) == 0,
@@ -55,6 +57,9 @@ const char* reason_text(int reason) {
     case kReasonWidth: return "passed another K (all-gather) or N (reduce-scatter)";
     case kReasonDtypes: return "passed other dtypes or FP8 scale modes";
     case kReasonWorld: return "has another group size";
+    case kReasonElsewhere: return "runs the call elsewhere than the other (one through the collectives fallback, "
+                                  "for dtypes or a K or N the fused kernels cannot take, or another backend "
+                                  "setting; the other on the workspaces)";
   }
   return "disagrees";
 }
@@ -86,7 +91,7 @@ CallSignature call_signature(const TpPlan& plan, uint32_t dtypes) {
   CallSignature sig;
   sig.words[CallSignature::kPlan] = static_cast<uint32_t>(s.kind) | (s.decomposed ? 1u << 4 : 0u) |
                                     static_cast<uint32_t>(plan.cut.count) << 8 |
-                                    (s.split.tapered ? 1u << 12 : 0u);
+                                    (s.split.tapered ? 1u << 12 : 0u) | (s.elsewhere ? CallSignature::kElsewhere : 0u);
   sig.words[CallSignature::kRows] = static_cast<uint32_t>(s.m);
   sig.words[CallSignature::kRowsHigh] = static_cast<uint32_t>(static_cast<uint64_t>(s.m) >> 32);
   sig.words[CallSignature::kWidth] = static_cast<uint32_t>(width);
@@ -128,6 +133,7 @@ TpShape base_shape(dg_tp_kind kind, const dg_tp_desc& d) {
   s.in_bytes = dtype_bytes(d.gemm.a.dtype);
   s.out_bytes = dtype_bytes(d.gemm.d.dtype);
   s.agree_only = d.agree_only != 0;
+  s.elsewhere = d.agree_only == DG_TP_AGREE_ELSEWHERE;
   return s;
 }
 

@@ -219,6 +219,15 @@ dg_status execute(const dg_tp_desc& d, const Peers& peers, const TpPlan& plan, u
 
 dg_status plan_and_execute(const dg_tp_desc& d, const Peers& peers, TpShape shape, const TpChoices& choices,
                            cudaStream_t stream) {
+  const DeviceInfo& dev = device_info(peers.device);
+  const CutlassRingGemm fused(dev.sm_count);
+  if (shape.elsewhere) {
+    // Only the agreement. Ranks that all run the call elsewhere must still share its shape and
+    // both dtypes (each op's own dtypes word names only what travels through the workspace).
+    const uint32_t dtypes = choices.dtypes | static_cast<uint32_t>(d.gemm.a.dtype) << 16 |
+                            static_cast<uint32_t>(d.gemm.d.dtype) << 24;
+    return execute(d, peers, make_plan(shape), dtypes, choices.tag, fused, stream);
+  }
   // The decomposed plan first: its GEMMs tell whether cuBLASLt takes the call, and it is the
   // plan that runs when it does (the workspace regions are the same for either algorithm).
   TpShape candidate = shape;
@@ -230,8 +239,6 @@ dg_status plan_and_execute(const dg_tp_desc& d, const Peers& peers, TpShape shap
   const TpRegions& regions = decomposed_plan.regions;
   DG_REQUIRE(d.agree_only || d.workspace_bytes >= regions.bytes, "the workspace of ", d.workspace_bytes,
              " bytes is smaller than the ", regions.bytes, " needed");
-  const DeviceInfo& dev = device_info(peers.device);
-  const CutlassRingGemm fused(dev.sm_count);
   const CublasLtPieces pieces(dev.arch, peers.base[d.rank] + regions.scratch, kGemmScratchBytes);
   bool decomposed = false;
   DG_RETURN_IF_ERROR(

@@ -46,7 +46,9 @@ __global__ void check_peers_kernel(PeerChecks peers, CallSignature own, SyncPara
     } else {
       for (int w = 1; w < CallSignature::kFields && reason < 0; ++w) {
         if (slot[w] == own.words[w]) continue;
-        reason = w == CallSignature::kPlan ? kReasonPlan
+        reason = w == CallSignature::kPlan && ((slot[w] ^ own.words[w]) & CallSignature::kElsewhere)
+                   ? kReasonElsewhere
+               : w == CallSignature::kPlan ? kReasonPlan
                : w == CallSignature::kRows || w == CallSignature::kRowsHigh ? kReasonRows
                : w == CallSignature::kWidth ? kReasonWidth
                : w == CallSignature::kDtypes ? kReasonDtypes

@@ -28,6 +28,7 @@ enum ErrorReason : int {
   kReasonWidth = 4,        // all-gather: K; reduce-scatter: N
   kReasonDtypes = 5,       // dtypes or FP8 scale modes differ
   kReasonWorld = 6,        // group sizes differ
+  kReasonElsewhere = 7,    // one rank runs the call elsewhere (collectives), the other here
 };
 
 // The first kernel of a call: *epoch += 1 (every later kernel of the call reads the new value);

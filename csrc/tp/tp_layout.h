@@ -36,6 +36,8 @@ struct TpHeader {
 // and compared by every peer before it reads or writes anything that depends on it.
 struct CallSignature {
   enum Field { kEpoch, kPlan, kRows, kRowsHigh, kWidth, kDtypes, kWorld, kFields = 8 };
+  // In kPlan: the rank runs the call elsewhere (DG_TP_AGREE_ELSEWHERE), not on the workspaces.
+  static constexpr uint32_t kElsewhere = 1u << 13;
   uint32_t words[kFields] = {};
 };
 static_assert(TpHeader::kSignatures + 2 * kMaxWorld * sizeof(CallSignature) <= TpHeader::kBytes,

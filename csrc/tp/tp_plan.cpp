@@ -279,7 +279,8 @@ std::string TpPlan::str() const {
   o << (shape.kind == DG_TP_ALL_GATHER_GEMM ? "all-gather + GEMM" : "GEMM + reduce-scatter") << ", rank "
     << shape.rank << " of " << shape.world << ", m " << shape.m << ", k " << shape.k << ", n " << shape.n << ", "
     << (shape.decomposed ? "decomposed" : "fused") << ", " << cut.count << (shape.split.tapered ? " tapered" : "")
-    << " piece(s)" << (shape.agree_only ? ", agreement only" : "") << '\n';
+    << " piece(s)" << (shape.elsewhere ? ", agreement only, run elsewhere" : shape.agree_only ? ", agreement only" : "")
+    << '\n';
   for (const Step& st : steps) {
     o << (st.lane == Lane::kMain ? "main " : "push ") << kind_name(st.kind);
     switch (st.kind) {

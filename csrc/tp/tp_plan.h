@@ -114,6 +114,7 @@ struct TpShape {
   bool gathered_out = false;    // all-gather: a copy of the gathered a is returned
   bool scale_bias = false;      // decomposed: the bias is scaled by beta into the workspace
   bool agree_only = false;      // only the per-call agreement
+  bool elsewhere = false;       // with agree_only: this rank runs the call without the workspaces
 };
 
 // The workspace regions of a call (byte offsets; every rank's workspace has the same layout).

@@ -50,6 +50,8 @@ _REASONS = {
     4: "passed another K (all-gather) or N (reduce-scatter)",
     5: "passed other dtypes or FP8 scale modes",
     6: "has another group size",
+    7: "runs the call elsewhere than this rank (one through the collectives fallback: dtypes, or a K or N, that "
+       "the fused kernels cannot take, or DISTGEMM_TP_BACKEND=collectives; the other on the fused path)",
 }
 
 
@@ -230,19 +232,35 @@ def _tp_settings() -> list:
 
 
 def _use_fused(group: dist.ProcessGroup, device: torch.device) -> bool:
-    """The fused path needs NCCL, sm_90 kernels on every rank and peer-mappable memory; all
-    ranks decide together (a bounded exchange, once per group)."""
-    if _backend() == "collectives":
-        return False
+    """Whether this call may take the fused path. The group decides once, all ranks together (a
+    bounded exchange): fused where every rank can (NCCL, sm_90 kernels, peer-mappable memory)
+    and wants to (DISTGEMM_TP_BACKEND is not `collectives`). A call that then takes the
+    collectives path on a fused group (operands the fused kernels cannot take, or the setting
+    changed since) says so to its peers first (_agree_before_collectives)."""
     state = _state(group)
+    backend = _backend()
     if state.fused is None:
-        local = (device.type == "cuda" and dist.get_backend(group) == "nccl" and has_kernels(device)
-                 and device_arch(device) == 90 and state.size <= 64)
-        state.fused = all(v == "1" for v in state.exchange("fused", "1" if local else "0"))
-        if not state.fused and _backend() == "fused":
+        capable = (device.type == "cuda" and dist.get_backend(group) == "nccl" and has_kernels(device)
+                   and device_arch(device) == 90 and state.size <= 64)
+        votes = state.exchange("fused", f"{int(capable)}{int(backend != 'collectives')}")
+        state.fused = _decide_fused(votes, state.name)
+        if not state.fused and backend == "fused":
             warn_once("distgemm: DISTGEMM_TP_BACKEND=fused needs NCCL and sm_90 GPUs on every rank; "
                       "using collectives + GEMM")
-    return state.fused
+    return state.fused and backend != "collectives"
+
+
+def _decide_fused(votes: list, group_name: str) -> bool:
+    """The group's choice from every rank's vote ("<can run fused><wants fused>", 0/1 each): fused
+    where all can and want to. Ranks that all could but disagree on DISTGEMM_TP_BACKEND would
+    otherwise wait for each other on different paths: a ValueError on every rank names them."""
+    can = [v[0] == "1" for v in votes]
+    want = [v[1] == "1" for v in votes]
+    if all(can) and len(set(want)) > 1:
+        collectives = [r for r, w in enumerate(want) if not w]
+        raise ValueError(f"distgemm: the ranks disagree: ranks {collectives} of group {group_name!r} set "
+                         f"DISTGEMM_TP_BACKEND=collectives and the others do not; every rank must set the same")
+    return all(can) and all(want)
 
 
 def _agree_collectively(group, op: str, key: tuple) -> None:
@@ -258,6 +276,31 @@ def _agree_collectively(group, op: str, key: tuple) -> None:
         dist.all_gather_object(keys, key, group=group)
         detail = "; ".join(f"rank {r}: {k}" for r, k in enumerate(keys))
         raise ValueError(f"{op}: the ranks disagree: they passed different shapes or dtypes: {detail}")
+
+
+def _agree_before_collectives(group, kind: int, a, out_rows: int, n: int, out_dtype, scale_a, key: tuple) -> None:
+    """The collectives path: before its data collectives, every rank must be in the same call
+    the same way. On a fused group (its peers may have taken the fused path) this rank says on
+    the group's workspace that it runs the call through collectives, on the GPU and bounded, and
+    waits for the verdict: a peer on the fused path then fails with a named disagreement
+    instead of waiting for this rank in vain, and so does this rank, before any collective a peer
+    would never join. Ranks that all take the collectives path agree on the call's shape and
+    dtypes there. Elsewhere: one small all-gather (_agree_collectively)."""
+    state = _state(group)
+    if not state.fused:
+        _agree_collectively(group, _OP_NAMES[kind], key)
+        return
+    scale = _flat(scale_a)
+    timeout = timeout_s()
+
+    def call(ws, agree_only):
+        ops.tp_agree_elsewhere(kind, a, out_rows, n, out_dtype, scale, state.rank, state.size, ws.ptrs, ws.nbytes,
+                               timeout)
+
+    header_only = _workspace_bytes(_AG, 1, 8, 8, torch.bfloat16, torch.bfloat16, state.size)
+    _run_on_workspace(state, header_only, a.device, call)
+    torch.cuda.current_stream(a.device).synchronize()  # the fallback's price: one host sync
+    _raise_on_error_word(a.device.index)
 
 
 def _workspace(state: _GroupState, call, nbytes: int, device) -> _Workspace:
@@ -517,8 +560,9 @@ def _all_gather_matmul_eager(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, 
         out, gathered = _fused_all_gather_matmul(a, b, bias_or_c, alpha, beta, out_dtype, _flat(scale_a),
                                                  _flat(scale_b), fast, group, return_gathered)
         return out, (gathered if return_gathered else None)
-    _agree_collectively(group, _OP_NAMES[_AG], (tuple(a.shape), str(a.dtype), str(out_dtype),
-                                                scale_a is not None and scale_a.numel() > 1))
+    _agree_before_collectives(group, _AG, a, a.shape[0] * world, b.shape[0], out_dtype, scale_a,
+                              (tuple(a.shape), str(a.dtype), str(out_dtype),
+                               scale_a is not None and scale_a.numel() > 1))
     gathered = _all_gather(a, group)
     out = gemm_unchecked(gathered, b, c, alpha, beta, out_dtype,
                          _gathered_scale_a(scale_a, a.shape[0], group), scale_b, fast_accum)
@@ -550,7 +594,8 @@ def _matmul_reduce_scatter_eager(a, b, c, alpha, beta, out_dtype, scale_a, scale
         out = _fused_matmul_reduce_scatter(a, b, bias_c, alpha, bias_beta, out_dtype, _flat(scale_a),
                                            _flat(scale_b), fast, group)
     else:
-        _agree_collectively(group, _OP_NAMES[_RS], (a.shape[0], b.shape[0], str(out_dtype)))
+        _agree_before_collectives(group, _RS, a, a.shape[0] // world, b.shape[0], out_dtype, scale_a,
+                                  (a.shape[0], b.shape[0], str(out_dtype)))
         partial = gemm_unchecked(a, b, None, alpha, 0.0, torch.float32, scale_a, scale_b, fast_accum)
         out = _reduce_scatter(partial, group)
         if bias is not None:

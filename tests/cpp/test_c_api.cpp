@@ -742,6 +742,18 @@ TEST(TpWorkspace, RefusesBadArguments) {
   }
 }
 
+// The op's own fields, refused by name before any device is touched.
+TEST(TpCall, RefusesAnUnknownAgreementMode) {
+  dg_tp_desc d = tp_desc(2, 128, 256, 64);
+  void* workspaces[2] = {reinterpret_cast<void*>(uintptr_t{1} << 20), reinterpret_cast<void*>(uintptr_t{2} << 20)};
+  d.peer_workspaces = workspaces;
+  for (int mode : {-1, 3, INT_MAX}) {
+    d.agree_only = mode;
+    EXPECT_TRUE(refused(dg_all_gather_gemm(&d, nullptr), "agree_only")) << mode;
+    EXPECT_TRUE(refused(dg_gemm_reduce_scatter(&d, nullptr), "agree_only")) << mode;
+  }
+}
+
 TEST(TpWorkspace, ValidSizesGrowWithTheShape) {
   size_t small = 0, large = 0;
   dg_tp_desc d = tp_desc(2, 128, 256, 64);

@@ -495,4 +495,62 @@ TEST(TpLoopback, DisagreementAndTimeoutAreReported) {
   }
 }
 
+// A rank that runs the call elsewhere (the collectives fallback) announces it with
+// DG_TP_AGREE_ELSEWHERE: ranks that all do so agree on the shape as usual; one rank here and one
+// elsewhere both record reason 7 at once (the one here hands back NaN) instead of a timeout.
+TEST(TpLoopback, RankRunningElsewhereIsNamed) {
+  REQUIRE_SM90();
+  const int64_t m = 512, k = 128, n = 128;
+  Buffer a(m * k * 2), b(n * k * 2), out[kWorld];
+  upload_bf16(a, random_values(m * k, 7, 1.f));
+  upload_bf16(b, random_values(n * k, 8, 0.1f));
+  for (int r = 0; r < kWorld; ++r) new (&out[r]) Buffer(kWorld * m * n * 2);
+  dg_tp_desc probe{};
+  probe.gemm.a = matrix(a.ptr, DG_BF16, m, k);
+  probe.gemm.d = matrix(nullptr, DG_BF16, kWorld * m, n);
+  probe.world = kWorld;
+  size_t need = 0;
+  ASSERT_EQ(dg_tp_workspace_size(DG_TP_ALL_GATHER_GEMM, &probe, &need), DG_SUCCESS) << dg_last_error();
+  // rows: this rank's shard rows; mode: 0 (the call) or DG_TP_AGREE_ELSEWHERE
+  auto desc = [&](const LoopbackGroup& group, int r, int64_t rows, int mode) {
+    dg_gemm_desc g{};
+    g.a = matrix(a.ptr, DG_BF16, rows, k);
+    g.b = matrix(b.ptr, DG_BF16, n, k);
+    g.d = matrix(mode ? nullptr : out[r].ptr, DG_BF16, kWorld * rows, n);
+    g.alpha = 1.f;
+    g.config = -1;
+    dg_tp_desc d = group.desc(r, g, {});
+    d.agree_only = mode;
+    return d;
+  };
+  load_each_rank_alone(need, dg_all_gather_gemm, [&](const LoopbackGroup& group, int r) {
+    return desc(group, r, m, 0);
+  });
+  auto run = [&](const LoopbackGroup& group, int64_t rows1, int mode0, int mode1) {
+    const dg_tp_desc d0 = desc(group, 0, m, mode0), d1 = desc(group, 1, rows1, mode1);
+    ASSERT_EQ(dg_all_gather_gemm(&d0, group.streams[0]), DG_SUCCESS) << dg_last_error();
+    ASSERT_EQ(dg_all_gather_gemm(&d1, group.streams[1]), DG_SUCCESS) << dg_last_error();
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  };
+  {
+    LoopbackGroup group(need);
+    ASSERT_NO_FATAL_FAILURE(run(group, m, DG_TP_AGREE_ELSEWHERE, DG_TP_AGREE_ELSEWHERE));
+    EXPECT_EQ(dg_tp_error(0), 0) << "ranks that all run the call elsewhere agree";
+    ASSERT_NO_FATAL_FAILURE(run(group, m / 2, DG_TP_AGREE_ELSEWHERE, DG_TP_AGREE_ELSEWHERE));
+    EXPECT_EQ(dg_tp_error(0) >> 24, 3) << "rows that differ, error word " << dg_tp_error(0);
+    ASSERT_EQ(dg_tp_clear_error(0), DG_SUCCESS) << dg_last_error();
+  }
+  {
+    LoopbackGroup group(need);
+    ASSERT_NO_FATAL_FAILURE(run(group, m, 0, DG_TP_AGREE_ELSEWHERE));
+    EXPECT_EQ(dg_tp_error(0) >> 24, 7) << "one rank here, one elsewhere, error word " << dg_tp_error(0);
+    const std::vector<float> got = download(out[0], kWorld * m * n, DG_BF16);
+    EXPECT_TRUE(std::isnan(got[0]) && std::isnan(got.back())) << "the rank here must hand back NaN";
+    const dg_tp_desc again = desc(group, 0, m, 0);
+    EXPECT_EQ(dg_all_gather_gemm(&again, group.streams[0]), DG_ERROR_PEER_MISMATCH);
+    EXPECT_NE(std::string(dg_last_error()).find("elsewhere"), std::string::npos) << dg_last_error();
+    ASSERT_EQ(dg_tp_clear_error(0), DG_SUCCESS) << dg_last_error();
+  }
+}
+
 }  // namespace

@@ -12,6 +12,7 @@
 #include <utility>
 #include <vector>
 
+#include "tp/tp_call.h"
 #include "tp/tp_heuristics.h"
 #include "tp/tp_plan.h"
 
@@ -238,6 +239,30 @@ TEST(TpPlan, AgreementOnlyPublishesAndChecks) {
     ASSERT_EQ(plan.steps.size(), 2u);
     EXPECT_EQ(plan.steps[0].kind, StepKind::kBeginCall);
     EXPECT_EQ(plan.steps[1].kind, StepKind::kCheckPeers);
+  }
+}
+
+// A rank that runs the call elsewhere (DG_TP_AGREE_ELSEWHERE) only agrees, and its signature
+// differs from a rank's that runs the same call here in the plan word's elsewhere bit alone: the
+// peers' check names that (reason 7) rather than another piece split.
+TEST(TpPlan, ElsewhereIsAnAgreementMarkedInTheSignature) {
+  for (dg_tp_kind kind : {DG_TP_ALL_GATHER_GEMM, DG_TP_GEMM_REDUCE_SCATTER}) {
+    TpShape here;
+    here.kind = kind;
+    here.world = 2;
+    here.m = 512;
+    here.k = here.n = 256;
+    here.agree_only = true;
+    TpShape elsewhere = here;
+    elsewhere.elsewhere = true;
+    const TpPlan plan = make_plan(elsewhere);
+    ASSERT_EQ(plan.steps.size(), 2u);
+    EXPECT_EQ(plan.steps[0].kind, StepKind::kBeginCall);
+    EXPECT_EQ(plan.steps[1].kind, StepKind::kCheckPeers);
+    EXPECT_NE(plan.str().find("run elsewhere"), std::string::npos) << plan.str();
+    const CallSignature a = call_signature(make_plan(here), 5), b = call_signature(plan, 5);
+    for (int w = 0; w < CallSignature::kFields; ++w)
+      EXPECT_EQ(a.words[w] ^ b.words[w], w == CallSignature::kPlan ? CallSignature::kElsewhere : 0u) << w;
   }
 }
 

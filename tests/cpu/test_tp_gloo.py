@@ -16,6 +16,28 @@ def test_mismatched_shapes_are_reported():
     run_ranks(tp_checks.check_mismatched_shapes, 2, "gloo")
 
 
+def test_collectives_path_on_every_rank():
+    run_ranks(tp_checks.check_collectives_path_on_every_rank, 2, "gloo")
+
+
+@pytest.mark.parametrize("votes,fused", [(["11", "11"], True), (["01", "11"], False), (["10", "10"], False),
+                                         (["00", "11"], False), (["01", "10"], False)])
+def test_group_path_is_decided_from_every_rank(votes, fused):
+    """Each rank votes '<can run fused><wants it>': fused where all can and want to."""
+    from distgemm import tp
+
+    assert tp._decide_fused(votes, "g") is fused
+
+
+def test_backend_settings_that_differ_are_named():
+    """Ranks that could all run fused but set DISTGEMM_TP_BACKEND differently would wait for each
+    other on different paths: every rank gets the same ValueError naming the setting."""
+    from distgemm import tp
+
+    with pytest.raises(ValueError, match=r"ranks \[1, 2\] of group 'g' set DISTGEMM_TP_BACKEND=collectives"):
+        tp._decide_fused(["11", "10", "10"], "g")
+
+
 @pytest.mark.parametrize("var,value", [("DISTGEMM_TP_ALGO", "fastest"), ("DISTGEMM_TP_BACKEND", "nvshmem"),
                                        ("DISTGEMM_TIMEOUT_S", "-1"), ("DISTGEMM_TIMEOUT_S", "soon"),
                                        ("DISTGEMM_TP_PIECES", "5"), ("DISTGEMM_TP_PIECES", "2x"),

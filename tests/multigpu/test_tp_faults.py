@@ -107,5 +107,9 @@ def test_settings_that_differ_after_the_first_call():
                                            "algo_differ_rs", "rs_split_differ_rs"])
 
 
+def test_paths_that_differ():
+    run_cases(fc.paths_disagree, cases=["path_differs_ag", "path_differs_rs", "backend_differs_ag"])
+
+
 def test_side_stream_two_groups_and_graph_replay_after_growth():
     run_cases(fc.correct_cases, cases=["side_stream", "two_groups", "graph_replay_after_growth"])

@@ -59,6 +59,10 @@ def test_mismatched_shapes_are_reported():
     run_ranks(tp_checks.check_mismatched_shapes, WORLD, "nccl")
 
 
+def test_collectives_path_on_every_rank():
+    run_ranks(tp_checks.check_collectives_path_on_every_rank, WORLD, "nccl")
+
+
 @pytest.mark.parametrize("algo", ALGOS)
 def test_peer_that_never_arrives_times_out(algo):
     run_ranks(tp_checks.check_peer_timeout, WORLD, "nccl", env=algo_env(algo, DISTGEMM_TIMEOUT_S="3"), timeout=300)

@@ -214,11 +214,21 @@ typedef struct dg_tp_desc {
   double timeout_s;
   void* gathered_out;           /* all-gather only: optional (world*m, K) copy of gathered a */
   dg_tp_settings settings;
-  /* Nonzero: only the per-call agreement (below) runs, on `stream`, and nothing is read or
-   * written but the workspace header (which may then be smaller than this call needs): what a
-   * caller runs on its current workspaces before it makes larger ones for this call. */
+  /* 0: the call. DG_TP_AGREE_ONLY: only the per-call agreement (below) runs, on `stream`, and
+   * nothing is read or written but the workspace header (which may then be smaller than this
+   * call needs): what a caller runs on its current workspaces before it makes larger ones for
+   * this call. DG_TP_AGREE_ELSEWHERE: the same agreement, announcing that this rank runs the
+   * call without the workspaces (e.g. through NCCL collectives, for dtypes or sizes the fused
+   * kernels cannot take): a peer that runs it here fails with DG_ERROR_PEER_MISMATCH, reason 7,
+   * instead of waiting for this rank in vain, and so does this rank; ranks that all announce
+   * it agree as usual (rows, K or N, a's and out's dtypes, scale modes). Only gemm.a (its
+   * shape, dtype and strides; never dereferenced), gemm.d's shape and dtype and scale_a's
+   * length are read of `gemm`. */
   int agree_only;
 } dg_tp_desc;
+
+#define DG_TP_AGREE_ONLY 1
+#define DG_TP_AGREE_ELSEWHERE 2
 
 /* Every call begins by publishing its signature (op, rows, K or N, dtypes, algorithm and pieces,
  * call count) to every peer; before it writes into a peer or reads what one wrote, each rank
@@ -238,7 +248,8 @@ DG_API dg_status dg_gemm_reduce_scatter(const dg_tp_desc* desc, cudaStream_t str
 /* The tensor-parallel error word of `device`: 0, or (reason << 24) | (kind << 16) | (peer rank + 1)
  * once a call failed: reason 0 a wait on that peer timed out; 1 the peer is at another call;
  * 2 another op, algorithm or piece split; 3 other rows; 4 another K (all-gather) or N
- * (reduce-scatter); 5 other dtypes or scale modes; 6 another group size. Read from mapped host
+ * (reduce-scatter); 5 other dtypes or scale modes; 6 another group size; 7 one of the two runs
+ * the call elsewhere (DG_TP_AGREE_ELSEWHERE) and the other on the workspaces. Read from mapped host
  * memory, without synchronizing the device. dg_tp_clear_error synchronizes `device` and resets it. */
 DG_API int dg_tp_error(int device);
 DG_API dg_status dg_tp_clear_error(int device);
