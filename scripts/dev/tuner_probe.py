@@ -1,0 +1,110 @@
+"""Why the dense autotuner and the sweep benchmark can rank a short memory-bound GEMM differently
+(25 x 9216 x 7168: the tuner kept our tile, the sweep timed it 5.5% behind cuBLAS). Times the
+same candidates (every compiled tile and cuBLAS) on the same operands, in one process, under
+each timing discipline, several times over:
+
+- tuner:          autotune's own (_medians: rounds of 5 consecutive calls per candidate, L2
+                  flushed and ~0.5 ms queued before each)
+- tuner_sleep2ms: the same with the benchmark's ~1 ms of queued work
+- bench:          bench.common.Timer.compare (the candidates interleaved in a fresh order every
+                  call, L2 flushed and ~1 ms queued before each)
+- tuner_choice:   what autotune.choose picks (cache cleared first)
+
+``python scripts/dev/tuner_probe.py [MxNxK ...]``; ``PROBE_OUT`` names the JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+
+import torch
+
+import distgemm
+from distgemm import autotune, dense
+from distgemm._library import ops
+from distgemm.bench.common import Timer, env_info
+
+SHAPES = [(25, 9216, 7168), (16, 9216, 7168), (64, 9216, 7168), (25, 7168, 9216), (128, 16384, 7168)]
+REPEATS = 3
+
+
+def _time(fn, reps: int, flush: torch.Tensor, sleep_cycles: int) -> float:
+    pairs = []
+    for _ in range(reps):
+        flush.zero_()
+        torch.cuda._sleep(sleep_cycles)
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        pairs.append((s, e))
+    pairs[-1][1].synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in pairs)
+
+
+def _tuner_style(cands: dict, flush: torch.Tensor, sleep_cycles: int) -> dict:
+    samples = {name: [] for name in cands}
+    for _ in range(autotune._ROUNDS):
+        for name, fn in cands.items():
+            samples[name].append(_time(fn, autotune._REPS, flush, sleep_cycles))
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
+def probe(m: int, n: int, k: int, timer: Timer) -> dict:
+    bf = torch.bfloat16
+    a = torch.randn(m, k, device="cuda", dtype=bf)
+    b = torch.randn(n, k, device="cuda", dtype=bf)
+    names = dense._config_names(bf, bf, bf, True, 90)
+    cands = {f"cutlass:{name}": (lambda i=i: ops.gemm(a, b, None, 1.0, 0.0, bf, None, None, False, i))
+             for i, name in enumerate(names)}
+    cands = {name: fn for name, fn in cands.items() if _runs(fn)}
+    cands["cublas"] = lambda: torch.nn.functional.linear(a, b)
+    cands["cublas_matmul"] = lambda: torch.matmul(a, b.t())
+    for fn in cands.values():
+        fn()
+    flush = autotune._flush_buffer()
+    runs = {"tuner": [], "tuner_sleep2ms": [], "bench": [], "tuner_choice": []}
+    for _ in range(REPEATS):
+        runs["tuner"].append(_tuner_style(cands, flush, 1_000_000))
+        runs["tuner_sleep2ms"].append(_tuner_style(cands, flush, 2_000_000))
+        runs["bench"].append(timer.compare(cands, reps=20))
+        autotune.clear()
+        distgemm.gemm(a, b)
+        runs["tuner_choice"].append(autotune.last_backend())
+    best = {method: [min(r, key=r.get) for r in results] for method, results in runs.items() if method != "tuner_choice"}
+    return {"shape": [m, n, k], "runs": runs, "fastest": best}
+
+
+def _runs(fn) -> bool:
+    try:
+        fn()
+        return True
+    except (RuntimeError, ValueError, NotImplementedError):
+        return False
+
+
+def main() -> None:
+    shapes = [tuple(int(x) for x in s.split("x")) for s in sys.argv[1:]] or SHAPES
+    os.environ.setdefault("DISTGEMM_AUTOTUNE_CACHE", "/tmp/tuner_probe_cache.json")
+    timer = Timer()
+    results = []
+    for m, n, k in shapes:
+        r = probe(m, n, k, timer)
+        results.append(r)
+        print(f"== {m}x{n}x{k}: tuner picks {r['runs']['tuner_choice']}")
+        for method in ("tuner", "tuner_sleep2ms", "bench"):
+            for i, times in enumerate(r["runs"][method]):
+                cublas = times["cublas"]
+                row = "  ".join(f"{name.replace('cutlass:', '')}={t * 1e3:.1f}({cublas / t:.3f})"
+                                for name, t in sorted(times.items(), key=lambda kv: kv[1])[:4])
+                print(f"  {method:<15} #{i}: {row}", flush=True)
+    out = os.environ.get("PROBE_OUT")
+    if out:
+        with open(out, "w") as f:
+            json.dump({"env": env_info(), "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
