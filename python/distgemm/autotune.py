@@ -92,30 +92,23 @@ def may_time() -> bool:
     return not torch.cuda.is_current_stream_capturing()
 
 
-def _time_calls(order, reps: int, flush: torch.Tensor) -> Dict[str, list]:
-    """Device time of `reps` calls of each candidate in `order` (name -> fn), the candidates
-    taking turns call by call in a rotating order, as the benchmarks time them: each call timed
-    alone, L2 overwritten by `flush`, then ~0.5 ms of queued GPU work, so that neither the host's
-    launch cost (which differs between candidates) nor a previous call's tail or cached operands
-    count. Timed back to back instead, the kernels ranked differently: 24 of 50 FP8
-    fast-accumulation shapes picked tiles that then ran up to 16% behind (bench/NOTES.md). Five
-    calls of one candidate in a row read short memory-bound GEMMs ~15% slower than the
-    benchmark's interleaved calls, cuBLAS more than our tiles, so that a 12% loss read as a tie
-    (scripts/dev/tuner_probe.py, bench/NOTES.md session 13)."""
-    names = list(order)
-    pairs: Dict[str, list] = {name: [] for name in names}
-    for rep in range(reps):
-        shift = rep % len(names)
-        for name in names[shift:] + names[:shift]:
-            flush.zero_()
-            torch.cuda._sleep(1_000_000)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            order[name]()
-            end.record()
-            pairs[name].append((start, end))
-    torch.cuda.current_stream().synchronize()
-    return {name: [s.elapsed_time(e) for s, e in timed] for name, timed in pairs.items()}
+def _time_ms(fn: Callable[[], object], reps: int, flush: torch.Tensor) -> float:
+    """Median device time of `reps` calls of `fn`, each timed alone as the benchmarks time it:
+    L2 overwritten by `flush`, then ~0.5 ms of queued GPU work, so that neither the host's
+    launch cost (which differs between candidates) nor a previous call's tail or cached
+    operands count. Timed back to back instead, the kernels ranked differently: 24 of 50 FP8
+    fast-accumulation shapes picked tiles that then ran up to 16% behind (bench/NOTES.md)."""
+    pairs = []
+    for _ in range(reps):
+        flush.zero_()
+        torch.cuda._sleep(1_000_000)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        pairs.append((start, end))
+    pairs[-1][1].synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in pairs)
 
 
 def _flush_buffer() -> torch.Tensor:
@@ -138,8 +131,8 @@ def lookup(key: str) -> Optional[str]:
 # near-tie picked by noise measured up to 8% slower afterwards (bench/NOTES.md, session 8).
 PREFER_MARGIN = 0.03
 
-_REPS = 5  # calls timed per candidate and round, the candidates taking turns call by call
-_ROUNDS = 3  # rounds; each candidate keeps the median of its round medians
+_REPS = 5  # calls timed per candidate and round
+_ROUNDS = 3  # rounds, the candidates taking turns; each keeps its median
 
 # A win over the preferred candidate by less than this is timed again, the two alone, and kept
 # only if it holds there too: among 6 to 8 candidates the best of several noisy medians
@@ -151,8 +144,8 @@ CONFIRM_BELOW = 0.10
 def _medians(candidates: Dict[str, Callable[[], object]], flush) -> Dict[str, float]:
     samples: Dict[str, list] = {name: [] for name in candidates}
     for _ in range(_ROUNDS):
-        for name, times in _time_calls(candidates, _REPS, flush).items():
-            samples[name].append(statistics.median(times))
+        for name, fn in candidates.items():
+            samples[name].append(_time_ms(fn, _REPS, flush))
     return {name: statistics.median(times) for name, times in samples.items()}
 
 

@@ -3,12 +3,12 @@
 same candidates (every compiled tile and cuBLAS) on the same operands, in one process, under
 each timing discipline, several times over:
 
-- tuner_consecutive: the tuner as it was until session 13 (rounds of 5 consecutive calls per
-                     candidate, L2 flushed and ~0.5 ms queued before each)
-- tuner:             autotune's own (autotune._medians: the candidates taking turns call by call)
-- bench:             bench.common.Timer.compare (the candidates interleaved in a fresh order
-                     every call, L2 flushed and ~1 ms queued before each)
-- tuner_choice:      what autotune.choose picks (cache cleared first)
+- tuner:          autotune's own (_medians: rounds of 5 consecutive calls per candidate, L2
+                  flushed and ~0.5 ms queued before each)
+- tuner_sleep2ms: the same with the benchmark's ~1 ms of queued work
+- bench:          bench.common.Timer.compare (the candidates interleaved in a fresh order every
+                  call, L2 flushed and ~1 ms queued before each)
+- tuner_choice:   what autotune.choose picks (cache cleared first)
 
 ``python scripts/dev/tuner_probe.py [MxNxK ...]``; ``PROBE_OUT`` names the JSON."""
 
@@ -26,7 +26,7 @@ from distgemm import autotune, dense
 from distgemm._library import ops
 from distgemm.bench.common import Timer, env_info
 
-SHAPES = [(25, 9216, 7168), (16, 9216, 7168), (128, 16384, 7168), (4096, 2112, 7168)]
+SHAPES = [(25, 9216, 7168), (16, 9216, 7168), (64, 9216, 7168), (25, 7168, 9216), (128, 16384, 7168)]
 REPEATS = 3
 
 
@@ -65,10 +65,10 @@ def probe(m: int, n: int, k: int, timer: Timer) -> dict:
     for fn in cands.values():
         fn()
     flush = autotune._flush_buffer()
-    runs = {"tuner_consecutive": [], "tuner": [], "bench": [], "tuner_choice": []}
+    runs = {"tuner": [], "tuner_sleep2ms": [], "bench": [], "tuner_choice": []}
     for _ in range(REPEATS):
-        runs["tuner_consecutive"].append(_tuner_style(cands, flush, 1_000_000))
-        runs["tuner"].append(autotune._medians(cands, flush))
+        runs["tuner"].append(_tuner_style(cands, flush, 1_000_000))
+        runs["tuner_sleep2ms"].append(_tuner_style(cands, flush, 2_000_000))
         runs["bench"].append(timer.compare(cands, reps=20))
         autotune.clear()
         distgemm.gemm(a, b)
@@ -94,12 +94,12 @@ def main() -> None:
         r = probe(m, n, k, timer)
         results.append(r)
         print(f"== {m}x{n}x{k}: tuner picks {r['runs']['tuner_choice']}")
-        for method in ("tuner_consecutive", "tuner", "bench"):
+        for method in ("tuner", "tuner_sleep2ms", "bench"):
             for i, times in enumerate(r["runs"][method]):
                 cublas = times["cublas"]
                 row = "  ".join(f"{name.replace('cutlass:', '')}={t * 1e3:.1f}({cublas / t:.3f})"
                                 for name, t in sorted(times.items(), key=lambda kv: kv[1])[:4])
-                print(f"  {method:<17} #{i}: {row}", flush=True)
+                print(f"  {method:<15} #{i}: {row}", flush=True)
     out = os.environ.get("PROBE_OUT")
     if out:
         with open(out, "w") as f:

@@ -15,11 +15,10 @@ def timed(monkeypatch, tmp_path):
     autotune.clear()
     times = {}
 
-    def time_ms(fn):  # a number, or a list: the next round's timing of that candidate
+    def time_ms(fn, reps, flush):  # a number, or a list: the next timing of that candidate
         t = times[fn()]
         return t.pop(0) if isinstance(t, list) else t
-    monkeypatch.setattr(autotune, "_time_calls",
-                        lambda order, reps, flush: {name: [time_ms(fn)] * reps for name, fn in order.items()})
+    monkeypatch.setattr(autotune, "_time_ms", time_ms)
     monkeypatch.setattr(autotune, "_flush_buffer", lambda: None)
     yield times
     autotune.clear()

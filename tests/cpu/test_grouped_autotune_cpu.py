@@ -20,8 +20,7 @@ def timed(monkeypatch, tmp_path):
     monkeypatch.setattr(autotune, "_flush_buffer", lambda: None)
     autotune.clear()
     times = {}
-    monkeypatch.setattr(autotune, "_time_calls",
-                        lambda order, reps, flush: {name: [times[fn()]] * reps for name, fn in order.items()})
+    monkeypatch.setattr(autotune, "_time_ms", lambda fn, reps, flush: times[fn()])
     yield times
     autotune.clear()
 
