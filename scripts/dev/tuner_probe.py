@@ -3,14 +3,21 @@
 same candidates (every compiled tile and cuBLAS) on the same operands, in one process, under
 each timing discipline, several times over:
 
-- tuner:          autotune's own (_medians: rounds of 5 consecutive calls per candidate, L2
-                  flushed and ~0.5 ms queued before each)
-- tuner_sleep2ms: the same with the benchmark's ~1 ms of queued work
-- bench:          bench.common.Timer.compare (the candidates interleaved in a fresh order every
-                  call, L2 flushed and ~1 ms queued before each)
-- tuner_choice:   what autotune.choose picks (cache cleared first)
+- tuner:              autotune's own (_medians: rounds of 5 consecutive calls per candidate,
+                      L2 flushed and ~0.5 ms queued before each)
+- tuner_sleep2ms:     the same with the benchmark's ~1 ms of queued work
+- tuner_interleaved:  the tuner's calls, the candidates taking turns call by call, ~1 ms queued
+- tuner_timer_flush:  the tuner's discipline flushing with the benchmark Timer's buffer
+- tuner_events_first: the tuner's discipline, each call's events made before its flush and wait
+- bench:              bench.common.Timer.compare (the candidates interleaved in a fresh order
+                      every call, L2 flushed and ~1 ms queued before each)
+- bench_tuner_flush:  the same flushing with the tuner's buffer
+- tuner_choice:       what autotune.choose picks (cache cleared first)
 
-``python scripts/dev/tuner_probe.py [MxNxK ...]``; ``PROBE_OUT`` names the JSON."""
+Measured at 058ed21 and 46e44de (bench/results/h200_tuner_probe_*.json): the tuner's timings
+read these shapes 15-20% slower than the benchmark's, cuBLAS more than our tiles, interleaved
+or not (the first four variants above were run; the flush-buffer and event variants are the
+next to run). ``python scripts/dev/tuner_probe.py [MxNxK ...]``; ``PROBE_OUT`` names the JSON."""
 
 from __future__ import annotations
 
@@ -26,30 +33,48 @@ from distgemm import autotune, dense
 from distgemm._library import ops
 from distgemm.bench.common import Timer, env_info
 
-SHAPES = [(25, 9216, 7168), (16, 9216, 7168), (64, 9216, 7168), (25, 7168, 9216), (128, 16384, 7168)]
+SHAPES = [(25, 9216, 7168), (16, 9216, 7168), (128, 16384, 7168)]
 REPEATS = 3
 
 
-def _time(fn, reps: int, flush: torch.Tensor, sleep_cycles: int) -> float:
-    pairs = []
-    for _ in range(reps):
+def _time(order: dict, reps: int, flush: torch.Tensor, sleep_cycles: int, interleave: bool = False,
+          events_first: bool = False) -> dict:
+    """Median device time of `reps` calls of each candidate: all of one candidate's calls in a
+    row (the tuner), or the candidates taking turns call by call."""
+    names = list(order)
+    calls = ([name for _ in range(reps) for name in names] if interleave
+             else [name for name in names for _ in range(reps)])
+    pairs = {name: [] for name in names}
+    for name in calls:
+        if events_first:
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         flush.zero_()
         torch.cuda._sleep(sleep_cycles)
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if not events_first:
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record()
-        fn()
+        order[name]()
         e.record()
-        pairs.append((s, e))
-    pairs[-1][1].synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in pairs)
+        pairs[name].append((s, e))
+    torch.cuda.synchronize()
+    return {name: statistics.median(s.elapsed_time(e) for s, e in p) for name, p in pairs.items()}
 
 
-def _tuner_style(cands: dict, flush: torch.Tensor, sleep_cycles: int) -> dict:
+def _tuner_style(cands: dict, flush: torch.Tensor, sleep_cycles: int, **how) -> dict:
     samples = {name: [] for name in cands}
     for _ in range(autotune._ROUNDS):
-        for name, fn in cands.items():
-            samples[name].append(_time(fn, autotune._REPS, flush, sleep_cycles))
+        for name, t in _time(cands, autotune._REPS, flush, sleep_cycles, **how).items():
+            samples[name].append(t)
     return {name: statistics.median(v) for name, v in samples.items()}
+
+
+def _bench_with_flush(timer: Timer, cands: dict, flush: torch.Tensor) -> dict:
+    own = timer._flush
+    timer._flush = flush
+    try:
+        return timer.compare(cands, reps=20)
+    finally:
+        timer._flush = own
 
 
 def probe(m: int, n: int, k: int, timer: Timer) -> dict:
@@ -65,11 +90,19 @@ def probe(m: int, n: int, k: int, timer: Timer) -> dict:
     for fn in cands.values():
         fn()
     flush = autotune._flush_buffer()
-    runs = {"tuner": [], "tuner_sleep2ms": [], "bench": [], "tuner_choice": []}
+    methods = {
+        "tuner": lambda: _tuner_style(cands, flush, 1_000_000),
+        "tuner_sleep2ms": lambda: _tuner_style(cands, flush, 2_000_000),
+        "tuner_interleaved": lambda: _tuner_style(cands, flush, 2_000_000, interleave=True),
+        "tuner_timer_flush": lambda: _tuner_style(cands, timer._flush, 1_000_000),
+        "tuner_events_first": lambda: _tuner_style(cands, flush, 1_000_000, events_first=True),
+        "bench": lambda: timer.compare(cands, reps=20),
+        "bench_tuner_flush": lambda: _bench_with_flush(timer, cands, flush),
+    }
+    runs = {name: [] for name in list(methods) + ["tuner_choice"]}
     for _ in range(REPEATS):
-        runs["tuner"].append(_tuner_style(cands, flush, 1_000_000))
-        runs["tuner_sleep2ms"].append(_tuner_style(cands, flush, 2_000_000))
-        runs["bench"].append(timer.compare(cands, reps=20))
+        for name, run in methods.items():
+            runs[name].append(run())
         autotune.clear()
         distgemm.gemm(a, b)
         runs["tuner_choice"].append(autotune.last_backend())
@@ -94,12 +127,12 @@ def main() -> None:
         r = probe(m, n, k, timer)
         results.append(r)
         print(f"== {m}x{n}x{k}: tuner picks {r['runs']['tuner_choice']}")
-        for method in ("tuner", "tuner_sleep2ms", "bench"):
+        for method in (m for m in r["runs"] if m != "tuner_choice"):
             for i, times in enumerate(r["runs"][method]):
                 cublas = times["cublas"]
                 row = "  ".join(f"{name.replace('cutlass:', '')}={t * 1e3:.1f}({cublas / t:.3f})"
                                 for name, t in sorted(times.items(), key=lambda kv: kv[1])[:4])
-                print(f"  {method:<15} #{i}: {row}", flush=True)
+                print(f"  {method:<18} #{i}: {row}", flush=True)
     out = os.environ.get("PROBE_OUT")
     if out:
         with open(out, "w") as f:
