@@ -226,43 +226,41 @@ TEST(TpPlan, EveryWaitHasItsSignalReduceScatter) {
   EXPECT_GT(matched, 0);
 }
 
-TEST(TpPlan, AgreementOnlyPublishesAndChecks) {
-  for (dg_tp_kind kind : {DG_TP_ALL_GATHER_GEMM, DG_TP_GEMM_REDUCE_SCATTER}) {
-    TpShape s;
-    s.kind = kind;
-    s.world = 4;
-    s.m = 512;
-    s.k = s.n = 256;
-    s.agree_only = true;
-    check_group(s);
-    const TpPlan plan = make_plan(s);
-    ASSERT_EQ(plan.steps.size(), 2u);
-    EXPECT_EQ(plan.steps[0].kind, StepKind::kBeginCall);
-    EXPECT_EQ(plan.steps[1].kind, StepKind::kCheckPeers);
-  }
+TpShape agreement_only(dg_tp_kind kind, bool elsewhere) {
+  TpShape s;
+  s.kind = kind;
+  s.world = 4;
+  s.m = 512;
+  s.k = s.n = 256;
+  s.agree_only = true;
+  s.elsewhere = elsewhere;
+  return s;
 }
 
-// A rank that runs the call elsewhere (DG_TP_AGREE_ELSEWHERE) only agrees, and its signature
-// differs from a rank's that runs the same call here in the plan word's elsewhere bit alone: the
-// peers' check names that (reason 7) rather than another piece split.
-TEST(TpPlan, ElsewhereIsAnAgreementMarkedInTheSignature) {
+// Only the agreement: also for a rank that runs the call elsewhere (DG_TP_AGREE_ELSEWHERE).
+TEST(TpPlan, AgreementOnlyPublishesAndChecks) {
+  for (dg_tp_kind kind : {DG_TP_ALL_GATHER_GEMM, DG_TP_GEMM_REDUCE_SCATTER})
+    for (bool elsewhere : {false, true}) {
+      const TpShape s = agreement_only(kind, elsewhere);
+      check_group(s);
+      const TpPlan plan = make_plan(s);
+      ASSERT_EQ(plan.steps.size(), 2u);
+      EXPECT_EQ(plan.steps[0].kind, StepKind::kBeginCall);
+      EXPECT_EQ(plan.steps[1].kind, StepKind::kCheckPeers);
+      EXPECT_EQ(plan.str().find("run elsewhere") != std::string::npos, elsewhere) << plan.str();
+    }
+}
+
+// A rank that runs the call elsewhere publishes a signature that differs from a rank's that runs
+// the same call here in the plan word's elsewhere bit alone: the peers' check names that
+// (reason 7) rather than another piece split.
+TEST(TpPlan, ElsewhereIsMarkedInTheSignature) {
   for (dg_tp_kind kind : {DG_TP_ALL_GATHER_GEMM, DG_TP_GEMM_REDUCE_SCATTER}) {
-    TpShape here;
-    here.kind = kind;
-    here.world = 2;
-    here.m = 512;
-    here.k = here.n = 256;
-    here.agree_only = true;
-    TpShape elsewhere = here;
-    elsewhere.elsewhere = true;
-    const TpPlan plan = make_plan(elsewhere);
-    ASSERT_EQ(plan.steps.size(), 2u);
-    EXPECT_EQ(plan.steps[0].kind, StepKind::kBeginCall);
-    EXPECT_EQ(plan.steps[1].kind, StepKind::kCheckPeers);
-    EXPECT_NE(plan.str().find("run elsewhere"), std::string::npos) << plan.str();
-    const CallSignature a = call_signature(make_plan(here), 5), b = call_signature(plan, 5);
+    const CallSignature here = call_signature(make_plan(agreement_only(kind, false)), 5);
+    const CallSignature elsewhere = call_signature(make_plan(agreement_only(kind, true)), 5);
     for (int w = 0; w < CallSignature::kFields; ++w)
-      EXPECT_EQ(a.words[w] ^ b.words[w], w == CallSignature::kPlan ? CallSignature::kElsewhere : 0u) << w;
+      EXPECT_EQ(here.words[w] ^ elsewhere.words[w], w == CallSignature::kPlan ? CallSignature::kElsewhere : 0u)
+          << w;
   }
 }
 
