@@ -147,7 +147,10 @@ DG_API int dg_grouped_gemm_config_count(const dg_grouped_desc* desc, int device_
 DG_API const char* dg_grouped_gemm_config_name(const dg_grouped_desc* desc, int device_arch,
                                                int config);
 /* The multi-stream cuBLAS baseline (one GEMM per non-empty group on a pool of streams joined
- * back to `stream`). It needs the offsets on the host: host_offs (G values). */
+ * back to `stream`). It needs the offsets on the host: host_offs (G values). With accumulate
+ * into a bf16/fp16 out it is cuBLAS's beta = 1, which can round the product to out's dtype
+ * before the addition (1-ulp differences from dg_grouped_gemm, which rounds once); the Python
+ * backend computes the product into FP32 first. */
 DG_API dg_status dg_grouped_gemm_cublas(const dg_grouped_desc* desc, const int32_t* host_offs,
                                         cudaStream_t stream);
 
