@@ -257,6 +257,37 @@ def check_collectives_path_on_every_rank(rank, world):
             del os.environ["DISTGEMM_TP_BACKEND"]
 
 
+def check_fp8_block_scales(rank, world):
+    """FP8 with DeepSeek-V3's 128-block scales (a per 1 x 128, b per 128 x 128, each rank's
+    scales following its shard) through both ops, against the dequantized operands' product:
+    the all-gather gathers the scales with the rows; the reduce-scatter's ranks hold K shards of
+    whole 128-blocks."""
+    from distgemm.grouped_fp8 import dequantize_blocks
+
+    dev = device_for(rank)
+    m, n, k = 96, 384, 256  # rows per rank; 3 and 2 blocks of 128
+    x = full((m * world, k), torch.bfloat16, dev, 600)
+    w = full((n, k), torch.bfloat16, dev, 601, 0.1)
+    xq, sx = distgemm.quantize_fp8(x, (1, 128))  # sx (M, K/128), M-major as PyTorch holds it
+    wq, sw = distgemm.quantize_fp8(w, (128, 128))
+    want = dequantize_blocks(xq, sx, 1, 128) @ dequantize_blocks(wq, sw, 128, 128).T
+    rows = slice(rank * m, (rank + 1) * m)
+    out = distgemm.all_gather_matmul(xq[rows], wq, scale_a=sx[rows], scale_b=sw)
+    assert out.dtype == torch.bfloat16
+    assert_close(out, want)
+    # reduce-scatter: this rank's K shard (whole blocks) of a (M, world * k) and w (n, world * k)
+    xk = full((m * world, k * world), torch.bfloat16, dev, 602)
+    wk = full((n, k * world), torch.bfloat16, dev, 603, 0.1)
+    xkq, sxk = distgemm.quantize_fp8(xk, (1, 128))
+    wkq, swk = distgemm.quantize_fp8(wk, (128, 128))
+    want = (dequantize_blocks(xkq, sxk, 1, 128) @ dequantize_blocks(wkq, swk, 128, 128).T)[rows]
+    cols, blocks = slice(rank * k, (rank + 1) * k), slice(rank * k // 128, (rank + 1) * k // 128)
+    out = distgemm.matmul_reduce_scatter(xkq[:, cols], wkq[:, cols], scale_a=sxk[:, blocks],
+                                         scale_b=swk[:, blocks])
+    assert tuple(out.shape) == (m, n) and out.dtype == torch.bfloat16
+    assert_close(out, want)
+
+
 def check_cuda_graph_replay(rank, world):
     dev = device_for(rank)
     m, n, k = 256, 512, 256

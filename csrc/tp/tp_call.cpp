@@ -121,6 +121,11 @@ dg_status check_exchange_size(int world, int64_t rows, int64_t cols, const dg_dt
   return DG_SUCCESS;
 }
 
+uint32_t elsewhere_dtypes(const dg_gemm_desc& g) {
+  const uint32_t scales = !g.scale_a ? 0u : g.scale_a_len == 1 ? 1u : g.scale_a_len == g.a.rows ? 2u : 3u;
+  return static_cast<uint32_t>(g.a.dtype) | static_cast<uint32_t>(g.d.dtype) << 8 | scales << 16;
+}
+
 bool needs_scaled_bias(const dg_gemm_desc& g) {
   return g.c.data && g.c.rows == 1 && g.beta != 0.f && g.beta != 1.f;
 }
@@ -133,7 +138,7 @@ TpShape base_shape(dg_tp_kind kind, const dg_tp_desc& d) {
   s.in_bytes = dtype_bytes(d.gemm.a.dtype);
   s.out_bytes = dtype_bytes(d.gemm.d.dtype);
   s.agree_only = d.agree_only != 0;
-  s.elsewhere = d.agree_only == DG_TP_AGREE_ELSEWHERE;
+  s.elsewhere = elsewhere(d);
   return s;
 }
 

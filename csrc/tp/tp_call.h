@@ -56,6 +56,14 @@ dg_status use_decomposed(const dg_tp_desc& d, const char* why_not, bool auto_fus
 // Whether the cuBLASLt pieces need g's bias scaled by beta first (they add it unscaled).
 bool needs_scaled_bias(const dg_gemm_desc& g);
 
+// Whether the caller runs this call elsewhere (DG_TP_AGREE_ELSEWHERE): only its agreement here.
+inline bool elsewhere(const dg_tp_desc& d) { return d.agree_only == DG_TP_AGREE_ELSEWHERE; }
+
+// What ranks that run a call elsewhere must share besides its shape, for the data collectives
+// they run instead: a's and out's dtypes, and how a's scales travel with its rows (none, one per
+// tensor, one per row, or several per row: blocks along K).
+uint32_t elsewhere_dtypes(const dg_gemm_desc& g);
+
 // The shape both ops fill in first: rank, world, dtypes' sizes, agree_only.
 TpShape base_shape(dg_tp_kind kind, const dg_tp_desc& d);
 

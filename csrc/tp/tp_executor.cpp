@@ -221,13 +221,8 @@ dg_status plan_and_execute(const dg_tp_desc& d, const Peers& peers, TpShape shap
                            cudaStream_t stream) {
   const DeviceInfo& dev = device_info(peers.device);
   const CutlassRingGemm fused(dev.sm_count);
-  if (shape.elsewhere) {
-    // Only the agreement. Ranks that all run the call elsewhere must still share its shape and
-    // both dtypes (each op's own dtypes word names only what travels through the workspace).
-    const uint32_t dtypes = choices.dtypes | static_cast<uint32_t>(d.gemm.a.dtype) << 16 |
-                            static_cast<uint32_t>(d.gemm.d.dtype) << 24;
-    return execute(d, peers, make_plan(shape), dtypes, choices.tag, fused, stream);
-  }
+  if (shape.elsewhere)  // only the agreement
+    return execute(d, peers, make_plan(shape), elsewhere_dtypes(d.gemm), choices.tag, fused, stream);
   // The decomposed plan first: its GEMMs tell whether cuBLASLt takes the call, and it is the
   // plan that runs when it does (the workspace regions are the same for either algorithm).
   TpShape candidate = shape;

@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 
 from ._library import device_arch, has_kernels, needs_autograd, ops, warn_once
-from .dense import (FLOAT8, _flat, aligned16, check_operands, gemm_unchecked, grad_of_c, kernel_out_dtype,
-                    kernel_ready)
+from .dense import (FLOAT8, _block_scaled_gemm, _flat, aligned16, check_operands, gemm_unchecked, grad_of_c,
+                    is_block_scaled, kernel_out_dtype, kernel_ready)
 
 # distgemm never uses NVLink multicast: symmetric memory must not create multicast objects.
 os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
@@ -471,11 +471,33 @@ def _reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
     return total.chunk(world)[group.rank()].contiguous()
 
 
-def _gathered_scale_a(scale_a, rows: int, group) -> Optional[torch.Tensor]:
-    """Each rank's scale_a (one value or one per row of its shard) as M row-wise values."""
+def _gathered_scale_a(scale_a, rows: int, group, block: bool) -> Optional[torch.Tensor]:
+    """Each rank's scale_a as the gathered rows' scales: M row-wise values (from one value or one
+    per row of each shard), or (M, ceil(K/128)) block scales."""
     if scale_a is None:
         return None
+    if block:
+        return _all_gather(scale_a.float().contiguous(), group)
     return _all_gather(scale_a.reshape(-1).float().expand(rows).contiguous(), group)
+
+
+def _local_gemm(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, mode: str):
+    """The GEMM of a collectives call (or of a group of one) on this rank: the 128-block-scaled
+    kernel for block scales (bfloat16 out, no c: check_operands refused others), else gemm."""
+    if mode == "block":
+        out = _block_scaled_gemm(a, b, alpha, scale_a, scale_b)
+        return out if out_dtype == out.dtype else out.float()  # the reduce-scatter's partial sums
+    return gemm_unchecked(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum)
+
+
+def _scale_mode(a, b, scale_a, scale_b) -> str:
+    """How a's scales travel with its rows: none, one per tensor, one per row, or per 1 x 128
+    block (the ranks of a collectives call must agree: they gather them)."""
+    if scale_a is None:
+        return "none"
+    if is_block_scaled(a, b, scale_a, scale_b):
+        return "block"
+    return "row" if scale_a.numel() > 1 else "tensor"
 
 
 # ---------------------------------------------------------------- public ops
@@ -547,13 +569,15 @@ def _all_gather_matmul(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_a
 def _all_gather_matmul_eager(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, group,
                              return_gathered):
     world = _state(group).size
+    mode = _scale_mode(a, b, scale_a, scale_b)
     if world == 1:
-        out = gemm_unchecked(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum)
+        out = _local_gemm(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, mode)
         return out, (a if return_gathered else None)
     if a.is_cuda:
         _raise_on_error_word(a.get_device())
     a = a.contiguous()
-    fused = _use_fused(group, a.device) and _fused_operands(a, b, out_dtype, fast_accum)
+    # Every call takes part in the group's choice; 128-block scales run the collectives path.
+    fused = _use_fused(group, a.device) and mode != "block" and _fused_operands(a, b, out_dtype, fast_accum)
     if fused:
         a, b, fast = fused
         bias_or_c, beta = _kernel_c(c, beta, out_dtype)
@@ -561,11 +585,10 @@ def _all_gather_matmul_eager(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, 
                                                  _flat(scale_b), fast, group, return_gathered)
         return out, (gathered if return_gathered else None)
     _agree_before_collectives(group, _AG, a, a.shape[0] * world, b.shape[0], out_dtype, scale_a,
-                              (tuple(a.shape), str(a.dtype), str(out_dtype),
-                               scale_a is not None and scale_a.numel() > 1))
+                              (tuple(a.shape), str(a.dtype), str(out_dtype), mode))
     gathered = _all_gather(a, group)
-    out = gemm_unchecked(gathered, b, c, alpha, beta, out_dtype,
-                         _gathered_scale_a(scale_a, a.shape[0], group), scale_b, fast_accum)
+    out = _local_gemm(gathered, b, c, alpha, beta, out_dtype,
+                      _gathered_scale_a(scale_a, a.shape[0], group, mode == "block"), scale_b, fast_accum, mode)
     return out, (gathered if return_gathered else None)
 
 
@@ -578,16 +601,16 @@ def _matmul_reduce_scatter(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fa
 
 def _matmul_reduce_scatter_eager(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, group):
     world = _state(group).size
+    mode = _scale_mode(a, b, scale_a, scale_b)
     if world == 1:
-        return gemm_unchecked(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum)
+        return _local_gemm(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, mode)
     if a.is_cuda:
         _raise_on_error_word(a.get_device())
     full_c = c is not None and c.dim() == 2 and c.shape[0] != 1
     bias = None if c is None or full_c else c.reshape(-1)
     a = a.contiguous()
-    row_scales = scale_a is not None and scale_a.numel() > 1
-    fused = _use_fused(group, a.device) and _fused_operands(a, b, out_dtype, fast_accum, _RS, row_scales,
-                                                            a.shape[0] // world)
+    fused = _use_fused(group, a.device) and mode != "block" and _fused_operands(
+        a, b, out_dtype, fast_accum, _RS, mode == "row", a.shape[0] // world)
     if fused:
         a, b, fast = fused
         bias_c, bias_beta = _kernel_c(bias, beta, out_dtype)
@@ -596,7 +619,8 @@ def _matmul_reduce_scatter_eager(a, b, c, alpha, beta, out_dtype, scale_a, scale
     else:
         _agree_before_collectives(group, _RS, a, a.shape[0] // world, b.shape[0], out_dtype, scale_a,
                                   (a.shape[0], b.shape[0], str(out_dtype)))
-        partial = gemm_unchecked(a, b, None, alpha, 0.0, torch.float32, scale_a, scale_b, fast_accum)
+        # FP32 partial sums (rounded to bfloat16 first where block scales take the FP8 kernel)
+        partial = _local_gemm(a, b, None, alpha, 0.0, torch.float32, scale_a, scale_b, fast_accum, mode)
         out = _reduce_scatter(partial, group)
         if bias is not None:
             out = out + beta * bias.to(out_dtype).float()

@@ -264,6 +264,28 @@ TEST(TpPlan, ElsewhereIsMarkedInTheSignature) {
   }
 }
 
+// Ranks that run a call elsewhere compare how a's scales travel: none, one per tensor, one per
+// row, or blocks along K (a multiple of the rows), besides both dtypes.
+TEST(TpPlan, ElsewhereSignatureNamesTheScaleMode) {
+  static const float scales[1] = {1.f};
+  dg_gemm_desc g{};
+  g.a.dtype = DG_E4M3;
+  g.a.rows = 64;
+  g.d.dtype = DG_BF16;
+  std::vector<uint32_t> words;
+  for (int64_t len : {int64_t{0}, int64_t{1}, int64_t{64}, int64_t{64 * 3}}) {
+    g.scale_a = len ? scales : nullptr;
+    g.scale_a_len = len;
+    words.push_back(elsewhere_dtypes(g));
+  }
+  for (size_t i = 0; i < words.size(); ++i)
+    for (size_t j = i + 1; j < words.size(); ++j) EXPECT_NE(words[i], words[j]) << i << " vs " << j;
+  g.scale_a_len = 64 * 5;  // another number of K blocks: the same mode (K itself is compared)
+  EXPECT_EQ(elsewhere_dtypes(g), words[3]);
+  g.d.dtype = DG_F32;
+  EXPECT_NE(elsewhere_dtypes(g), words[3]);
+}
+
 TEST(TpPlan, PiecesFollowTheSettingAndCoverTheRows) {
   for (const PieceSplit& split : kSplits)
     for (int64_t rows : kRows) {

@@ -20,6 +20,10 @@ def test_collectives_path_on_every_rank():
     run_ranks(tp_checks.check_collectives_path_on_every_rank, 2, "gloo")
 
 
+def test_fp8_block_scales():
+    run_ranks(tp_checks.check_fp8_block_scales, 2, "gloo")
+
+
 @pytest.mark.parametrize("votes,fused", [(["11", "11"], True), (["01", "11"], False), (["10", "10"], False),
                                          (["00", "11"], False), (["01", "10"], False)])
 def test_group_path_is_decided_from_every_rank(votes, fused):

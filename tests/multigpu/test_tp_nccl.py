@@ -63,6 +63,11 @@ def test_collectives_path_on_every_rank():
     run_ranks(tp_checks.check_collectives_path_on_every_rank, WORLD, "nccl")
 
 
+def test_fp8_block_scales():
+    # the collectives path on a fused group: announced on the workspace first
+    run_ranks(tp_checks.check_fp8_block_scales, WORLD, "nccl")
+
+
 @pytest.mark.parametrize("algo", ALGOS)
 def test_peer_that_never_arrives_times_out(algo):
     run_ranks(tp_checks.check_peer_timeout, WORLD, "nccl", env=algo_env(algo, DISTGEMM_TIMEOUT_S="3"), timeout=300)

@@ -224,9 +224,10 @@ typedef struct dg_tp_desc {
    * call without the workspaces (e.g. through NCCL collectives, for dtypes or sizes the fused
    * kernels cannot take): a peer that runs it here fails with DG_ERROR_PEER_MISMATCH, reason 7,
    * instead of waiting for this rank in vain, and so does this rank; ranks that all announce
-   * it agree as usual (rows, K or N, a's and out's dtypes, scale modes). Only gemm.a (its
-   * shape, dtype and strides; never dereferenced), gemm.d's shape and dtype and scale_a's
-   * length are read of `gemm`. */
+   * it agree as usual (rows, K or N, a's and out's dtypes, how a's scales travel: none, one,
+   * one per row, or a multiple of the rows for blocks along K). Only gemm.a (its shape, dtype
+   * and strides; never dereferenced), gemm.d's shape and dtype and scale_a's length are read
+   * of `gemm`. */
   int agree_only;
 } dg_tp_desc;
 
