@@ -35,6 +35,8 @@ void require_same_device(const char* op, const at::Tensor& t, const at::Tensor& 
                     ref.device());
 }
 
+}  // namespace
+
 void set_scale(const char* op, const c10::optional<at::Tensor>& scale, const at::Tensor& a,
                const char* arg, const float** ptr, int64_t* len) {
   if (!scale) return;
@@ -44,8 +46,6 @@ void set_scale(const char* op, const c10::optional<at::Tensor>& scale, const at:
   *ptr = scale->data_ptr<float>();
   *len = scale->numel();
 }
-
-}  // namespace
 
 dg_gemm_desc gemm_desc(const char* op, const at::Tensor& a, const at::Tensor& b,
                        const c10::optional<at::Tensor>& c, const at::Tensor& out, double alpha,

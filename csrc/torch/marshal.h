@@ -15,6 +15,11 @@ dg_dtype to_dg_dtype(at::ScalarType t, const char* arg);
 // A 2-D view of `t`; a 1-D tensor becomes one row. An undefined tensor gives a NULL matrix.
 dg_matrix to_matrix(const at::Tensor& t, const char* arg);
 
+// A float32 scale's pointer and length (none if `scale` is absent), checked to be contiguous
+// and on a's device.
+void set_scale(const char* op, const c10::optional<at::Tensor>& scale, const at::Tensor& a,
+               const char* arg, const float** ptr, int64_t* len);
+
 // dg_gemm_desc of alpha * (scale_a * scale_b * (a @ b.T)) + beta * c into `out`; `op` names
 // the caller in errors about mismatched devices or scale dtypes.
 dg_gemm_desc gemm_desc(const char* op, const at::Tensor& a, const at::Tensor& b,

@@ -87,10 +87,7 @@ void tp_agree_elsewhere(int64_t kind, const at::Tensor& a, int64_t out_rows, int
   dg_gemm_desc g{};
   g.a = to_matrix(a, "a");
   g.d = dg_matrix{nullptr, to_dg_dtype(out_dtype, "out_dtype"), out_rows, n, n, 1};
-  if (scale_a) {  // its length is the scale mode
-    g.scale_a = static_cast<const float*>(scale_a->data_ptr());
-    g.scale_a_len = scale_a->numel();
-  }
+  set_scale(op, scale_a, a, "scale_a", &g.scale_a, &g.scale_a_len);  // its length is the scale mode
   std::vector<void*> storage;
   const dg_tp_desc d = tp_desc(g, rank, world, workspaces, storage, workspace_bytes, timeout_s, {0, 0, 0, 0},
                                DG_TP_AGREE_ELSEWHERE);

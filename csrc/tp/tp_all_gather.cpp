@@ -25,9 +25,7 @@ extern "C" dg_status dg_all_gather_gemm(const dg_tp_desc* desc, cudaStream_t str
   DG_REQUIRE(g.a.col_stride == 1 && g.a.row_stride >= k, "a must be row-major, got strides (",
              g.a.row_stride, ", ", g.a.col_stride, ")");
   DG_REQUIRE(g.d.rows == rows, "out must have world * m = ", rows, " rows, got ", g.d.rows);
-  DG_REQUIRE(!g.scale_a || g.scale_a_len == 1 || g.scale_a_len == m || (elsewhere(d) && g.scale_a_len % m == 0),
-             "scale_a must hold 1 or m = ", m, " values (this rank's shard)",
-             elsewhere(d) ? ", or a multiple of m (blocks along K)" : "");
+  DG_RETURN_IF_ERROR(check_scale_a(d, m, "m (this rank's shard rows)"));
 
   TpShape shape = base_shape(DG_TP_ALL_GATHER_GEMM, d);
   shape.m = m;

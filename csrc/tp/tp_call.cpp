@@ -121,6 +121,14 @@ dg_status check_exchange_size(int world, int64_t rows, int64_t cols, const dg_dt
   return DG_SUCCESS;
 }
 
+dg_status check_scale_a(const dg_tp_desc& d, int64_t rows, const char* rows_name) {
+  const dg_gemm_desc& g = d.gemm;
+  DG_REQUIRE(!g.scale_a || g.scale_a_len == 1 || g.scale_a_len == rows || (elsewhere(d) && g.scale_a_len % rows == 0),
+             "scale_a must hold 1 or ", rows_name, " = ", rows, " values",
+             elsewhere(d) ? ", or a multiple of them (blocks along K)" : "");
+  return DG_SUCCESS;
+}
+
 uint32_t elsewhere_dtypes(const dg_gemm_desc& g) {
   const uint32_t scales = !g.scale_a ? 0u : g.scale_a_len == 1 ? 1u : g.scale_a_len == g.a.rows ? 2u : 3u;
   return static_cast<uint32_t>(g.a.dtype) | static_cast<uint32_t>(g.d.dtype) << 8 | scales << 16;

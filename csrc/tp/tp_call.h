@@ -59,6 +59,11 @@ bool needs_scaled_bias(const dg_gemm_desc& g);
 // Whether the caller runs this call elsewhere (DG_TP_AGREE_ELSEWHERE): only its agreement here.
 inline bool elsewhere(const dg_tp_desc& d) { return d.agree_only == DG_TP_AGREE_ELSEWHERE; }
 
+// scale_a holds 1 value (per tensor) or one per row of a's `rows`; for a call run elsewhere
+// also a multiple of them (blocks along K: only the collectives that run it read them).
+// `rows_name` names the rows in the error.
+dg_status check_scale_a(const dg_tp_desc& d, int64_t rows, const char* rows_name);
+
 // What ranks that run a call elsewhere must share besides its shape, for the data collectives
 // they run instead: a's and out's dtypes, and how a's scales travel with its rows (none, one per
 // tensor, one per row, or several per row: blocks along K).

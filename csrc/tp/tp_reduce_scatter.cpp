@@ -25,9 +25,7 @@ extern "C" dg_status dg_gemm_reduce_scatter(const dg_tp_desc* desc, cudaStream_t
   DG_REQUIRE(g.a.col_stride == 1, "a must be row-major");
   DG_REQUIRE(!g.c.data || g.c.rows == 1,
              "c must be a bias row for GEMM + reduce-scatter (add a full C to the output shard)");
-  DG_REQUIRE(!g.scale_a || g.scale_a_len == 1 || g.scale_a_len == g.a.rows ||
-                 (elsewhere(d) && g.scale_a_len % g.a.rows == 0),
-             "scale_a must hold 1 or M = ", g.a.rows, " values", elsewhere(d) ? ", or a multiple of M (blocks along K)" : "");
+  DG_RETURN_IF_ERROR(check_scale_a(d, g.a.rows, "M"));
 
   TpShape shape = base_shape(DG_TP_GEMM_REDUCE_SCATTER, d);
   shape.m = m;

@@ -297,8 +297,10 @@ def _agree_before_collectives(group, kind: int, a, out_rows: int, n: int, out_dt
         ops.tp_agree_elsewhere(kind, a, out_rows, n, out_dtype, scale, state.rank, state.size, ws.ptrs, ws.nbytes,
                                timeout)
 
-    header_only = _workspace_bytes(_AG, 1, 8, 8, torch.bfloat16, torch.bfloat16, state.size)
-    _run_on_workspace(state, header_only, a.device, call)
+    # The agreement reads only the workspace's header: any workspace will do (the smallest
+    # call's, where none exists yet).
+    smallest = _workspace_bytes(_AG, 1, 8, 8, torch.bfloat16, torch.bfloat16, state.size)
+    _run_on_workspace(state, smallest, a.device, call)
     torch.cuda.current_stream(a.device).synchronize()  # the fallback's price: one host sync
     _raise_on_error_word(a.device.index)
 
