@@ -1,0 +1,107 @@
+"""Why the L2 flush buffer changes the timing of a short memory-bound GEMM
+(scripts/dev/tuner_probe.py, session 14: the benchmark's timing with the autotuner's flush
+buffer reads 25 x 9216 x 7168 at ~49 us for cuBLAS, ~48 for our 64 x 128 tile; with the
+benchmark's own buffer, 41 and 43.5: the same discipline, the ranking flipped by the buffer).
+
+Both buffers are 2 x L2 and flushed by zero_(); they differ in when they were allocated (the
+benchmark's at start, before the operands; the tuner's after them), so in their addresses.
+This times the same candidates in the benchmark's discipline (interleaved, ~1 ms queued
+ahead) under flushes that separate the suspects:
+
+- early_write / late_write: zero_() of a buffer allocated before / after the operands
+- early_read / late_read:   a read (sum) of it instead: L2 then holds clean lines, nothing
+                            to write back during the GEMM
+- early_write_late_read / late_write_early_read: write one, then read the other (the GEMM
+                            meets the second's clean lines and its pages in the TLB)
+- late2_write:              another buffer allocated after the operands
+- big_early_write / big_late_write: zero_() of an 8 x L2 buffer
+
+``python scripts/dev/flush_probe.py [MxNxK ...]``; ``PROBE_OUT`` names the JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+from distgemm import dense
+from distgemm._library import ops
+from distgemm.bench.common import Timer, env_info
+
+SHAPES = [(25, 9216, 7168), (16, 9216, 7168), (128, 16384, 7168), (4096, 4096, 4096)]
+REPEATS = 3
+
+
+def _l2_bytes() -> int:
+    return getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 0) or 64 << 20
+
+
+def _buffer(times_l2: int) -> torch.Tensor:
+    return torch.empty(times_l2 * _l2_bytes() // 4, dtype=torch.int32, device="cuda")
+
+
+def probe(m: int, n: int, k: int, timer: Timer, early: dict) -> dict:
+    bf = torch.bfloat16
+    a = torch.randn(m, k, device="cuda", dtype=bf)
+    b = torch.randn(n, k, device="cuda", dtype=bf)
+    names = dense._config_names(bf, bf, bf, True, 90)
+    cands = {"cublas": lambda: torch.nn.functional.linear(a, b)}
+    for i, name in enumerate(names):
+        if name in ("pingpong_64x128_c1x1", "pingpong_128x128_c1x2"):
+            cands[name] = lambda i=i: ops.gemm(a, b, None, 1.0, 0.0, bf, None, None, False, i)
+    late, late2, big_late = _buffer(2), _buffer(2), _buffer(8)
+    sink = torch.empty((), dtype=torch.int64, device="cuda")
+
+    def read(buf):
+        torch.sum(buf, dtype=torch.int64, out=sink)
+
+    flushes = {
+        "early_write": lambda: early["2"].zero_(),
+        "late_write": lambda: late.zero_(),
+        "early_read": lambda: read(early["2"]),
+        "late_read": lambda: read(late),
+        "early_write_late_read": lambda: (early["2"].zero_(), read(late)),
+        "late_write_early_read": lambda: (late.zero_(), read(early["2"])),
+        "late2_write": lambda: late2.zero_(),
+        "big_early_write": lambda: early["8"].zero_(),
+        "big_late_write": lambda: big_late.zero_(),
+    }
+    runs = {name: [] for name in flushes}
+    own = timer.queue_ahead
+    try:
+        for _ in range(REPEATS):
+            for name, flush in flushes.items():
+                def queue_ahead(flush=flush):
+                    flush()
+                    torch.cuda._sleep(2_000_000)
+                timer.queue_ahead = queue_ahead
+                runs[name].append(timer.compare(cands, reps=20))
+    finally:
+        timer.queue_ahead = own
+    return {"shape": [m, n, k], "runs": runs}
+
+
+def main() -> None:
+    shapes = [tuple(int(x) for x in s.split("x")) for s in sys.argv[1:]] or SHAPES
+    timer = Timer()
+    early = {"2": _buffer(2), "8": _buffer(8)}
+    results = []
+    for m, n, k in shapes:
+        r = probe(m, n, k, timer, early)
+        results.append(r)
+        print(f"== {m}x{n}x{k} (us; cuBLAS time / each)")
+        for flush, samples in r["runs"].items():
+            for i, times in enumerate(samples):
+                row = "  ".join(f"{name}={t * 1e3:.1f}({times['cublas'] / t:.3f})"
+                                for name, t in sorted(times.items(), key=lambda kv: kv[1]))
+                print(f"  {flush:<22} #{i}: {row}", flush=True)
+    out = os.environ.get("PROBE_OUT")
+    if out:
+        with open(out, "w") as f:
+            json.dump({"env": env_info(), "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
