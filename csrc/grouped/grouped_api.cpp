@@ -30,6 +30,11 @@ namespace {
    "contig_" #TM "x" #TN "_c" #CM "x1",                                                     \
    &Sm90GroupedContiguousKernel<IN, OUT, KIND, TM, TN, CM>::run,                            \
    &Sm90GroupedContiguousKernel<IN, OUT, KIND, TM, TN, CM>::workspace},
+#define DG_SM90_GROUPED_CONTIGUOUS_WGRAD(IN, OUT, TM, TN)                                   \
+  {90, IN, OUT, DG_GROUPED_WGRAD, DG_SCALE_NONE, gemm::kContiguous, TM, TN, 1, 1,             \
+   "contig_" #TM "x" #TN "_c1x1",                                                           \
+   &Sm90GroupedContiguousWgradKernel<IN, OUT, TM, TN>::run,                                 \
+   &Sm90GroupedContiguousWgradKernel<IN, OUT, TM, TN>::workspace},
 // An FP8 instance whose A operand is IN (e4m3, or e5m2 for a gradient) against an e4m3 B.
 #define DG_SM90_FP8_GROUPED_OF(IN, PREFIX, MODE, OUT, KIND, S, TM, TN, CM, CN)               \
   {90, IN, OUT, dg_grouped_kind(KIND), dg_scale_mode(MODE), Schedule(S), TM, TN, CM, CN,      \
@@ -41,6 +46,7 @@ namespace {
 #else
 #define DG_SM90_GROUPED(...)
 #define DG_SM90_GROUPED_CONTIGUOUS(...)
+#define DG_SM90_GROUPED_CONTIGUOUS_WGRAD(...)
 #define DG_SM90_FP8_GROUPED(...)
 #define DG_SM90_FP8_E5M2_GROUPED(...)
 #endif
@@ -58,6 +64,7 @@ const GroupedInstance kInstanceTable[] = {
 };
 #undef DG_SM90_GROUPED
 #undef DG_SM90_GROUPED_CONTIGUOUS
+#undef DG_SM90_GROUPED_CONTIGUOUS_WGRAD
 #undef DG_SM90_FP8_GROUPED
 #undef DG_SM90_FP8_E5M2_GROUPED
 #undef DG_SM90_FP8_GROUPED_OF

@@ -63,6 +63,14 @@ struct Sm90GroupedContiguousKernel {
   static size_t workspace(const GroupedProblem& problem);
 };
 
+// Defined in sm90_grouped_contiguous_wgrad.cuh (the wgrad over the contiguous tokens: dy (T, N)
+// and x (T, K) read in place, one descriptor each), instantiated from grouped_instances.def.
+template <dg_dtype In, dg_dtype Out, int TileM, int TileN>
+struct Sm90GroupedContiguousWgradKernel {
+  static dg_status run(const GroupedProblem& problem, cudaStream_t stream);
+  static size_t workspace(const GroupedProblem& problem);
+};
+
 // Defined in sm90_fp8_grouped.cuh, instantiated from grouped_fp8_instances.def. InA: A's dtype,
 // e4m3, or e5m2 for a gradient (dy in a dgrad, dy^T in a wgrad) against an e4m3 B.
 template <int Mode, dg_dtype Out, int Kind, int TileM, int TileN, int ClusterM, int ClusterN, dg_dtype InA>

@@ -29,6 +29,7 @@
 #include "common/status.h"
 #include "grouped/grouped_problem.h"
 #include "grouped/sm90_grouped_common.cuh"
+#include "grouped/sm90_grouped_contiguous_common.cuh"
 
 namespace distgemm::grouped::sm90 {
 
@@ -181,52 +182,6 @@ struct GroupTileWalker {
   __device__ int n_tile(int64_t t) const { return static_cast<int>((t - base) / m_units); }
 };
 
-// The consumers' epilogue: the FP32 tile through shared memory, kEpiN columns at a time, out
-// to the group's rows only (adding the old values when accumulating: one rounding, as the
-// ptr-array kernels' beta = 1).
-template <class K, class Accumulators>
-__device__ void store_group_tile(typename K::Params const& params, Accumulators const& acc,
-                                 float* staging, int mma_thread, int row0, int rows_valid,
-                                 int col0) {
-  using ElementD = typename K::ElementD;
-  constexpr int kTileM = size<0>(typename K::TileShape{});
-  constexpr int kTileN = size<1>(typename K::TileShape{});
-  constexpr int kVec = 4;  // columns per thread and store: 8 bytes of bf16, 16 of float
-  constexpr int kChunksPerRow = K::kEpiN / kVec;
-  typename K::TiledMma tiled_mma;
-  auto thr_mma = tiled_mma.get_thread_slice(mma_thread);
-  Tensor coords = thr_mma.partition_C(make_identity_tensor(make_shape(Int<kTileM>{}, Int<kTileN>{})));
-  CUTE_UNROLL
-  for (int pass = 0; pass < kTileN / K::kEpiN; ++pass) {
-    cutlass::arch::NamedBarrier::sync(K::kConsumerThreads, 0);  // the last pass's reads are done
-    CUTE_UNROLL
-    for (int i = 0; i < size(acc); ++i) {
-      const int r = get<0>(coords(i));
-      const int c = get<1>(coords(i)) - pass * K::kEpiN;
-      if (c >= 0 && c < K::kEpiN) staging[r * K::kStagingLd + c] = acc(i);
-    }
-    cutlass::arch::NamedBarrier::sync(K::kConsumerThreads, 0);
-    const int pass_col = col0 + pass * K::kEpiN;
-    for (int chunk = mma_thread; chunk < kTileM * kChunksPerRow; chunk += K::kConsumerThreads) {
-      const int r = chunk / kChunksPerRow;
-      const int c = chunk % kChunksPerRow * kVec;
-      if (r >= rows_valid || pass_col + c >= params.n) continue;
-      const float4 v = *reinterpret_cast<const float4*>(staging + r * K::kStagingLd + c);
-      float out[kVec] = {v.x, v.y, v.z, v.w};
-      ElementD* dst = params.d + int64_t(row0 + r) * params.n + pass_col + c;
-      cutlass::Array<ElementD, kVec> packed;
-      if (params.accumulate) {
-        packed = *reinterpret_cast<const cutlass::Array<ElementD, kVec>*>(dst);
-        CUTE_UNROLL
-        for (int j = 0; j < kVec; ++j) out[j] += static_cast<float>(packed[j]);
-      }
-      CUTE_UNROLL
-      for (int j = 0; j < kVec; ++j) packed[j] = static_cast<ElementD>(out[j]);
-      *reinterpret_cast<cutlass::Array<ElementD, kVec>*>(dst) = packed;
-    }
-  }
-}
-
 template <class K>
 __global__ void __launch_bounds__(K::kThreads, 1)
 contiguous_grouped_gemm(const __grid_constant__ typename K::Params params) {
@@ -292,8 +247,9 @@ contiguous_grouped_gemm(const __grid_constant__ typename K::Params params) {
       mainloop.mma_tail(pipeline, read, k_tiles);
       read.advance(k_tiles);
       const int m_tile = walker.m_tile(t, rank);
-      store_group_tile<K>(params, acc, shared.staging, mma_thread, walker.start + m_tile * kTileM,
-                          min(kTileM, walker.rows - m_tile * kTileM), walker.n_tile(t) * kTileN);
+      const int row0 = walker.start + m_tile * kTileM, col0 = walker.n_tile(t) * kTileN;
+      store_tile<K>(acc, shared.staging, mma_thread, params.d + int64_t(row0) * params.n + col0, params.n,
+                    min(kTileM, walker.rows - m_tile * kTileM), params.n - col0, params.accumulate);
     }
   }
 #endif
@@ -313,24 +269,8 @@ dg_status Sm90GroupedContiguousKernel<In, Out, Kind, TM, TN, CM>::run(const Grou
   const int64_t units =
       ((p.tokens + TM * CM - 1) / (TM * CM) + std::min<int64_t>(p.groups, p.tokens)) * params.n_tiles;
   const int clusters = static_cast<int>(std::min<int64_t>(units, std::max(p.sm_count / CM, 1)));
-  auto kernel = &sm90::contiguous_grouped_gemm<K>;
-  DG_CUDA_RETURN(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, K::kSmemBytes));
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(clusters * CM);
-  config.blockDim = dim3(K::kThreads);
-  config.dynamicSmemBytes = K::kSmemBytes;
-  config.stream = stream;
-  cudaLaunchAttribute attributes[2]{};
-  attributes[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;  // overlap the launch with the kernel before
-  attributes[0].val.programmaticStreamSerializationAllowed = 1;
-  attributes[1].id = cudaLaunchAttributeClusterDimension;
-  attributes[1].val.clusterDim.x = CM;
-  attributes[1].val.clusterDim.y = 1;
-  attributes[1].val.clusterDim.z = 1;
-  config.attrs = attributes;
-  config.numAttrs = 2;
-  DG_CUDA_RETURN(cudaLaunchKernelEx(&config, kernel, params));
-  return DG_SUCCESS;
+  return sm90::launch_persistent(&sm90::contiguous_grouped_gemm<K>, clusters * CM, K::kThreads, K::kSmemBytes,
+                                 CM, stream, params);
 }
 
 template <dg_dtype In, dg_dtype Out, int Kind, int TM, int TN, int CM>

@@ -138,8 +138,8 @@ def test_every_config_accumulates_bf16(kind):
         assert_close(out, expected)
 
 
-def contiguous_configs(kind):
-    names = ops.grouped_configs(kind, torch.bfloat16, torch.bfloat16, device_arch(torch.device(DEV)))
+def contiguous_configs(kind, out_dtype=torch.bfloat16):
+    names = ops.grouped_configs(kind, torch.bfloat16, out_dtype, device_arch(torch.device(DEV)))
     return [(i, name) for i, name in enumerate(names) if name.startswith("contig_")]
 
 
@@ -169,6 +169,33 @@ def test_contiguous_kernel_ragged_routing(kind, groups, tokens):
             if c:
                 assert_close(out[s:s + c], ref[s:s + c])
             s += c
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+@pytest.mark.parametrize("groups,tokens", [(3, 5), (33, 3001), (300, 4000), (40, 0)])
+def test_contiguous_wgrad_ragged_routing(groups, tokens, accumulate):
+    """The contiguous-token wgrad reduces over each group's tokens from wherever the group
+    starts: groups of 0, 1, fewer than one 64-token step and many steps, a last step whose
+    tail belongs to the next group (zeroed in shared memory) or lies past T; the outputs around
+    out untouched, zero-token experts zero (or, accumulating, unchanged)."""
+    configs = contiguous_configs(2, torch.float32)
+    assert configs, "no contiguous-token grouped wgrad kernel in this build"
+    n, k = 200, 136  # neither a multiple of the 128-wide tiles
+    torch.manual_seed(groups + tokens)
+    counts = random_counts(groups, tokens, tuple(range(0, groups, 3))) if tokens else [0] * groups
+    offs = make_offs(counts)
+    dy = torch.randn(tokens, n, device=DEV).bfloat16()
+    x = torch.randn(tokens, k, device=DEV).bfloat16()
+    start = torch.randn(groups, n, k, device=DEV)
+    expected = ref_wgrad(dy, x, counts) + (start.double() if accumulate else 0)
+    for config, name in configs:
+        storage = torch.full((groups + 2, n, k), 7.0, device=DEV)
+        out = storage[1:1 + groups]
+        out.copy_(start) if accumulate else out.fill_(float("nan"))
+        ops.grouped_mm_wgrad_out(dy, x, offs, out, accumulate, 0, config)
+        assert torch.all(storage[0] == 7.0) and torch.all(storage[-1] == 7.0), name
+        for g in range(groups):  # each expert alone: a small one's error shows
+            assert_close(out[g], expected[g])
 
 
 @pytest.mark.parametrize("backend", ["cutlass", "cublas", "torch"])

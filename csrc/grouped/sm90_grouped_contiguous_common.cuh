@@ -1,0 +1,99 @@
+// What the sm90 contiguous-token grouped kernels (sm90_grouped_contiguous.cuh: forward and
+// dgrad; sm90_grouped_contiguous_wgrad.cuh) share: the masked epilogue and the launch.
+#pragma once
+
+#include <cstdint>
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/array.h>
+#include <cutlass/cutlass.h>
+
+#include "common/status.h"
+
+namespace distgemm::grouped::sm90 {
+
+using namespace cute;
+
+// The consumers' epilogue: the FP32 tile through shared memory (K::kEpiN columns at a time),
+// out to `tile` (leading dimension `ld`), only its first rows_valid rows and cols_valid columns
+// (a group's rows; the output's edge). Accumulating adds the old values (one rounding, as the
+// ptr-array kernels' beta = 1); each thread loads all of its old values of a pass before its
+// first add, so that their latencies overlap. Staging rows are padded (K::kStagingLd) so that
+// the accumulator writes spread over the banks.
+template <class K, class Accumulators>
+__device__ void store_tile(Accumulators const& acc, float* staging, int mma_thread,
+                           typename K::ElementD* tile, int64_t ld, int rows_valid, int cols_valid,
+                           bool accumulate) {
+  using ElementD = typename K::ElementD;
+  constexpr int kTileM = size<0>(typename K::TileShape{});
+  constexpr int kTileN = size<1>(typename K::TileShape{});
+  constexpr int kVec = 4;  // columns per thread and store: 8 bytes of bf16, 16 of float
+  constexpr int kChunksPerRow = K::kEpiN / kVec;
+  static_assert(kTileM * kChunksPerRow % K::kConsumerThreads == 0, "whole chunks per thread");
+  constexpr int kChunksPerThread = kTileM * kChunksPerRow / K::kConsumerThreads;
+  using Packed = cutlass::Array<ElementD, kVec>;
+  typename K::TiledMma tiled_mma;
+  auto thr_mma = tiled_mma.get_thread_slice(mma_thread);
+  Tensor coords = thr_mma.partition_C(make_identity_tensor(make_shape(Int<kTileM>{}, Int<kTileN>{})));
+  CUTE_UNROLL
+  for (int pass = 0; pass < kTileN / K::kEpiN; ++pass) {
+    cutlass::arch::NamedBarrier::sync(K::kConsumerThreads, 0);  // the last pass's reads are done
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc); ++i) {
+      const int r = get<0>(coords(i));
+      const int c = get<1>(coords(i)) - pass * K::kEpiN;
+      if (c >= 0 && c < K::kEpiN) staging[r * K::kStagingLd + c] = acc(i);
+    }
+    cutlass::arch::NamedBarrier::sync(K::kConsumerThreads, 0);
+    Packed old[kChunksPerThread];
+    CUTE_UNROLL
+    for (int i = 0; i < kChunksPerThread; ++i) {
+      const int chunk = mma_thread + i * K::kConsumerThreads;
+      const int r = chunk / kChunksPerRow, c = pass * K::kEpiN + chunk % kChunksPerRow * kVec;
+      if (accumulate && r < rows_valid && c < cols_valid)
+        old[i] = *reinterpret_cast<const Packed*>(tile + int64_t(r) * ld + c);
+    }
+    CUTE_UNROLL
+    for (int i = 0; i < kChunksPerThread; ++i) {
+      const int chunk = mma_thread + i * K::kConsumerThreads;
+      const int r = chunk / kChunksPerRow, c_staged = chunk % kChunksPerRow * kVec;
+      const int c = pass * K::kEpiN + c_staged;
+      if (r >= rows_valid || c >= cols_valid) continue;
+      const float4 v = *reinterpret_cast<const float4*>(staging + r * K::kStagingLd + c_staged);
+      float out[kVec] = {v.x, v.y, v.z, v.w};
+      Packed packed;
+      CUTE_UNROLL
+      for (int j = 0; j < kVec; ++j)
+        packed[j] = static_cast<ElementD>(accumulate ? out[j] + static_cast<float>(old[i][j]) : out[j]);
+      *reinterpret_cast<Packed*>(tile + int64_t(r) * ld + c) = packed;
+    }
+  }
+}
+
+// Launches a persistent kernel of `ctas` CTAs in clusters of `cluster_m` along x, as a
+// programmatic dependent of the kernel before it on the stream (its launch and set-up overlap
+// that kernel; it waits for it before reading global memory).
+template <class Params>
+dg_status launch_persistent(void (*kernel)(Params), int ctas, int threads, int smem_bytes,
+                            int cluster_m, cudaStream_t stream, const Params& params) {
+  DG_CUDA_RETURN(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(ctas);
+  config.blockDim = dim3(threads);
+  config.dynamicSmemBytes = smem_bytes;
+  config.stream = stream;
+  cudaLaunchAttribute attributes[2]{};
+  attributes[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attributes[0].val.programmaticStreamSerializationAllowed = 1;
+  attributes[1].id = cudaLaunchAttributeClusterDimension;
+  attributes[1].val.clusterDim.x = cluster_m;
+  attributes[1].val.clusterDim.y = 1;
+  attributes[1].val.clusterDim.z = 1;
+  config.attrs = attributes;
+  config.numAttrs = 2;
+  DG_CUDA_RETURN(cudaLaunchKernelEx(&config, kernel, params));
+  return DG_SUCCESS;
+}
+
+}  // namespace distgemm::grouped::sm90

@@ -1,0 +1,285 @@
+// SM90 grouped weight gradient over the contiguous token tensors (bf16/fp16 in, FP32 or 16-bit
+// out): out[g] (N, K) = dy[rows_g]^T @ x[rows_g] for every group g, with one TMA descriptor
+// for dy (T, N) and one for x (T, K), both read MN-major, so no argument builder runs and no
+// per-group descriptor is built or fenced. On MoE layers of few tokens per expert the wgrad is
+// a long run of short-K tiles whose FP32 stores dominate, and the ptr-array kernels set up
+// descriptors for a new group every tile or two (0.71-0.80x a dense bmm there, session 13).
+//
+// A tile's reduction runs over its group's tokens from the group's first token (any token: TMA
+// takes element coordinates), 64 a step. The last step also loads the next group's first
+// tokens: the consumers zero them in x's shared-memory tile before the tensor cores read it
+// (past T, TMA's out-of-bounds fill gives zeros already). Persistent CTAs walk the (group,
+// N tile, K tile) units; the epilogue is the forward kernel's (sm90_grouped_contiguous_common.cuh).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/grid_dependency_control.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/cutlass.h>
+#include <cutlass/gemm/collective/collective_builder.hpp>
+#include <cutlass/gemm/dispatch_policy.hpp>
+#include <cutlass/pipeline/pipeline.hpp>
+
+#include "common/cutlass_types.cuh"
+#include "common/status.h"
+#include "grouped/grouped_problem.h"
+#include "grouped/sm90_grouped_common.cuh"
+#include "grouped/sm90_grouped_contiguous_common.cuh"
+
+namespace distgemm::grouped::sm90 {
+
+using namespace cute;
+
+template <dg_dtype In, dg_dtype Out, int TileM, int TileN>
+struct ContiguousWgrad {
+  static_assert(TileM == 64 || TileM == 128, "one or two consumer warpgroups of 64 rows each");
+  using Element = cutlass_type_t<In>;
+  using ElementD = cutlass_type_t<Out>;
+  using LayoutA = cutlass::layout::ColumnMajor;  // dy^T (N, T): dy (T, N), N-major
+  using LayoutB = cutlass::layout::RowMajor;     // x^T (K, T): x (T, K), K-major
+  static constexpr int kAlign = 16 / sizeof(Element);
+  static constexpr int kStepTokens = 128 / static_cast<int>(sizeof(Element));  // tokens per K step
+  using TileShape = Shape<Int<TileM>, Int<TileN>, Int<kStepTokens>>;
+  using ClusterShape = Shape<_1, _1, _1>;
+
+  static constexpr int kEpiN = TileN < 64 ? TileN : 64;
+  static constexpr int kStagingLd = kEpiN + 8;
+  static constexpr int kStagingBytes = TileM * kStagingLd * 4;
+
+  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA, kAlign, Element,
+      LayoutB, kAlign, float, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<kStagingBytes>,
+      // The schedule only sets the warpgroups of the TiledMma: ping-pong's is one warpgroup.
+      std::conditional_t<TileM == 128, cutlass::gemm::KernelTmaWarpSpecializedCooperative,
+                         cutlass::gemm::KernelTmaWarpSpecializedPingpong>>::CollectiveOp;
+  using TiledMma = typename CollectiveMainloop::TiledMma;
+  using Pipeline = typename CollectiveMainloop::MainloopPipeline;
+  using PipelineState = typename CollectiveMainloop::PipelineState;
+  using StrideA = typename CollectiveMainloop::StrideA;
+  using StrideB = typename CollectiveMainloop::StrideB;
+
+  static constexpr int kProducerThreads = 128;
+  static constexpr int kConsumerThreads = TileM * 2;
+  static constexpr int kThreads = kProducerThreads + kConsumerThreads;
+  static_assert(size(TiledMma{}) == kConsumerThreads);
+
+  struct SharedStorage {
+    typename CollectiveMainloop::TensorStorage mainloop;  // first: 1024-byte aligned swizzles
+    alignas(128) float staging[TileM * kStagingLd];
+    alignas(16) typename CollectiveMainloop::PipelineStorage pipeline;
+  };
+  static constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage));
+
+  struct Params {
+    typename CollectiveMainloop::Params mainloop;
+    ElementD* d;
+    const int32_t* offs;
+    int groups, tokens, n, k;
+    int m_tiles, n_tiles;  // of one group's (N, K) output
+    bool accumulate;
+  };
+
+  static Params params(const GroupedProblem& p) {
+    StrideA sa{};
+    get<1>(sa) = p.n;
+    StrideB sb{};
+    get<1>(sb) = p.k;
+    const int t = static_cast<int>(p.tokens), n = static_cast<int>(p.n), k = static_cast<int>(p.k);
+    typename CollectiveMainloop::Arguments args{static_cast<Element const*>(p.a), sa,
+                                                static_cast<Element const*>(p.b), sb};
+    Params out{};
+    out.mainloop = CollectiveMainloop::to_underlying_arguments(make_shape(n, k, t, 1), args, nullptr);
+    out.d = static_cast<ElementD*>(p.d);
+    out.offs = p.offs;
+    out.groups = p.groups;
+    out.tokens = t;
+    out.n = n;
+    out.k = k;
+    out.m_tiles = (n + TileM - 1) / TileM;
+    out.n_tiles = (k + TileN - 1) / TileN;
+    out.accumulate = p.accumulate;
+    return out;
+  }
+};
+
+// Unit u of the (group, N tile, K tile) grid: group-major, so that the CTAs running at once
+// share a group's tokens in L2.
+struct WgradUnit {
+  int g, m_tile, n_tile;
+  int64_t start, rows;  // the group's tokens
+};
+template <class W>
+__device__ WgradUnit wgrad_unit(typename W::Params const& params, int64_t u) {
+  const int64_t per_group = int64_t(params.m_tiles) * params.n_tiles;
+  WgradUnit w;
+  w.g = static_cast<int>(u / per_group);
+  const int64_t r = u - w.g * per_group;
+  w.m_tile = static_cast<int>(r % params.m_tiles);
+  w.n_tile = static_cast<int>(r / params.m_tiles);
+  const GroupRows rows = group_rows(params.offs, params.tokens, w.g);
+  w.start = rows.start;
+  w.rows = rows.rows;
+  return w;
+}
+
+// The consumers' K loop over one tile's token steps (CUTLASS's collective mma, one step's MMAs
+// in flight), zeroing x's tokens [valid_last, kStepTokens) of the last step first.
+template <class W, class Accumulators>
+__device__ void mma_group_tokens(typename W::Pipeline& pipeline, typename W::PipelineState read,
+                                 Accumulators& accum, int k_steps, int valid_last, int mma_thread,
+                                 typename W::CollectiveMainloop::TensorStorage& smem) {
+  using Mainloop = typename W::CollectiveMainloop;
+  constexpr int kTileN = size<1>(typename W::TileShape{});
+  Tensor sA = make_tensor(make_smem_ptr(smem.smem_A.data()), typename Mainloop::SmemLayoutA{});  // (M, K, PIPE)
+  Tensor sB = make_tensor(make_smem_ptr(smem.smem_B.data()), typename Mainloop::SmemLayoutB{});  // (N, K, PIPE)
+  typename W::TiledMma tiled_mma;
+  constexpr int kWarpGroups = W::kConsumerThreads / cutlass::NumThreadsPerWarpGroup;
+  auto warp_groups = make_layout(Int<kWarpGroups>{}, Int<cutlass::NumThreadsPerWarpGroup>{});
+  const int warp_group = __shfl_sync(0xffffffffu, mma_thread / cutlass::NumThreadsPerWarpGroup, 0);
+  auto thr_mma = tiled_mma.get_slice(warp_groups(warp_group));
+  Tensor tCrA = thr_mma.make_fragment_A(thr_mma.partition_A(sA));
+  Tensor tCrB = thr_mma.make_fragment_B(thr_mma.partition_B(sB));
+
+  auto release = read;
+  tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
+  warpgroup_fence_operand(accum);
+  for (int step = 0; step < k_steps; ++step) {
+    pipeline.consumer_wait(read);
+    const int stage = read.index();
+    if (step == k_steps - 1 && valid_last < W::kStepTokens) {
+      for (int i = valid_last * kTileN + mma_thread; i < W::kStepTokens * kTileN; i += W::kConsumerThreads)
+        sB(i % kTileN, i / kTileN, stage) = typename W::Element(0);
+      cutlass::arch::fence_view_async_shared();  // the writes, visible to the tensor cores' reads
+      cutlass::arch::NamedBarrier::sync(W::kConsumerThreads, 1);
+    }
+    warpgroup_fence_operand(accum);
+    warpgroup_arrive();
+    CUTE_UNROLL
+    for (int kb = 0; kb < size<2>(tCrA); ++kb) {
+      cute::gemm(tiled_mma, tCrA(_, _, kb, stage), tCrB(_, _, kb, stage), accum);
+      tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+    }
+    warpgroup_commit_batch();
+    warpgroup_wait<1>();  // the previous step's MMAs are done: its stage goes back to the producer
+    warpgroup_fence_operand(accum);
+    if (step > 0) {
+      pipeline.consumer_release(release);
+      ++release;
+    }
+    ++read;
+  }
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(accum);
+  if (k_steps > 0) pipeline.consumer_release(release);
+}
+
+template <class W>
+__global__ void __launch_bounds__(W::kThreads, 1)
+contiguous_grouped_wgrad(const __grid_constant__ typename W::Params params) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using Mainloop = typename W::CollectiveMainloop;
+  using Pipeline = typename W::Pipeline;
+  extern __shared__ __align__(1024) char smem[];
+  auto& shared = *reinterpret_cast<typename W::SharedStorage*>(smem);
+  const int warp = cutlass::canonical_warp_idx_sync();
+  const int warp_group = cutlass::canonical_warp_group_idx();
+
+  typename Pipeline::Params pipe{};
+  pipe.role = warp_group == 0 ? (warp == 0 ? Pipeline::ThreadCategory::Producer
+                                           : Pipeline::ThreadCategory::NonParticipant)
+                              : Pipeline::ThreadCategory::Consumer;
+  pipe.is_leader = threadIdx.x % 128 == 0;
+  pipe.num_consumers = W::kConsumerThreads;
+  pipe.transaction_bytes = params.mainloop.tma_transaction_bytes;
+  Pipeline pipeline(shared.pipeline, pipe, typename W::ClusterShape{});
+  if (warp == 0 && cute::elect_one_sync()) Mainloop::prefetch_tma_descriptors(params.mainloop);
+  __syncthreads();
+  // Launched as a programmatic dependent: offsets and operands may come from the kernel before.
+  cutlass::arch::wait_on_dependent_grids();
+
+  constexpr int kTileM = size<0>(typename W::TileShape{});
+  constexpr int kTileN = size<1>(typename W::TileShape{});
+  constexpr int kStep = W::kStepTokens;
+  const int64_t units = int64_t(params.m_tiles) * params.n_tiles * params.groups;
+  Mainloop mainloop;
+  Tensor mA = params.mainloop.tma_load_a.get_tma_tensor(make_shape(params.n, params.tokens, 1));
+  Tensor mB = params.mainloop.tma_load_b.get_tma_tensor(make_shape(params.k, params.tokens, 1));
+
+  if (warp_group == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<40>();
+    if (warp != 0) return;
+    auto write = cutlass::make_producer_start_state<Pipeline>();
+    for (int64_t u = blockIdx.x; u < units; u += gridDim.x) {
+      const WgradUnit w = wgrad_unit<W>(params, u);
+      const int k_steps = static_cast<int>((w.rows + kStep - 1) / kStep);
+      if (k_steps == 0) continue;
+      Tensor gA = local_tile(domain_offset(make_coord(0, w.start, 0), mA), typename W::TileShape{},
+                             make_coord(_, _, _), Step<_1, Underscore, _1>{});
+      Tensor gB = local_tile(domain_offset(make_coord(0, w.start, 0), mB), typename W::TileShape{},
+                             make_coord(_, _, _), Step<Underscore, _1, _1>{});
+      auto k_iter = cute::make_coord_iterator(shape<3>(gA));
+      mainloop.load(params.mainloop, pipeline, write, cute::make_tuple(gA, gB),
+                    make_coord(w.m_tile, w.n_tile, _, 0), k_iter, k_steps, threadIdx.x % 32, 0u,
+                    shared.mainloop);
+      write.advance(k_steps);
+    }
+    mainloop.load_tail(pipeline, write);
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<232>();
+    const int mma_thread = threadIdx.x - W::kProducerThreads;
+    typename W::PipelineState read;
+    typename W::TiledMma tiled_mma;
+    for (int64_t u = blockIdx.x; u < units; u += gridDim.x) {
+      const WgradUnit w = wgrad_unit<W>(params, u);
+      const int k_steps = static_cast<int>((w.rows + kStep - 1) / kStep);
+      if (k_steps == 0 && params.accumulate) continue;  // adds nothing
+      Tensor acc = partition_fragment_C(tiled_mma, take<0, 2>(typename W::TileShape{}));
+      if (k_steps == 0) {
+        clear(acc);  // an expert without tokens: a zero gradient
+      } else {
+        const int valid_last = static_cast<int>(w.rows - int64_t(k_steps - 1) * kStep);
+        mma_group_tokens<W>(pipeline, read, acc, k_steps, valid_last, mma_thread, shared.mainloop);
+        read.advance(k_steps);
+      }
+      const int row0 = w.m_tile * kTileM, col0 = w.n_tile * kTileN;
+      typename W::ElementD* tile = params.d + (int64_t(w.g) * params.n + row0) * params.k + col0;
+      store_tile<W>(acc, shared.staging, mma_thread, tile, params.k, min(kTileM, params.n - row0),
+                    params.k - col0, params.accumulate);
+    }
+  }
+#endif
+}
+
+}  // namespace distgemm::grouped::sm90
+
+namespace distgemm::grouped {
+
+template <dg_dtype In, dg_dtype Out, int TM, int TN>
+dg_status Sm90GroupedContiguousWgradKernel<In, Out, TM, TN>::run(const GroupedProblem& p, cudaStream_t stream) {
+  using W = sm90::ContiguousWgrad<In, Out, TM, TN>;
+  const size_t out_bytes = static_cast<size_t>(p.groups) * p.n * p.k * sizeof(typename W::ElementD);
+  if (p.tokens == 0) {  // no descriptor over zero tokens: every expert's gradient is zero
+    if (!p.accumulate) DG_CUDA_RETURN(cudaMemsetAsync(p.d, 0, out_bytes, stream));
+    return DG_SUCCESS;
+  }
+  const typename W::Params params = W::params(p);
+  const int64_t units = int64_t(params.m_tiles) * params.n_tiles * p.groups;
+  const int ctas = static_cast<int>(std::min<int64_t>(units, std::max(p.sm_count, 1)));
+  return sm90::launch_persistent(&sm90::contiguous_grouped_wgrad<W>, ctas, W::kThreads, W::kSmemBytes, 1,
+                                 stream, params);
+}
+
+template <dg_dtype In, dg_dtype Out, int TM, int TN>
+size_t Sm90GroupedContiguousWgradKernel<In, Out, TM, TN>::workspace(const GroupedProblem&) {
+  return 0;
+}
+
+}  // namespace distgemm::grouped
+
+#define DG_INSTANTIATE_SM90_GROUPED_CONTIGUOUS_WGRAD(IN, OUT, TM, TN)                         \
+  template struct distgemm::grouped::Sm90GroupedContiguousWgradKernel<IN, OUT, TM, TN>;
