@@ -50,7 +50,7 @@ for step in ${STEPS:-}; do
       python3 scripts/dev/grouped_profile.py ${PROFILE_ROWS:-} > "$OUT/grouped_profile.log" 2>&1; tail -40 "$OUT/grouped_profile.log" ;;
     tuner_probe) PROBE_OUT="$OUT/tuner_probe.json" timeout "${T:-150}" python3 scripts/dev/tuner_probe.py > "$OUT/tuner_probe.log" 2>&1
       tail -30 "$OUT/tuner_probe.log" ;;
-    flush_probe) PROBE_OUT="$OUT/flush_probe.json" timeout "${T:-150}" python3 scripts/dev/flush_probe.py > "$OUT/flush_probe.log" 2>&1
+    flush_probe) PROBE_OUT="$OUT/flush_probe.json" timeout "${T:-150}" python3 scripts/dev/flush_probe.py ${PROBE_SHAPES:-} > "$OUT/flush_probe.log" 2>&1
       tail -50 "$OUT/flush_probe.log" ;;
     probe) PROBE_OUT="$OUT/host_probe.json" timeout "${T:-180}" python3 scripts/dev/host_probe.py > "$OUT/probe.log" 2>&1
       tail -12 "$OUT/probe.log" ;;

@@ -1,9 +1,10 @@
 // SM90 grouped weight gradient over the contiguous token tensors (bf16/fp16 in, FP32 or 16-bit
 // out): out[g] (N, K) = dy[rows_g]^T @ x[rows_g] for every group g, with one TMA descriptor
 // for dy (T, N) and one for x (T, K), both read MN-major, so no argument builder runs and no
-// per-group descriptor is built or fenced. On MoE layers of few tokens per expert the wgrad is
-// a long run of short-K tiles whose FP32 stores dominate, and the ptr-array kernels set up
-// descriptors for a new group every tile or two (0.71-0.80x a dense bmm there, session 13).
+// per-group descriptor is built or fenced. Built only with the sweep's instances
+// (grouped_instances_tuning.def): on the H200 it ran 0.52-0.80x a dense bmm where the ptr-array
+// wgrads run 0.77-0.97x, as its synchronous epilogue stops the math for the FP32 stores that
+// bound few-token wgrads (bench/results/h200_grouped_profile_contig_wgrad.json).
 //
 // A tile's reduction runs over its group's tokens from the group's first token (any token: TMA
 // takes element coordinates), 64 a step. The last step also loads the next group's first

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 import torch
 
@@ -52,10 +53,9 @@ def probe(m: int, n: int, k: int, timer: Timer, early: dict) -> dict:
         if name in ("pingpong_64x128_c1x1", "pingpong_128x128_c1x2"):
             cands[name] = lambda i=i: ops.gemm(a, b, None, 1.0, 0.0, bf, None, None, False, i)
     late, late2, big_late = _buffer(2), _buffer(2), _buffer(8)
-    sink = torch.empty((), dtype=torch.int64, device="cuda")
 
     def read(buf):
-        torch.sum(buf, dtype=torch.int64, out=sink)
+        buf.sum(dtype=torch.int64)
 
     flushes = {
         "early_write": lambda: early["2"].zero_(),
@@ -85,13 +85,14 @@ def probe(m: int, n: int, k: int, timer: Timer, early: dict) -> dict:
 
 def main() -> None:
     shapes = [tuple(int(x) for x in s.split("x")) for s in sys.argv[1:]] or SHAPES
+    t0 = time.time()
     timer = Timer()
     early = {"2": _buffer(2), "8": _buffer(8)}
     results = []
     for m, n, k in shapes:
         r = probe(m, n, k, timer, early)
         results.append(r)
-        print(f"== {m}x{n}x{k} (us; cuBLAS time / each)")
+        print(f"== {m}x{n}x{k} (us; cuBLAS time / each; {time.time() - t0:.0f} s in)")
         for flush, samples in r["runs"].items():
             for i, times in enumerate(samples):
                 row = "  ".join(f"{name}={t * 1e3:.1f}({times['cublas'] / t:.3f})"

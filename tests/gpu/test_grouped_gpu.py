@@ -138,8 +138,8 @@ def test_every_config_accumulates_bf16(kind):
         assert_close(out, expected)
 
 
-def contiguous_configs(kind, out_dtype=torch.bfloat16):
-    names = ops.grouped_configs(kind, torch.bfloat16, out_dtype, device_arch(torch.device(DEV)))
+def contiguous_configs(kind):
+    names = ops.grouped_configs(kind, torch.bfloat16, torch.bfloat16, device_arch(torch.device(DEV)))
     return [(i, name) for i, name in enumerate(names) if name.startswith("contig_")]
 
 
@@ -173,13 +173,13 @@ def test_contiguous_kernel_ragged_routing(kind, groups, tokens):
 
 @pytest.mark.parametrize("accumulate", [False, True])
 @pytest.mark.parametrize("groups,tokens", [(3, 5), (33, 3001), (300, 4000), (40, 0)])
-def test_contiguous_wgrad_ragged_routing(groups, tokens, accumulate):
-    """The contiguous-token wgrad reduces over each group's tokens from wherever the group
-    starts: groups of 0, 1, fewer than one 64-token step and many steps, a last step whose
-    tail belongs to the next group (zeroed in shared memory) or lies past T; the outputs around
-    out untouched, zero-token experts zero (or, accumulating, unchanged)."""
-    configs = contiguous_configs(2, torch.float32)
-    assert configs, "no contiguous-token grouped wgrad kernel in this build"
+def test_wgrad_ragged_routing_every_config(groups, tokens, accumulate):
+    """Every FP32 wgrad config (the contiguous-token one too, in a build with the sweep's
+    instances) on ragged routing: experts of 0, 1, fewer than one 64-token step and many steps,
+    a reduction whose last step's tail belongs to the next expert or lies past T; the outputs
+    around out untouched, zero-token experts zero (or, accumulating, unchanged)."""
+    names = ops.grouped_configs(2, torch.bfloat16, torch.float32, device_arch(torch.device(DEV)))
+    assert names
     n, k = 200, 136  # neither a multiple of the 128-wide tiles
     torch.manual_seed(groups + tokens)
     counts = random_counts(groups, tokens, tuple(range(0, groups, 3))) if tokens else [0] * groups
@@ -188,7 +188,7 @@ def test_contiguous_wgrad_ragged_routing(groups, tokens, accumulate):
     x = torch.randn(tokens, k, device=DEV).bfloat16()
     start = torch.randn(groups, n, k, device=DEV)
     expected = ref_wgrad(dy, x, counts) + (start.double() if accumulate else 0)
-    for config, name in configs:
+    for config, name in enumerate(names):
         storage = torch.full((groups + 2, n, k), 7.0, device=DEV)
         out = storage[1:1 + groups]
         out.copy_(start) if accumulate else out.fill_(float("nan"))
