@@ -193,17 +193,7 @@ contiguous_grouped_gemm(const __grid_constant__ typename K::Params params) {
   const int warp = cutlass::canonical_warp_idx_sync();
   const int warp_group = cutlass::canonical_warp_group_idx();
 
-  typename Pipeline::Params pipe{};
-  pipe.role = warp_group == 0 ? (warp == 0 ? Pipeline::ThreadCategory::Producer
-                                           : Pipeline::ThreadCategory::NonParticipant)
-                              : Pipeline::ThreadCategory::Consumer;
-  pipe.is_leader = threadIdx.x % 128 == 0;
-  pipe.num_consumers = K::kConsumerThreads;
-  pipe.transaction_bytes = params.mainloop.tma_transaction_bytes;
-  Pipeline pipeline(shared.pipeline, pipe, typename K::ClusterShape{});
-  if (warp == 0 && cute::elect_one_sync()) Mainloop::prefetch_tma_descriptors(params.mainloop);
-  // Every CTA of the cluster has its barriers initialised before any multicast reaches them.
-  if constexpr (K::kClusterM > 1) cute::cluster_sync(); else __syncthreads();
+  Pipeline pipeline = make_mainloop_pipeline<K>(shared, params, warp, warp_group);
   // Launched as a programmatic dependent: the offsets and operands may come from the kernel
   // before; nothing global is touched until it is complete.
   cutlass::arch::wait_on_dependent_grids();

@@ -1,5 +1,6 @@
 // What the sm90 contiguous-token grouped kernels (sm90_grouped_contiguous.cuh: forward and
-// dgrad; sm90_grouped_contiguous_wgrad.cuh) share: the masked epilogue and the launch.
+// dgrad; sm90_grouped_contiguous_wgrad.cuh) share: the mainloop pipeline's set-up, the masked
+// epilogue and the launch.
 #pragma once
 
 #include <cstdint>
@@ -8,12 +9,34 @@
 #include <cutlass/arch/barrier.h>
 #include <cutlass/array.h>
 #include <cutlass/cutlass.h>
+#include <cutlass/pipeline/pipeline.hpp>
 
 #include "common/status.h"
 
 namespace distgemm::grouped::sm90 {
 
 using namespace cute;
+
+// The mainloop pipeline of a contiguous kernel K in its shared memory: warp 0 produces (TMA),
+// the consumer warpgroups consume. The TMA descriptors are prefetched, and it returns once every
+// CTA of the cluster has its barriers initialised (before any multicast can reach them).
+template <class K>
+__device__ typename K::Pipeline make_mainloop_pipeline(typename K::SharedStorage& shared,
+                                                       typename K::Params const& params, int warp,
+                                                       int warp_group) {
+  using Pipeline = typename K::Pipeline;
+  typename Pipeline::Params pipe{};
+  pipe.role = warp_group == 0 ? (warp == 0 ? Pipeline::ThreadCategory::Producer
+                                           : Pipeline::ThreadCategory::NonParticipant)
+                              : Pipeline::ThreadCategory::Consumer;
+  pipe.is_leader = threadIdx.x % 128 == 0;
+  pipe.num_consumers = K::kConsumerThreads;
+  pipe.transaction_bytes = params.mainloop.tma_transaction_bytes;
+  Pipeline pipeline(shared.pipeline, pipe, typename K::ClusterShape{});
+  if (warp == 0 && cute::elect_one_sync()) K::CollectiveMainloop::prefetch_tma_descriptors(params.mainloop);
+  if constexpr (K::kClusterM > 1) cute::cluster_sync(); else __syncthreads();
+  return pipeline;
+}
 
 // The consumers' epilogue: the FP32 tile through shared memory (K::kEpiN columns at a time),
 // out to `tile` (leading dimension `ld`), only its first rows_valid rows and cols_valid columns

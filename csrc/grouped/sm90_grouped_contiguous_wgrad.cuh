@@ -46,6 +46,7 @@ struct ContiguousWgrad {
   static constexpr int kStepTokens = 128 / static_cast<int>(sizeof(Element));  // tokens per K step
   using TileShape = Shape<Int<TileM>, Int<TileN>, Int<kStepTokens>>;
   using ClusterShape = Shape<_1, _1, _1>;
+  static constexpr int kClusterM = 1;
 
   static constexpr int kEpiN = TileN < 64 ? TileN : 64;
   static constexpr int kStagingLd = kEpiN + 8;
@@ -190,16 +191,7 @@ contiguous_grouped_wgrad(const __grid_constant__ typename W::Params params) {
   const int warp = cutlass::canonical_warp_idx_sync();
   const int warp_group = cutlass::canonical_warp_group_idx();
 
-  typename Pipeline::Params pipe{};
-  pipe.role = warp_group == 0 ? (warp == 0 ? Pipeline::ThreadCategory::Producer
-                                           : Pipeline::ThreadCategory::NonParticipant)
-                              : Pipeline::ThreadCategory::Consumer;
-  pipe.is_leader = threadIdx.x % 128 == 0;
-  pipe.num_consumers = W::kConsumerThreads;
-  pipe.transaction_bytes = params.mainloop.tma_transaction_bytes;
-  Pipeline pipeline(shared.pipeline, pipe, typename W::ClusterShape{});
-  if (warp == 0 && cute::elect_one_sync()) Mainloop::prefetch_tma_descriptors(params.mainloop);
-  __syncthreads();
+  Pipeline pipeline = make_mainloop_pipeline<W>(shared, params, warp, warp_group);
   // Launched as a programmatic dependent: offsets and operands may come from the kernel before.
   cutlass::arch::wait_on_dependent_grids();
 
