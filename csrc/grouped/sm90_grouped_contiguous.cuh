@@ -36,51 +36,21 @@ namespace distgemm::grouped::sm90 {
 using namespace cute;
 
 template <dg_dtype In, dg_dtype Out, int Kind, int TileM, int TileN, int ClusterM>
-struct ContiguousGrouped {
+struct ContiguousGrouped
+    : ContiguousKernelShape<In, Out,
+                            cutlass::layout::RowMajor,  // x or dy: (T, K) K-major
+                            // forward: w (G, N, K) K-major; dgrad: w (G, K, N), N-major.
+                            std::conditional_t<Kind == DG_GROUPED_FORWARD, cutlass::layout::ColumnMajor,
+                                               cutlass::layout::RowMajor>,
+                            TileM, TileN, ClusterM> {
   static_assert(Kind == DG_GROUPED_FORWARD || Kind == DG_GROUPED_DGRAD,
                 "the contiguous kernel computes forward and dgrad (rows are tokens)");
-  static_assert(TileM == 64 || TileM == 128, "one or two consumer warpgroups of 64 rows each");
-  using Element = cutlass_type_t<In>;
-  using ElementD = cutlass_type_t<Out>;
-  using LayoutA = cutlass::layout::RowMajor;  // x or dy: (T, K) K-major
-  // forward: w (G, N, K) K-major; dgrad: w (G, K, N), N-major.
-  using LayoutB = std::conditional_t<Kind == DG_GROUPED_FORWARD, cutlass::layout::ColumnMajor,
-                                     cutlass::layout::RowMajor>;
-  static constexpr int kAlign = 16 / sizeof(Element);
-  using TileShape = Shape<Int<TileM>, Int<TileN>, Int<128 / sizeof(Element)>>;
-  using ClusterShape = Shape<Int<ClusterM>, _1, _1>;
-  static constexpr int kClusterM = ClusterM;
-
-  // The epilogue stages kEpiN columns of the FP32 tile at a time; rows padded by 8 floats so
-  // that the consumers' accumulator writes spread over the banks.
-  static constexpr int kEpiN = TileN < 64 ? TileN : 64;
-  static constexpr int kStagingLd = kEpiN + 8;
-  static constexpr int kStagingBytes = TileM * kStagingLd * 4;
-
-  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA, kAlign, Element,
-      LayoutB, kAlign, float, TileShape, ClusterShape,
-      cutlass::gemm::collective::StageCountAutoCarveout<kStagingBytes>,
-      // The schedule only sets the warpgroups of the TiledMma: ping-pong's is one warpgroup.
-      std::conditional_t<TileM == 128, cutlass::gemm::KernelTmaWarpSpecializedCooperative,
-                         cutlass::gemm::KernelTmaWarpSpecializedPingpong>>::CollectiveOp;
-  using TiledMma = typename CollectiveMainloop::TiledMma;
-  using Pipeline = typename CollectiveMainloop::MainloopPipeline;
-  using PipelineState = typename CollectiveMainloop::PipelineState;
-  using StrideA = typename CollectiveMainloop::StrideA;
-  using StrideB = typename CollectiveMainloop::StrideB;
-
-  static constexpr int kProducerThreads = 128;
-  static constexpr int kConsumerThreads = TileM * 2;  // a warpgroup per 64 rows
-  static constexpr int kThreads = kProducerThreads + kConsumerThreads;
-  static_assert(size(TiledMma{}) == kConsumerThreads);
-
-  struct SharedStorage {
-    typename CollectiveMainloop::TensorStorage mainloop;  // first: 1024-byte aligned swizzles
-    alignas(128) float staging[TileM * kStagingLd];
-    alignas(16) typename CollectiveMainloop::PipelineStorage pipeline;
-  };
-  static constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage));
+  using Base = typename ContiguousGrouped::ContiguousKernelShape;
+  using typename Base::CollectiveMainloop;
+  using typename Base::Element;
+  using typename Base::ElementD;
+  using typename Base::StrideA;
+  using typename Base::StrideB;
 
   struct Params {
     typename CollectiveMainloop::Params mainloop;

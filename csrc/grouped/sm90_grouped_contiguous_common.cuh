@@ -1,6 +1,6 @@
 // What the sm90 contiguous-token grouped kernels (sm90_grouped_contiguous.cuh: forward and
-// dgrad; sm90_grouped_contiguous_wgrad.cuh) share: the mainloop pipeline's set-up, the masked
-// epilogue and the launch.
+// dgrad; sm90_grouped_contiguous_wgrad.cuh) share: their shape (mainloop collective, threads,
+// shared memory), the mainloop pipeline's set-up, the masked epilogue and the launch.
 #pragma once
 
 #include <cstdint>
@@ -9,13 +9,64 @@
 #include <cutlass/arch/barrier.h>
 #include <cutlass/array.h>
 #include <cutlass/cutlass.h>
+#include <cutlass/gemm/collective/collective_builder.hpp>
+#include <cutlass/gemm/dispatch_policy.hpp>
 #include <cutlass/pipeline/pipeline.hpp>
 
+#include "common/cutlass_types.cuh"
 #include "common/status.h"
 
 namespace distgemm::grouped::sm90 {
 
 using namespace cute;
+
+// A contiguous kernel's shape: CUTLASS's sm90 TMA mainloop collective for In operands in
+// (LayoutA, LayoutB), tiles of TileM x TileN x 128 bytes of K; a producer warpgroup and a
+// consumer warpgroup per 64 rows; shared memory for the mainloop's stages, the epilogue's FP32
+// staging (kEpiN columns at a time, rows padded by 8 floats so that the consumers' accumulator
+// writes spread over the banks) and the pipeline's barriers.
+template <dg_dtype In, dg_dtype Out, class LayoutA_, class LayoutB_, int TileM, int TileN, int ClusterM>
+struct ContiguousKernelShape {
+  static_assert(TileM == 64 || TileM == 128, "one or two consumer warpgroups of 64 rows each");
+  using Element = cutlass_type_t<In>;
+  using ElementD = cutlass_type_t<Out>;
+  using LayoutA = LayoutA_;
+  using LayoutB = LayoutB_;
+  static constexpr int kAlign = 16 / sizeof(Element);
+  static constexpr int kStepK = 128 / static_cast<int>(sizeof(Element));  // K per mainloop step
+  using TileShape = Shape<Int<TileM>, Int<TileN>, Int<kStepK>>;
+  using ClusterShape = Shape<Int<ClusterM>, _1, _1>;
+  static constexpr int kClusterM = ClusterM;
+
+  static constexpr int kEpiN = TileN < 64 ? TileN : 64;
+  static constexpr int kStagingLd = kEpiN + 8;
+  static constexpr int kStagingBytes = TileM * kStagingLd * 4;
+
+  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA, kAlign, Element,
+      LayoutB, kAlign, float, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<kStagingBytes>,
+      // The schedule only sets the warpgroups of the TiledMma: ping-pong's is one warpgroup.
+      std::conditional_t<TileM == 128, cutlass::gemm::KernelTmaWarpSpecializedCooperative,
+                         cutlass::gemm::KernelTmaWarpSpecializedPingpong>>::CollectiveOp;
+  using TiledMma = typename CollectiveMainloop::TiledMma;
+  using Pipeline = typename CollectiveMainloop::MainloopPipeline;
+  using PipelineState = typename CollectiveMainloop::PipelineState;
+  using StrideA = typename CollectiveMainloop::StrideA;
+  using StrideB = typename CollectiveMainloop::StrideB;
+
+  static constexpr int kProducerThreads = 128;
+  static constexpr int kConsumerThreads = TileM * 2;  // a warpgroup per 64 rows
+  static constexpr int kThreads = kProducerThreads + kConsumerThreads;
+  static_assert(size(TiledMma{}) == kConsumerThreads);
+
+  struct SharedStorage {
+    typename CollectiveMainloop::TensorStorage mainloop;  // first: 1024-byte aligned swizzles
+    alignas(128) float staging[TileM * kStagingLd];
+    alignas(16) typename CollectiveMainloop::PipelineStorage pipeline;
+  };
+  static constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage));
+};
 
 // The mainloop pipeline of a contiguous kernel K in its shared memory: warp 0 produces (TMA),
 // the consumer warpgroups consume. The TMA descriptors are prefetched, and it returns once every

@@ -36,46 +36,18 @@ namespace distgemm::grouped::sm90 {
 using namespace cute;
 
 template <dg_dtype In, dg_dtype Out, int TileM, int TileN>
-struct ContiguousWgrad {
-  static_assert(TileM == 64 || TileM == 128, "one or two consumer warpgroups of 64 rows each");
-  using Element = cutlass_type_t<In>;
-  using ElementD = cutlass_type_t<Out>;
-  using LayoutA = cutlass::layout::ColumnMajor;  // dy^T (N, T): dy (T, N), N-major
-  using LayoutB = cutlass::layout::RowMajor;     // x^T (K, T): x (T, K), K-major
-  static constexpr int kAlign = 16 / sizeof(Element);
-  static constexpr int kStepTokens = 128 / static_cast<int>(sizeof(Element));  // tokens per K step
-  using TileShape = Shape<Int<TileM>, Int<TileN>, Int<kStepTokens>>;
-  using ClusterShape = Shape<_1, _1, _1>;
-  static constexpr int kClusterM = 1;
-
-  static constexpr int kEpiN = TileN < 64 ? TileN : 64;
-  static constexpr int kStagingLd = kEpiN + 8;
-  static constexpr int kStagingBytes = TileM * kStagingLd * 4;
-
-  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA, kAlign, Element,
-      LayoutB, kAlign, float, TileShape, ClusterShape,
-      cutlass::gemm::collective::StageCountAutoCarveout<kStagingBytes>,
-      // The schedule only sets the warpgroups of the TiledMma: ping-pong's is one warpgroup.
-      std::conditional_t<TileM == 128, cutlass::gemm::KernelTmaWarpSpecializedCooperative,
-                         cutlass::gemm::KernelTmaWarpSpecializedPingpong>>::CollectiveOp;
-  using TiledMma = typename CollectiveMainloop::TiledMma;
-  using Pipeline = typename CollectiveMainloop::MainloopPipeline;
-  using PipelineState = typename CollectiveMainloop::PipelineState;
-  using StrideA = typename CollectiveMainloop::StrideA;
-  using StrideB = typename CollectiveMainloop::StrideB;
-
-  static constexpr int kProducerThreads = 128;
-  static constexpr int kConsumerThreads = TileM * 2;
-  static constexpr int kThreads = kProducerThreads + kConsumerThreads;
-  static_assert(size(TiledMma{}) == kConsumerThreads);
-
-  struct SharedStorage {
-    typename CollectiveMainloop::TensorStorage mainloop;  // first: 1024-byte aligned swizzles
-    alignas(128) float staging[TileM * kStagingLd];
-    alignas(16) typename CollectiveMainloop::PipelineStorage pipeline;
-  };
-  static constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage));
+struct ContiguousWgrad
+    : ContiguousKernelShape<In, Out,
+                            cutlass::layout::ColumnMajor,  // dy^T (N, T): dy (T, N), N-major
+                            cutlass::layout::RowMajor,     // x^T (K, T): x (T, K), K-major
+                            TileM, TileN, 1> {
+  using Base = typename ContiguousWgrad::ContiguousKernelShape;
+  using typename Base::CollectiveMainloop;
+  using typename Base::Element;
+  using typename Base::ElementD;
+  using typename Base::StrideA;
+  using typename Base::StrideB;
+  static constexpr int kStepTokens = Base::kStepK;  // tokens per K step
 
   struct Params {
     typename CollectiveMainloop::Params mainloop;
