@@ -19,10 +19,16 @@ else
 fi
 # A step's timeout kills its direct child only: a compute-sanitizer or pytest child left running
 # time-slices the GPU with every later step (the bench stalls of session 10). Log and end them.
+# nvidia-smi lists no processes inside the device machine's container (its gpu_apps.log stayed
+# empty in session 14, while every Python process started after the pytest step stalled ~2 min
+# in its first cuBLAS calls): log the process table too, and end orphaned test processes
+# (parent 1, a pytest or multiprocessing command line: a previous step's children outliving it).
 reap() {
   nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv,noheader >> "$OUT/gpu_apps.log" 2>&1
-  for pid in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null); do
-    [ "$pid" != "$$" ] && kill -9 "$pid" 2>/dev/null && stamp "reaped stray GPU process $pid"
+  { echo "== before step $step"; ps -eo pid,ppid,stat,etime,pcpu,rss,args --sort=-pcpu | head -15; } >> "$OUT/gpu_apps.log" 2>&1
+  for pid in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null) \
+             $(ps -eo pid=,ppid=,args= | awk '$2 == 1 && /python/ && /pytest|multiprocessing|tests\// {print $1}'); do
+    [ "$pid" != "$$" ] && kill -9 "$pid" 2>/dev/null && stamp "reaped stray process $pid"
   done
 }
 for step in ${STEPS:-}; do
