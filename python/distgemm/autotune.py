@@ -111,11 +111,13 @@ def _time_ms(fn: Callable[[], object], reps: int, flush: torch.Tensor) -> float:
     return statistics.median(s.elapsed_time(e) for s, e in pairs)
 
 
-def _flush_buffer() -> torch.Tensor:
-    """A buffer of twice the L2's size, as the benchmarks flush, to evict it between timed calls
-    (freed after tuning)."""
-    l2 = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "L2_cache_size", 0) or 64 << 20
-    return torch.empty(2 * l2 // 4, dtype=torch.int32, device=torch.cuda.current_device())
+def flush_buffer(device=None, times_l2: int = 2) -> torch.Tensor:
+    """A buffer of `times_l2` times the L2's size on the CUDA `device` (None: the current one),
+    overwritten between timed calls to evict the L2: the autotuner's (freed after tuning) and the
+    benchmarks' Timer's, so that the two time alike."""
+    device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 64 << 20
+    return torch.empty(times_l2 * l2 // 4, dtype=torch.int32, device=device)
 
 
 def lookup(key: str) -> Optional[str]:
@@ -171,7 +173,7 @@ def choose(key: str, candidates: Dict[str, Callable[[], object]], prefer: Option
     with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
         for fn in candidates.values():  # warm-up: module load, handles, cuBLAS heuristics
             fn()
-        flush = _flush_buffer()
+        flush = flush_buffer()
         best = _medians(candidates, flush)
         choice = _pick(best, prefer)
         if choice != prefer and prefer in best and best[choice] > best[prefer] * (1.0 - CONFIRM_BELOW):

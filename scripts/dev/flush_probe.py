@@ -1,18 +1,17 @@
-"""Why the L2 flush buffer changes the timing of a short memory-bound GEMM
-(scripts/dev/tuner_probe.py, session 14: the benchmark's timing with the autotuner's flush
-buffer reads 25 x 9216 x 7168 at ~49 us for cuBLAS, ~48 for our 64 x 128 tile; with the
-benchmark's own buffer, 41 and 43.5: the same discipline, the ranking flipped by the buffer).
+"""Whether how and where the L2 is flushed changes the timing of a short memory-bound GEMM.
 
-Both buffers are 2 x L2 and flushed by zero_(); they differ in when they were allocated (the
-benchmark's at start, before the operands; the tuner's after them), so in their addresses.
-This times the same candidates in the benchmark's discipline (interleaved, ~1 ms queued
-ahead) under flushes that separate the suspects:
+Session 14 found why the autotuner and the benchmark ranked 25 x 9216 x 7168 differently
+(scripts/dev/tuner_probe.py): the benchmark Timer's flush buffer, made with device=None, lived
+on the host, so its "flush" left the GPU's L2 warm with the previous run's operands (cuBLAS
+~41 us, ours ~43.5), where the autotuner's flushed it (~49 and ~47). Both now flush the GPU
+(autotune.flush_buffer). This checks what remains: whether the flush buffer's address, a read
+instead of a write, or a larger buffer still move the times. The candidates are timed in the
+benchmark's discipline (interleaved, ~1 ms queued ahead) under each flush:
 
 - early_write / late_write: zero_() of a buffer allocated before / after the operands
 - early_read / late_read:   a read (sum) of it instead: L2 then holds clean lines, nothing
                             to write back during the GEMM
-- early_write_late_read / late_write_early_read: write one, then read the other (the GEMM
-                            meets the second's clean lines and its pages in the TLB)
+- early_write_late_read / late_write_early_read: write one, then read the other
 - late2_write:              another buffer allocated after the operands
 - big_early_write / big_late_write: zero_() of an 8 x L2 buffer
 
@@ -28,19 +27,12 @@ import time
 import torch
 
 from distgemm import dense
+from distgemm.autotune import flush_buffer
 from distgemm._library import ops
 from distgemm.bench.common import Timer, env_info
 
 SHAPES = [(25, 9216, 7168), (16, 9216, 7168), (128, 16384, 7168), (4096, 4096, 4096)]
 REPEATS = 3
-
-
-def _l2_bytes() -> int:
-    return getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 0) or 64 << 20
-
-
-def _buffer(times_l2: int) -> torch.Tensor:
-    return torch.empty(times_l2 * _l2_bytes() // 4, dtype=torch.int32, device="cuda")
 
 
 def probe(m: int, n: int, k: int, timer: Timer, early: dict) -> dict:
@@ -52,7 +44,7 @@ def probe(m: int, n: int, k: int, timer: Timer, early: dict) -> dict:
     for i, name in enumerate(names):
         if name in ("pingpong_64x128_c1x1", "pingpong_128x128_c1x2"):
             cands[name] = lambda i=i: ops.gemm(a, b, None, 1.0, 0.0, bf, None, None, False, i)
-    late, late2, big_late = _buffer(2), _buffer(2), _buffer(8)
+    late, late2, big_late = flush_buffer(), flush_buffer(), flush_buffer(times_l2=8)
 
     def read(buf):
         buf.sum(dtype=torch.int64)
@@ -87,7 +79,7 @@ def main() -> None:
     shapes = [tuple(int(x) for x in s.split("x")) for s in sys.argv[1:]] or SHAPES
     t0 = time.time()
     timer = Timer()
-    early = {"2": _buffer(2), "8": _buffer(8)}
+    early = {"2": flush_buffer(), "8": flush_buffer(times_l2=8)}
     results = []
     for m, n, k in shapes:
         r = probe(m, n, k, timer, early)

@@ -14,10 +14,11 @@ each timing discipline, several times over:
 - bench_tuner_flush:  the same flushing with the tuner's buffer
 - tuner_choice:       what autotune.choose picks (cache cleared first)
 
-Measured at 058ed21 and 46e44de (bench/results/h200_tuner_probe_*.json): the tuner's timings
-read these shapes 15-20% slower than the benchmark's, cuBLAS more than our tiles, interleaved
-or not (the first four variants above were run; the flush-buffer and event variants are the
-next to run). ``python scripts/dev/tuner_probe.py [MxNxK ...]``; ``PROBE_OUT`` names the JSON."""
+Measured at 058ed21, 46e44de and 8cc6327 (bench/results/h200_tuner_probe_*.json): the tuner's
+timings read these shapes 15-20% slower than the benchmark's, cuBLAS more than our tiles,
+whatever the discipline; the flush buffer alone flipped the ranking, because until session 14
+the Timer's buffer lived on the host (made with device=None): the benchmark did not flush the
+GPU's L2 at all. Both now flush the GPU, so the *_flush variants no longer differ by design. ``python scripts/dev/tuner_probe.py [MxNxK ...]``; ``PROBE_OUT`` names the JSON."""
 
 from __future__ import annotations
 
@@ -89,7 +90,7 @@ def probe(m: int, n: int, k: int, timer: Timer) -> dict:
     cands["cublas_matmul"] = lambda: torch.matmul(a, b.t())
     for fn in cands.values():
         fn()
-    flush = autotune._flush_buffer()
+    flush = autotune.flush_buffer()
     methods = {
         "tuner": lambda: _tuner_style(cands, flush, 1_000_000),
         "tuner_sleep2ms": lambda: _tuner_style(cands, flush, 2_000_000),

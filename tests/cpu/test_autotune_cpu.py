@@ -19,7 +19,7 @@ def timed(monkeypatch, tmp_path):
         t = times[fn()]
         return t.pop(0) if isinstance(t, list) else t
     monkeypatch.setattr(autotune, "_time_ms", time_ms)
-    monkeypatch.setattr(autotune, "_flush_buffer", lambda: None)
+    monkeypatch.setattr(autotune, "flush_buffer", lambda: None)
     yield times
     autotune.clear()
 

@@ -17,7 +17,7 @@ def timed(monkeypatch, tmp_path):
     monkeypatch.setattr(autotune, "may_time", lambda: True)
     monkeypatch.setattr(autotune, "_LOADED", True)
     monkeypatch.setattr(autotune, "_ENABLED", True)
-    monkeypatch.setattr(autotune, "_flush_buffer", lambda: None)
+    monkeypatch.setattr(autotune, "flush_buffer", lambda: None)
     autotune.clear()
     times = {}
     monkeypatch.setattr(autotune, "_time_ms", lambda fn, reps, flush: times[fn()])

@@ -181,3 +181,13 @@ def test_fp8_graph_capture_never_times_nor_tries_the_peer(cache):
     torch.cuda.synchronize()
     assert_close(out, ref_gemm(a, b, sa=sa, sb=sb), in_dtype=E4M3)
     assert not cache.exists() or "640x1024x512" not in cache.read_text()
+
+
+def test_the_tuner_and_the_benchmark_flush_the_gpu_l2():
+    """Both time with the L2 evicted by overwriting a GPU buffer of twice its size (the
+    benchmark Timer's, made with device=None, once lived on the host and flushed nothing)."""
+    from distgemm.bench.common import Timer
+
+    l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
+    for buf in (autotune.flush_buffer(), Timer()._flush):
+        assert buf.is_cuda and buf.numel() * buf.element_size() >= 2 * l2

@@ -40,9 +40,13 @@ class Timer:
     each run by overwriting a buffer twice the L2 size."""
 
     def __init__(self, device=None):
-        props = torch.cuda.get_device_properties(device)
-        l2 = getattr(props, "L2_cache_size", 64 << 20)
-        self._flush = torch.empty(2 * l2 // 4, dtype=torch.int32, device=device)
+        from distgemm.autotune import flush_buffer  # here: the module's other helpers load without the library
+
+        # On the GPU (device None: the current one). Until session 14 `device=None` put this
+        # buffer, and the warm-up below, on the host: the benchmarks' "flush" left the L2 as the
+        # previous run left it, and the warm-up ran 400 matmuls on the CPU (minutes).
+        self._flush = flush_buffer(device)
+        device = self._flush.device
         # Bring the clocks up before the first measurement (~1 s of matrix work).
         x = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
         for _ in range(400):
