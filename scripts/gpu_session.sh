@@ -20,9 +20,8 @@ fi
 # A step's timeout kills its direct child only: a compute-sanitizer or pytest child left running
 # time-slices the GPU with every later step (the bench stalls of session 10). Log and end them.
 # nvidia-smi lists no processes inside the device machine's container (its gpu_apps.log stayed
-# empty in session 14, while every Python process started after the pytest step stalled ~2 min
-# in its first cuBLAS calls): log the process table too, and end orphaned test processes
-# (parent 1, a pytest or multiprocessing command line: a previous step's children outliving it).
+# empty in session 14): log the process table too, and end orphaned test processes (parent 1, a
+# pytest or multiprocessing command line: a previous step's children outliving it).
 reap() {
   nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv,noheader >> "$OUT/gpu_apps.log" 2>&1
   { echo "== before step $step"; ps -eo pid,ppid,stat,etime,pcpu,rss,args --sort=-pcpu | head -15; } >> "$OUT/gpu_apps.log" 2>&1
