@@ -56,6 +56,8 @@ struct ContiguousWgrad
     int groups, tokens, n, k;
     int m_tiles, n_tiles;  // of one group's (N, K) output
     bool accumulate;
+    // The (group, N tile, K tile) grid the persistent CTAs walk.
+    __host__ __device__ int64_t units() const { return int64_t(m_tiles) * n_tiles * groups; }
   };
 
   static Params params(const GroupedProblem& p) {
@@ -86,6 +88,7 @@ struct ContiguousWgrad
 struct WgradUnit {
   int g, m_tile, n_tile;
   int64_t start, rows;  // the group's tokens
+  int k_steps;          // their steps of kStepTokens: the producer's loads, the consumers' MMAs
 };
 template <class W>
 __device__ WgradUnit wgrad_unit(typename W::Params const& params, int64_t u) {
@@ -98,6 +101,7 @@ __device__ WgradUnit wgrad_unit(typename W::Params const& params, int64_t u) {
   const GroupRows rows = group_rows(params.offs, params.tokens, w.g);
   w.start = rows.start;
   w.rows = rows.rows;
+  w.k_steps = static_cast<int>((rows.rows + W::kStepTokens - 1) / W::kStepTokens);
   return w;
 }
 
@@ -169,8 +173,7 @@ contiguous_grouped_wgrad(const __grid_constant__ typename W::Params params) {
 
   constexpr int kTileM = size<0>(typename W::TileShape{});
   constexpr int kTileN = size<1>(typename W::TileShape{});
-  constexpr int kStep = W::kStepTokens;
-  const int64_t units = int64_t(params.m_tiles) * params.n_tiles * params.groups;
+  const int64_t units = params.units();
   Mainloop mainloop;
   Tensor mA = params.mainloop.tma_load_a.get_tma_tensor(make_shape(params.n, params.tokens, 1));
   Tensor mB = params.mainloop.tma_load_b.get_tma_tensor(make_shape(params.k, params.tokens, 1));
@@ -181,17 +184,16 @@ contiguous_grouped_wgrad(const __grid_constant__ typename W::Params params) {
     auto write = cutlass::make_producer_start_state<Pipeline>();
     for (int64_t u = blockIdx.x; u < units; u += gridDim.x) {
       const WgradUnit w = wgrad_unit<W>(params, u);
-      const int k_steps = static_cast<int>((w.rows + kStep - 1) / kStep);
-      if (k_steps == 0) continue;
+      if (w.k_steps == 0) continue;
       Tensor gA = local_tile(domain_offset(make_coord(0, w.start, 0), mA), typename W::TileShape{},
                              make_coord(_, _, _), Step<_1, Underscore, _1>{});
       Tensor gB = local_tile(domain_offset(make_coord(0, w.start, 0), mB), typename W::TileShape{},
                              make_coord(_, _, _), Step<Underscore, _1, _1>{});
       auto k_iter = cute::make_coord_iterator(shape<3>(gA));
       mainloop.load(params.mainloop, pipeline, write, cute::make_tuple(gA, gB),
-                    make_coord(w.m_tile, w.n_tile, _, 0), k_iter, k_steps, threadIdx.x % 32, 0u,
+                    make_coord(w.m_tile, w.n_tile, _, 0), k_iter, w.k_steps, threadIdx.x % 32, 0u,
                     shared.mainloop);
-      write.advance(k_steps);
+      write.advance(w.k_steps);
     }
     mainloop.load_tail(pipeline, write);
   } else {
@@ -201,15 +203,14 @@ contiguous_grouped_wgrad(const __grid_constant__ typename W::Params params) {
     typename W::TiledMma tiled_mma;
     for (int64_t u = blockIdx.x; u < units; u += gridDim.x) {
       const WgradUnit w = wgrad_unit<W>(params, u);
-      const int k_steps = static_cast<int>((w.rows + kStep - 1) / kStep);
-      if (k_steps == 0 && params.accumulate) continue;  // adds nothing
+      if (w.k_steps == 0 && params.accumulate) continue;  // adds nothing
       Tensor acc = partition_fragment_C(tiled_mma, take<0, 2>(typename W::TileShape{}));
-      if (k_steps == 0) {
+      if (w.k_steps == 0) {
         clear(acc);  // an expert without tokens: a zero gradient
       } else {
-        const int valid_last = static_cast<int>(w.rows - int64_t(k_steps - 1) * kStep);
-        mma_group_tokens<W>(pipeline, read, acc, k_steps, valid_last, mma_thread, shared.mainloop);
-        read.advance(k_steps);
+        const int valid_last = static_cast<int>(w.rows - int64_t(w.k_steps - 1) * W::kStepTokens);
+        mma_group_tokens<W>(pipeline, read, acc, w.k_steps, valid_last, mma_thread, shared.mainloop);
+        read.advance(w.k_steps);
       }
       const int row0 = w.m_tile * kTileM, col0 = w.n_tile * kTileN;
       typename W::ElementD* tile = params.d + (int64_t(w.g) * params.n + row0) * params.k + col0;
@@ -233,8 +234,7 @@ dg_status Sm90GroupedContiguousWgradKernel<In, Out, TM, TN>::run(const GroupedPr
     return DG_SUCCESS;
   }
   const typename W::Params params = W::params(p);
-  const int64_t units = int64_t(params.m_tiles) * params.n_tiles * p.groups;
-  const int ctas = static_cast<int>(std::min<int64_t>(units, std::max(p.sm_count, 1)));
+  const int ctas = static_cast<int>(std::min<int64_t>(params.units(), std::max(p.sm_count, 1)));
   return sm90::launch_persistent(&sm90::contiguous_grouped_wgrad<W>, ctas, W::kThreads, W::kSmemBytes, 1,
                                  stream, params);
 }
