@@ -30,6 +30,7 @@ from distgemm import dense
 from distgemm.autotune import flush_buffer
 from distgemm._library import ops
 from distgemm.bench.common import Timer, env_info
+from tuner_probe import format_times  # beside this script
 
 SHAPES = [(25, 9216, 7168), (16, 9216, 7168), (128, 16384, 7168), (4096, 4096, 4096)]
 REPEATS = 3
@@ -87,9 +88,7 @@ def main() -> None:
         print(f"== {m}x{n}x{k} (us; cuBLAS time / each; {time.time() - t0:.0f} s in)")
         for flush, samples in r["runs"].items():
             for i, times in enumerate(samples):
-                row = "  ".join(f"{name}={t * 1e3:.1f}({times['cublas'] / t:.3f})"
-                                for name, t in sorted(times.items(), key=lambda kv: kv[1]))
-                print(f"  {flush:<22} #{i}: {row}", flush=True)
+                print(f"  {flush:<22} #{i}: {format_times(times)}", flush=True)
     out = os.environ.get("PROBE_OUT")
     if out:
         with open(out, "w") as f:

@@ -26,6 +26,7 @@ import json
 import os
 import statistics
 import sys
+from typing import Optional
 
 import torch
 
@@ -111,6 +112,12 @@ def probe(m: int, n: int, k: int, timer: Timer) -> dict:
     return {"shape": [m, n, k], "runs": runs, "fastest": best}
 
 
+def format_times(times: dict, limit: Optional[int] = None) -> str:
+    """The fastest `limit` (all: None) candidates' times in us, each with cuBLAS time / its own."""
+    fastest = sorted(times.items(), key=lambda kv: kv[1])[:limit]
+    return "  ".join(f"{name.replace('cutlass:', '')}={t * 1e3:.1f}({times['cublas'] / t:.3f})" for name, t in fastest)
+
+
 def _runs(fn) -> bool:
     try:
         fn()
@@ -130,10 +137,7 @@ def main() -> None:
         print(f"== {m}x{n}x{k}: tuner picks {r['runs']['tuner_choice']}")
         for method in (m for m in r["runs"] if m != "tuner_choice"):
             for i, times in enumerate(r["runs"][method]):
-                cublas = times["cublas"]
-                row = "  ".join(f"{name.replace('cutlass:', '')}={t * 1e3:.1f}({cublas / t:.3f})"
-                                for name, t in sorted(times.items(), key=lambda kv: kv[1])[:4])
-                print(f"  {method:<18} #{i}: {row}", flush=True)
+                print(f"  {method:<18} #{i}: {format_times(times, 4)}", flush=True)
     out = os.environ.get("PROBE_OUT")
     if out:
         with open(out, "w") as f:
