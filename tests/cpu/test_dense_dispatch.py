@@ -29,3 +29,19 @@ def test_scales_are_handed_over_aligned():
         view = base[offset:offset + 33]
         flat = _flat(view)
         assert flat.data_ptr() % 16 == 0 and torch.equal(flat, view)
+
+
+def test_a_repeated_call_runs_its_remembered_runner_unless_autograd_or_unhashable(monkeypatch):
+    from distgemm import dense
+
+    a, b = torch.randn(3, 8), torch.randn(5, 8)
+    ran = []
+    monkeypatch.setattr(dense, "_REPEAT_CALLS", type(dense._REPEAT_CALLS)())
+    dense._remember_call(a, b, None, 1.0, 0.0, None, lambda *args: ran.append(args) or "remembered")
+    assert dense.gemm(a, b) == "remembered" and len(ran) == 1
+    # the same signature needing autograd, or an unhashable alpha: the full path decides
+    assert dense._repeat_call(a.requires_grad_(), b, None, 1.0, 0.0, None) is None
+    with torch.no_grad():
+        assert dense._repeat_call(a, b, None, 1.0, 0.0, None) is not None
+    assert dense._repeat_call(a.detach(), b, None, [1.0], 0.0, None) is None
+    assert dense._repeat_call("a", b, None, 1.0, 0.0, None) is None
