@@ -220,3 +220,23 @@ def test_grouped_linear_fp8_gradients_on_the_reference_path(grad_dtype, band):
     assert torch.all(fp8.weight.grad[1] == 0), "an expert without tokens got a gradient"
     with pytest.raises(ValueError, match="fp8_grad_dtype must be"):
         GroupedLinear(3, 128, 256, fp8="block", fp8_grad_dtype=torch.bfloat16)
+
+
+def test_the_repeat_signature_follows_the_backend_and_debug_variables(monkeypatch):
+    # A remembered call must not outlive a change of DISTGEMM_GROUPED_BACKEND or DISTGEMM_DEBUG
+    # made through os.environ (monkeypatch, with_env): the signature reads both.
+    from distgemm.grouped import _call_signature
+
+    x, w, offs = torch.zeros(4, 8), torch.zeros(2, 8, 8), torch.tensor([2, 4], dtype=torch.int32)
+    monkeypatch.delenv("DISTGEMM_GROUPED_BACKEND", raising=False)
+    monkeypatch.delenv("DISTGEMM_DEBUG", raising=False)
+    plain = _call_signature(x, w, offs, None, True)
+    assert _call_signature(x, w, offs, None, True) == plain
+    monkeypatch.setenv("DISTGEMM_GROUPED_BACKEND", "torch")
+    backend = _call_signature(x, w, offs, None, True)
+    monkeypatch.setenv("DISTGEMM_DEBUG", "1")
+    debug = _call_signature(x, w, offs, None, True)
+    assert len({plain, backend, debug}) == 3
+    monkeypatch.delenv("DISTGEMM_GROUPED_BACKEND")
+    monkeypatch.delenv("DISTGEMM_DEBUG")
+    assert _call_signature(x, w, offs, None, True) == plain
