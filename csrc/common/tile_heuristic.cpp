@@ -22,9 +22,11 @@ TileCost tile_cost(const TileConfig& c) {
   switch (c.schedule) {
     case gemm::kPingpong:
     case gemm::kPingpongFastAccum:
+    case gemm::kPingpongDirectStore:
       return {c.tile_m >= 128 ? 0.95 : 0.8, 64};
     case gemm::kCooperative:
     case gemm::kCooperativeFastAccum:
+    case gemm::kCooperativeDirectStore:
       return {area >= 128 * 256 ? 1.0 : area >= 128 * 192 ? 0.93 : 0.88, 128};
     case gemm::kContiguous:
       // The contiguous-token grouped kernel: the cooperative mainloop, but its masked epilogue

@@ -50,6 +50,10 @@ enum Schedule : int {
   kCooperativeFastAccum = 4,  // sm90 FP8: no FP32 promotion of partial sums
   kPingpongFastAccum = 5,
   kContiguous = 6,  // sm90 grouped: cooperative over the contiguous tokens, one descriptor per operand
+  // sm90 grouped: the ptr-array kernels with an epilogue that stores from registers (no shared
+  // memory staging, no TMA store): many stores in flight, for store-bound FP32 wgrads
+  kCooperativeDirectStore = 7,
+  kPingpongDirectStore = 8,
 };
 // Spellings used in the .def instance lists.
 constexpr int coop = kCooperative;
@@ -58,6 +62,8 @@ constexpr int sm1 = kOneSm;
 constexpr int sm2 = kTwoSm;
 constexpr int coop_fa = kCooperativeFastAccum;
 constexpr int pingpong_fa = kPingpongFastAccum;
+constexpr int coop_direct = kCooperativeDirectStore;
+constexpr int pingpong_direct = kPingpongDirectStore;
 
 constexpr bool is_fast_accum(int schedule) {
   return schedule == kCooperativeFastAccum || schedule == kPingpongFastAccum;

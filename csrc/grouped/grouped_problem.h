@@ -87,5 +87,7 @@ constexpr int dgrad = DG_GROUPED_DGRAD;
 constexpr int wgrad = DG_GROUPED_WGRAD;
 using gemm::coop;
 using gemm::pingpong;
+using gemm::coop_direct;
+using gemm::pingpong_direct;
 
 }  // namespace distgemm::grouped

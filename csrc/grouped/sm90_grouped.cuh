@@ -30,6 +30,18 @@ template <> struct ScheduleTraits<gemm::kPingpong> {
   using Mainloop = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
   using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
 };
+// Direct stores: each consumer thread writes its accumulators to global memory itself. A TMA
+// store epilogue keeps at most two staged subtiles in flight per warpgroup (CUTLASS's StagesD);
+// a wgrad of few tokens per expert writes 64 KB of FP32 per 128 x 128 tile after a 2-4 step
+// mainloop, so its speed is the stores' (the shared memory freed goes to mainloop stages).
+template <> struct ScheduleTraits<gemm::kCooperativeDirectStore> {
+  using Mainloop = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+  using Epilogue = cutlass::epilogue::PtrArrayNoSmemWarpSpecialized;
+};
+template <> struct ScheduleTraits<gemm::kPingpongDirectStore> {
+  using Mainloop = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
+  using Epilogue = cutlass::epilogue::PtrArrayNoSmemWarpSpecialized;
+};
 
 template <dg_dtype In, dg_dtype Out, int Kind, int Sched, int TileM, int TileN, int ClusterM,
           int ClusterN>
@@ -111,15 +123,20 @@ struct Sm90Grouped {
   }
 
   static typename Adapter::Arguments arguments(const GroupedProblem& p, const Arrays& arr) {
-    typename CollectiveEpilogue::FusionCallbacks::Arguments fusion{};
-    fusion.alpha = 1.f;
-    fusion.beta = p.accumulate ? 1.f : 0.f;
+    // Both epilogues' arguments: {thread (alpha, beta), ptr_C, dC, ptr_D, dD}.
+    typename CollectiveEpilogue::Arguments epilogue{};
+    epilogue.thread.alpha = 1.f;
+    epilogue.thread.beta = p.accumulate ? 1.f : 0.f;
+    epilogue.ptr_C = p.accumulate ? arr.ptr_c : nullptr;
+    epilogue.dC = arr.stride_c;
+    epilogue.ptr_D = arr.ptr_d;
+    epilogue.dD = arr.stride_d;
     cutlass::KernelHardwareInfo hw{p.device, p.sm_count};
     return typename Adapter::Arguments{
         cutlass::gemm::GemmUniversalMode::kGrouped,
         {p.groups, arr.shapes, nullptr},
         {arr.ptr_a, arr.stride_a, arr.ptr_b, arr.stride_b},
-        {fusion, p.accumulate ? arr.ptr_c : nullptr, arr.stride_c, arr.ptr_d, arr.stride_d},
+        epilogue,
         hw};
   }
 };
