@@ -180,10 +180,16 @@ def choose(key: str, candidates: Dict[str, Callable[[], object]], prefer: Option
             pair = {name: candidates[name] for name in (choice, prefer)}
             choice = _pick(_medians(pair, flush), prefer)
         del flush
+    remember(key, choice)
+    return choice
+
+
+def remember(key: str, choice: str) -> None:
+    """Stores `choice` for `key` (memory and disk) without timing: where only one candidate
+    takes the call."""
     with _LOCK:
         _CHOICES[key] = choice
         _save()
-    return choice
 
 
 CUTLASS_PREFIX = "cutlass:"  # a choice of one of distgemm's tile configurations: "cutlass:<config name>"

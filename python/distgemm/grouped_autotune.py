@@ -56,6 +56,10 @@ def choose(kind: int, groups: int, tokens: int, n: int, k: int, in_dtype, out_dt
     known = autotune.lookup(key)
     if known == TORCH and run_torch is not None or autotune.config_index(known, names) is not None:
         return known
+    if len(names) == 1 and run_torch is None:
+        # Nothing to choose between (an fp16 pass, a bf16-out wgrad, a call torch may not
+        # answer): no trial run, which, never cached, would run the kernel twice every call.
+        return f"{autotune.CUTLASS_PREFIX}{names[0]}"
     if not autotune.may_time():
         return None
     candidates = {f"{autotune.CUTLASS_PREFIX}{name}": (lambda i=i: run_config(i))
@@ -63,7 +67,11 @@ def choose(kind: int, groups: int, tokens: int, n: int, k: int, in_dtype, out_dt
     if run_torch is not None:
         candidates[TORCH] = run_torch
     candidates = {name: fn for name, fn in candidates.items() if _runs(fn)}
-    if len(candidates) < 2:
+    if len(candidates) == 1:  # the one candidate that takes this problem: the trial runs once
+        choice = next(iter(candidates))
+        autotune.remember(key, choice)
+        return choice
+    if not candidates:
         return None
     prefer = TORCH if TORCH in candidates else None
     return autotune.choose(key, candidates, prefer=prefer, device=device)

@@ -89,3 +89,35 @@ def test_nothing_is_timed_when_disabled(timed, monkeypatch):
     monkeypatch.setattr(autotune, "_ENABLED", True)
     monkeypatch.setattr(autotune, "may_time", lambda: False)  # graph capture, compile
     assert choose(timed) is None
+
+
+def _choose_among(monkeypatch, configs, run_config, run_torch=None):
+    monkeypatch.setattr(grouped_autotune, "config_names", lambda kind, i, o: tuple(configs))
+    return grouped_autotune.choose(2, 8, 1000, 512, 256, BF16, BF16, False, run_config, run_torch, None)
+
+
+def test_a_sole_config_is_chosen_without_a_trial_run(timed, monkeypatch):
+    # One compiled config and no peer (fp16, a bf16-out wgrad, a call torch may not answer): a
+    # trial run would never be cached and so run the kernel twice on every call.
+    def never(i):
+        raise AssertionError("a sole candidate was run to be chosen")
+
+    assert _choose_among(monkeypatch, ["only"], never) == "cutlass:only"
+    monkeypatch.setattr(autotune, "may_time", lambda: False)  # graph capture: the same answer
+    assert _choose_among(monkeypatch, ["only"], never) == "cutlass:only"
+
+
+def test_the_one_candidate_that_takes_a_problem_is_remembered(timed, monkeypatch):
+    runs = []
+
+    def second_only(i):
+        runs.append(i)
+        if i == 0:
+            raise RuntimeError("CUTLASS cannot implement")
+        return "cutlass:b"
+
+    assert _choose_among(monkeypatch, ["a", "b"], second_only) == "cutlass:b"
+    assert sorted(runs) == [0, 1] and not timed  # one trial each, nothing timed
+    runs.clear()
+    assert _choose_among(monkeypatch, ["a", "b"], second_only) == "cutlass:b"
+    assert runs == []  # the next call of the problem runs nothing to choose
