@@ -2,6 +2,7 @@
 (one per GPU for NCCL, CPU for gloo) and any rank's exception fails the test."""
 
 import faulthandler
+import gc
 import os
 import socket
 import traceback
@@ -38,6 +39,9 @@ def _worker(rank, world, backend, port, fn, args, env, errors):
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        # Garbage cycles holding a group (autograd graphs, modules) freed now, not while the
+        # interpreter finalizes, when its store's and backend's threads can no longer end cleanly.
+        gc.collect()
 
 
 def run_ranks(fn, world: int, backend: str, *args, env=None, timeout: float = 600):

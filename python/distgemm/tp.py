@@ -17,6 +17,7 @@ raise until every rank calls :func:`recover`.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import functools
 import math
@@ -154,6 +155,11 @@ class _GroupState:
 
 
 _states: dict = {}  # ProcessGroup -> _GroupState
+# A state holds its ProcessGroup, which would keep a destroyed group alive until the interpreter
+# finalizes; gloo's worker threads then meet a finalizing interpreter (a thread that asks for the
+# GIL there is ended by pthread_exit: "terminate called without an active exception", SIGABRT,
+# seen rarely on rank 0 of the gloo tests). Dropped at exit, while Python is still whole.
+atexit.register(_states.clear)
 
 
 def _state(group: dist.ProcessGroup) -> _GroupState:
