@@ -14,6 +14,9 @@ smaller tiles, Zipf routing wants short tile rows. Timing settles it once per pr
   device once (it times with CUDA events) and writes its result into a scratch output, so
   ``accumulate=True`` adds into ``out`` once.
 - torch._grouped_mm keeps near-ties (autotune.PREFER_MARGIN), as cuBLAS does for dense GEMMs.
+- One candidate (one compiled config and no peer: the fp16 passes, the bf16-out wgrad, calls
+  torch may not answer) is chosen without running it; where only one of several takes the
+  problem, that one is remembered after a single trial of each.
 """
 
 from __future__ import annotations
