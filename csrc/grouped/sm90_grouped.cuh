@@ -16,6 +16,7 @@
 #include "common/status.h"
 #include "grouped/grouped_problem.h"
 #include "grouped/sm90_grouped_common.cuh"
+#include "grouped/sm90_grouped_direct_store.cuh"
 
 namespace distgemm::grouped::sm90 {
 
@@ -37,10 +38,10 @@ struct ScheduleTraits<gemm::kPingpong>
     : Schedules<cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
                 cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong> {};
 // Direct stores: each consumer thread writes its accumulators to global memory itself (no
-// staging, no TMA store; the shared memory goes to mainloop stages). Tried for few-token FP32
-// wgrads, whose stores outweigh their 2-4 step mainloops: CUTLASS's epilogue stores one element
-// at a time and ran 0.31-0.43x bmm where the TMA stores reach 0.70-0.89x (sweep build only,
-// grouped_instances_tuning.def).
+// staging, no TMA store; the shared memory goes to mainloop stages), for few-token FP32 wgrads,
+// whose stores outweigh their 2-4 step mainloops. CUTLASS's epilogue, with pair stores in place
+// of its one-element ones (sm90_grouped_direct_store.cuh); sweep build only
+// (grouped_instances_tuning.def).
 template <>
 struct ScheduleTraits<gemm::kCooperativeDirectStore>
     : Schedules<cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative,
@@ -70,11 +71,11 @@ struct Sm90Grouped {
   using Traits = ScheduleTraits<Sched>;
   using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;
 
-  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+  using CollectiveEpilogue = typename WithPairStores<typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementD, LayoutD*, kAlignD,
       ElementD, LayoutD*, kAlignD, typename Traits::Epilogue,
-      cutlass::epilogue::fusion::LinearCombination<ElementD, float>>::CollectiveOp;
+      cutlass::epilogue::fusion::LinearCombination<ElementD, float>>::CollectiveOp>::type;
 
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA*, kAlign, Element,
