@@ -19,9 +19,6 @@ benchmark's discipline (interleaved, ~1 ms queued ahead) under each flush:
 
 from __future__ import annotations
 
-import json
-import os
-import sys
 import time
 
 import torch
@@ -29,8 +26,8 @@ import torch
 from distgemm import dense
 from distgemm.autotune import flush_buffer
 from distgemm._library import ops
-from distgemm.bench.common import Timer, env_info
-from tuner_probe import format_times  # beside this script
+from distgemm.bench.common import Timer
+from tuner_probe import format_times, shapes_from_argv, write_results  # beside this script
 
 SHAPES = [(25, 9216, 7168), (16, 9216, 7168), (128, 16384, 7168), (4096, 4096, 4096)]
 REPEATS = 3
@@ -77,7 +74,7 @@ def probe(m: int, n: int, k: int, timer: Timer, early: dict) -> dict:
 
 
 def main() -> None:
-    shapes = [tuple(int(x) for x in s.split("x")) for s in sys.argv[1:]] or SHAPES
+    shapes = shapes_from_argv(SHAPES)
     t0 = time.time()
     timer = Timer()
     early = {"2": flush_buffer(), "8": flush_buffer(times_l2=8)}
@@ -89,10 +86,7 @@ def main() -> None:
         for flush, samples in r["runs"].items():
             for i, times in enumerate(samples):
                 print(f"  {flush:<22} #{i}: {format_times(times)}", flush=True)
-    out = os.environ.get("PROBE_OUT")
-    if out:
-        with open(out, "w") as f:
-            json.dump({"env": env_info(), "results": results}, f, indent=1)
+    write_results(results)
 
 
 if __name__ == "__main__":

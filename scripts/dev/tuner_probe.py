@@ -118,6 +118,19 @@ def format_times(times: dict, limit: Optional[int] = None) -> str:
     return "  ".join(f"{name.replace('cutlass:', '')}={t * 1e3:.1f}({times['cublas'] / t:.3f})" for name, t in fastest)
 
 
+def shapes_from_argv(default: list) -> list:
+    """The MxNxK shapes named on the command line, else `default` (both probes take them)."""
+    return [tuple(int(x) for x in s.split("x")) for s in sys.argv[1:]] or default
+
+
+def write_results(results: list) -> None:
+    """The probe's results with the environment, into the JSON file PROBE_OUT names (if any)."""
+    out = os.environ.get("PROBE_OUT")
+    if out:
+        with open(out, "w") as f:
+            json.dump({"env": env_info(), "results": results}, f, indent=1)
+
+
 def _runs(fn) -> bool:
     try:
         fn()
@@ -127,7 +140,7 @@ def _runs(fn) -> bool:
 
 
 def main() -> None:
-    shapes = [tuple(int(x) for x in s.split("x")) for s in sys.argv[1:]] or SHAPES
+    shapes = shapes_from_argv(SHAPES)
     os.environ.setdefault("DISTGEMM_AUTOTUNE_CACHE", "/tmp/tuner_probe_cache.json")
     timer = Timer()
     results = []
@@ -138,10 +151,7 @@ def main() -> None:
         for method in (m for m in r["runs"] if m != "tuner_choice"):
             for i, times in enumerate(r["runs"][method]):
                 print(f"  {method:<18} #{i}: {format_times(times, 4)}", flush=True)
-    out = os.environ.get("PROBE_OUT")
-    if out:
-        with open(out, "w") as f:
-            json.dump({"env": env_info(), "results": results}, f, indent=1)
+    write_results(results)
 
 
 if __name__ == "__main__":
