@@ -23,6 +23,10 @@ def offs_of(counts):
     return torch.tensor(counts).cumsum(0).to(torch.int32).cuda()
 
 
+# ``--only wgrad`` (or forward): one pass only; the other arguments name the output file.
+ONLY = sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else None
+ARGS = [a for i, a in enumerate(sys.argv[1:], 1) if a != "--only" and sys.argv[i - 1] != "--only"]
+
 SHAPES = [(8, 4096, 4096, 7168), (8, 4096, 7168, 2048), (32, 1024, 4096, 7168),
           (32, 1024, 7168, 2048), (64, 512, 4096, 7168), (4, 8192, 7168, 2048)]
 rows = []
@@ -48,19 +52,22 @@ for g, per, n, k in SHAPES:
     kb, nb = (k + 127) // 128, (n + 127) // 128
     sx_b, sw_b = (torch.rand(kb, t, device="cuda") + 0.5).t(), torch.rand(g, kb, nb, device="cuda") + 0.5
     sx_r, sw_r = torch.rand(t, device="cuda") + 0.5, torch.rand(g, n, device="cuda") + 0.5
-    for routing in ("balanced", "zipf"):  # zipf: the bench suites' skewed routing
+    for routing in ("balanced", "zipf") if ONLY != "wgrad" else ():  # zipf: the bench suites' skewed routing
         offs = offs_of(counts_for(g, per, routing))
         for mode, code, sx, sw in (("block", 2, sx_b, sw_b), ("row", 1, sx_r, sw_r)):
             sweep(f"forward_{mode}", (g, per, n, k), ops.grouped_configs(0, E4M3, torch.bfloat16, 90, code),
                   lambda c: ops.grouped_mm_fp8(x, w, offs, sx, sw, code, torch.bfloat16, c), routing)
-    offs = offs_of([per] * g)
     # wgrad: dy^T (N, Tp), x^T (K, Tp), padded per expert (balanced: per is a multiple of 128).
     tp = 128 * ((t + 127) // 128 + g)
     dy_t, x_t = torch.randn(n, tp, device="cuda").to(E4M3), torch.randn(k, tp, device="cuda").to(E4M3)
     s_dy, s_x = torch.rand(tp // 128, n, device="cuda") + 0.5, torch.rand(tp // 128, k, device="cuda") + 0.5
     out = torch.zeros(g, n, k, device="cuda")
-    sweep("wgrad_block", (g, per, n, k), ops.grouped_configs(2, E4M3, torch.float32, 90, 2),
-          lambda c: ops.grouped_mm_wgrad_fp8_out(dy_t, x_t, offs, s_dy, s_x, out, True, c))
+    if ONLY == "forward":
+        continue
+    for routing in ("balanced", "zipf"):
+        offs = offs_of(counts_for(g, per, routing))
+        sweep("wgrad_block", (g, per, n, k), ops.grouped_configs(2, E4M3, torch.float32, 90, 2),
+              lambda c: ops.grouped_mm_wgrad_fp8_out(dy_t, x_t, offs, s_dy, s_x, out, True, c), routing)
     del x, w, dy_t, x_t, out
     torch.cuda.empty_cache()
-json.dump(rows, open(sys.argv[1] if len(sys.argv) > 1 else "fp8_grouped_sweep.json", "w"), indent=1)
+json.dump(rows, open(ARGS[0] if ARGS else "fp8_grouped_sweep.json", "w"), indent=1)

@@ -1,0 +1,66 @@
+"""Targets for Nsight Compute: each GEMM below runs twice (warm-up, autotuning), then once
+between cudaProfilerStart/Stop, so that
+``ncu --profile-from-start off --kernel-name regex:'device_kernel|nvjet' python scripts/dev/ncu_probe.py``
+profiles one launch of each. A developer probe: where the FP8 wgrad (FP32 main_grad) and the
+store-bound bf16 FP32 wgrads lose time against the forward GEMM and cuBLAS."""
+
+from __future__ import annotations
+
+import torch
+
+from distgemm._library import ops
+
+E4M3 = torch.float8_e4m3fn
+
+
+def fp8_targets(g: int, per: int, n: int, k: int) -> dict:
+    t = g * per
+    offs = torch.full((g,), per, device="cuda", dtype=torch.int64).cumsum(0).to(torch.int32)
+    x, w = torch.randn(t, k, device="cuda").to(E4M3), torch.randn(g, n, k, device="cuda").to(E4M3)
+    kb, nb = (k + 127) // 128, (n + 127) // 128
+    sx, sw = (torch.rand(kb, t, device="cuda") + 0.5).t(), torch.rand(g, kb, nb, device="cuda") + 0.5
+    tp = 128 * ((t + 127) // 128 + g)  # padded per expert, as the wgrad reads them
+    dy_t, x_t = torch.randn(n, tp, device="cuda").to(E4M3), torch.randn(k, tp, device="cuda").to(E4M3)
+    s_dy, s_x = torch.rand(tp // 128, n, device="cuda") + 0.5, torch.rand(tp // 128, k, device="cuda") + 0.5
+    out = torch.zeros(g, n, k, device="cuda")
+    tag = f"{g}x{per}_n{n}_k{k}"
+    return {
+        f"fp8_forward_block_{tag}": lambda: ops.grouped_mm_fp8(x, w, offs, sx, sw, 2, torch.bfloat16, -1),
+        f"fp8_wgrad_accumulate_{tag}": lambda: ops.grouped_mm_wgrad_fp8_out(dy_t, x_t, offs, s_dy, s_x, out, True, -1),
+        f"fp8_wgrad_overwrite_{tag}": lambda: ops.grouped_mm_wgrad_fp8_out(dy_t, x_t, offs, s_dy, s_x, out, False, -1),
+    }
+
+
+def bf16_wgrad_targets(g: int, per: int, n: int, k: int) -> dict:
+    bf = torch.bfloat16
+    t = g * per
+    offs = torch.full((g,), per, device="cuda", dtype=torch.int64).cumsum(0).to(torch.int32)
+    x, dy = torch.randn(t, k, device="cuda", dtype=bf), torch.randn(t, n, device="cuda", dtype=bf)
+    dyt, xb = dy.view(g, per, n).transpose(1, 2), x.view(g, per, k)
+    tag = f"{g}x{per}_n{n}_k{k}"
+    config = ops.grouped_configs(2, bf, torch.float32, 90).index("coop_128x128_c2x1")
+    return {
+        f"bf16_wgrad_ours_{tag}": lambda: ops.grouped_mm_wgrad(dy, x, offs, torch.float32, 0, config),
+        f"bf16_wgrad_bmm_{tag}": lambda: torch.bmm(dyt, xb, out_dtype=torch.float32),
+    }
+
+
+def main() -> None:
+    targets = {**fp8_targets(8, 4096, 4096, 7168), **fp8_targets(64, 512, 4096, 7168),
+               **bf16_wgrad_targets(128, 256, 1536, 2048)}
+    for fn in targets.values():
+        fn()
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    for name, fn in targets.items():
+        torch.cuda.nvtx.range_push(name)
+        fn()
+        torch.cuda.synchronize()
+        torch.cuda.nvtx.range_pop()
+    torch.cuda.profiler.stop()
+    print("profiled in order:", " ".join(targets))
+
+
+if __name__ == "__main__":
+    main()
