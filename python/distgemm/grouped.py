@@ -191,24 +191,11 @@ def _torch_forward(out_dtype, trans_w: bool) -> Callable:
     return run
 
 
-def _into_scratch(out, accumulate: bool, shape, dtype, device,
-                  run_into: Callable[[torch.Tensor, int], None]) -> Callable[[int], None]:
-    """The autotuner's runner of config i: `run_into(scratch, i)` on one scratch output, made at
-    the first run (a copy of `out` when accumulating, so that the call itself adds only once)."""
-    scratch = []
-
-    def run_config(i):
-        if not scratch:
-            scratch.append(out.clone() if accumulate else torch.empty(shape, dtype=dtype, device=device))
-        run_into(scratch[0], i)
-    return run_config
-
-
 def _tuned_forward(x, w, offs, n: int, out, accumulate: bool, out_dtype, trans_w: bool,
                    torch_may_answer: bool) -> Optional[str]:
     """The autotuner's choice for this forward/dgrad call (see grouped_autotune)."""
     kind = 0 if trans_w else 1
-    run_config = _into_scratch(out, accumulate, (x.shape[0], n), out_dtype, x.device,
+    run_config = grouped_autotune.scratch_runner(out, accumulate, (x.shape[0], n), out_dtype, x.device,
                                lambda scratch, i: ops.grouped_mm_out(x, w, offs, scratch, accumulate, trans_w,
                                                                      _CUTLASS, i))
     peer = _torch_forward(out_dtype, trans_w) if torch_may_answer else None
@@ -377,7 +364,7 @@ def grouped_mm_wgrad(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, *,
 def _tuned_wgrad(dy, x, offs, out, accumulate: bool, out_dtype, torch_may_answer: bool) -> Optional[str]:
     """The autotuner's choice for this wgrad call (see grouped_autotune)."""
     groups, n, k = offs.numel(), dy.shape[1], x.shape[1]
-    run_config = _into_scratch(out, accumulate, (groups, n, k), out_dtype, x.device,
+    run_config = grouped_autotune.scratch_runner(out, accumulate, (groups, n, k), out_dtype, x.device,
                                lambda scratch, i: ops.grouped_mm_wgrad_out(dy, x, offs, scratch, accumulate,
                                                                            _CUTLASS, i))
     peer = (lambda: torch._grouped_mm(dy.T, x, offs=offs, out_dtype=out_dtype)) if torch_may_answer else None

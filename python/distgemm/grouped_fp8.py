@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from . import grouped_autotune
 from ._library import device_arch, has_kernels, ops
 from ._routing import group_bounds
 
@@ -242,9 +243,19 @@ def grouped_mm_wgrad_fp8(dy_t, x_t, offs, *, scale_dy, scale_x, out=None, accumu
         return reference_grouped_mm_wgrad_fp8(dy_t, x_t, offs, scale_dy, scale_x, out, accumulate)
     # The kernel reads the scales as (Tp/128, N) and (Tp/128, K) contiguous.
     sdy, sx = scale_dy.t().contiguous(), scale_x.t().contiguous()
+    dy_t, x_t = dy_t.contiguous(), x_t.contiguous()
     if out is None:
         out = torch.empty((groups, n, k), dtype=torch.float32, device=dy_t.device)
-    ops.grouped_mm_wgrad_fp8_out(dy_t.contiguous(), x_t.contiguous(), offs, sdy, sx, out, accumulate)
+
+    def run_into(scratch, config):
+        ops.grouped_mm_wgrad_fp8_out(dy_t, x_t, offs, sdy, sx, scratch, accumulate, config)
+
+    # The tile is timed on the first eager call of each problem (grouped_autotune says why).
+    choice = grouped_autotune.choose(
+        2, groups, tp, n, k, dy_t.dtype, torch.float32, accumulate,
+        grouped_autotune.scratch_runner(out, accumulate, (groups, n, k), torch.float32, dy_t.device, run_into),
+        None, dy_t.device, scale_mode=SCALE_BLOCK)
+    run_into(out, grouped_autotune.config_index(choice, 2, dy_t.dtype, torch.float32, SCALE_BLOCK))
     return out
 
 

@@ -91,9 +91,18 @@ def test_nothing_is_timed_when_disabled(timed, monkeypatch):
     assert choose(timed) is None
 
 
-def _choose_among(monkeypatch, configs, run_config, run_torch=None):
-    monkeypatch.setattr(grouped_autotune, "config_names", lambda kind, i, o: tuple(configs))
-    return grouped_autotune.choose(2, 8, 1000, 512, 256, BF16, BF16, False, run_config, run_torch, None)
+def _choose_among(monkeypatch, configs, run_config, run_torch=None, scale_mode=0, in_dtype=BF16):
+    asked = []
+
+    def config_names(kind, i, o, mode=0):
+        asked.append(mode)
+        return tuple(configs)
+
+    monkeypatch.setattr(grouped_autotune, "config_names", config_names)
+    choice = grouped_autotune.choose(2, 8, 1000, 512, 256, in_dtype, BF16, False, run_config, run_torch, None,
+                                     scale_mode=scale_mode)
+    assert set(asked) == {scale_mode}  # the FP8 scale mode selects the kernels listed
+    return choice
 
 
 def test_a_sole_config_is_chosen_without_a_trial_run(timed, monkeypatch):
@@ -121,3 +130,21 @@ def test_the_one_candidate_that_takes_a_problem_is_remembered(timed, monkeypatch
     runs.clear()
     assert _choose_among(monkeypatch, ["a", "b"], second_only) == "cutlass:b"
     assert runs == []  # the next call of the problem runs nothing to choose
+
+
+def test_the_fp8_scale_mode_keeps_its_own_choice(timed, monkeypatch):
+    # The FP8 block wgrad and a 16-bit wgrad of the same sizes are different problems: each
+    # is timed once and remembered under its own key.
+    runs = []
+
+    def run(i):
+        runs.append(i)
+        if i == 0:
+            raise RuntimeError("CUTLASS cannot implement")
+
+    fp8 = torch.float8_e4m3fn
+    assert _choose_among(monkeypatch, ["a", "b"], run, scale_mode=2, in_dtype=fp8) == "cutlass:b"
+    assert _choose_among(monkeypatch, ["a", "b"], run, scale_mode=2, in_dtype=fp8) == "cutlass:b"
+    assert sorted(runs) == [0, 1]  # remembered: the second call ran nothing
+    assert _choose_among(monkeypatch, ["a", "b"], run) == "cutlass:b"
+    assert sorted(runs) == [0, 0, 1, 1]  # the 16-bit problem was timed on its own

@@ -233,13 +233,10 @@ def padded(values_per_group, counts, rows):
     return data
 
 
-@pytest.mark.parametrize("routing", ["balanced", "ragged_zero_experts", "odd_k_and_n", "many_experts"])
-@pytest.mark.parametrize("accumulate", [False, True])
-@pytest.mark.parametrize("dy_dtype", [E4M3, torch.float8_e5m2])  # e5m2: the hybrid recipe's gradients
-def test_wgrad_block_scales_into_fp32_main_grad(routing, accumulate, dy_dtype):
-    counts, n, k = ROUTINGS[routing]
-    k = (k + 3) // 4 * 4
-    g, t = len(counts), sum(counts)
+def check_wgrad(counts, n, k, accumulate, dy_dtype=E4M3, config=None):
+    """FP32 main_grad from the padded FP8 operands (through the API, or the registered op with
+    one compiled `config`) against the float64 reference of the dequantized values."""
+    g = len(counts)
     dys = [fp8(c, n, dtype=dy_dtype) for c in counts]
     xs = [fp8(c, k) for c in counts]
     dy_t, x_t = padded(dys, counts, n), padded(xs, counts, k)
@@ -248,8 +245,13 @@ def test_wgrad_block_scales_into_fp32_main_grad(routing, accumulate, dy_dtype):
     s_x = scales(tp // 128, k).t()
     main_grad = torch.randn(g, n, k, device=DEV) if accumulate else None
     base = main_grad.clone() if accumulate else None
-    out = distgemm.grouped_mm_wgrad(dy_t, x_t, make_offs(counts), scale_dy=s_dy, scale_x=s_x,
-                                    out=main_grad, accumulate=accumulate)
+    if config is None:
+        out = distgemm.grouped_mm_wgrad(dy_t, x_t, make_offs(counts), scale_dy=s_dy, scale_x=s_x,
+                                        out=main_grad, accumulate=accumulate)
+    else:
+        out = main_grad if accumulate else torch.full((g, n, k), float("nan"), device=DEV)
+        ops.grouped_mm_wgrad_fp8_out(dy_t, x_t, make_offs(counts), s_dy.t().contiguous(),
+                                     s_x.t().contiguous(), out, accumulate, config)
     assert out.dtype == torch.float32 and out.shape == (g, n, k)
     dyd = dequantize_blocks(dy_t, s_dy, 1, 128).double()
     xd = dequantize_blocks(x_t, s_x, 1, 128).double()
@@ -273,7 +275,25 @@ def test_wgrad_block_scales_into_fp32_main_grad(routing, accumulate, dy_dtype):
                 assert torch.all(out[gi] == 0)
     # FP32 out: no bf16 rounding; the block accumulation bound only (plus FP32 rounding).
     err = (out.double() - ref).abs()
-    assert bool((err <= terms * 2.0 ** -11 + ref.abs() * 2.0 ** -22 + 1e-30).all()), float(err.max())
+    assert bool((err <= terms * 2.0 ** -11 + ref.abs() * 2.0 ** -22 + 1e-30).all()), (config, float(err.max()))
+
+
+@pytest.mark.parametrize("routing", ["balanced", "ragged_zero_experts", "odd_k_and_n", "many_experts"])
+@pytest.mark.parametrize("accumulate", [False, True])
+@pytest.mark.parametrize("dy_dtype", [E4M3, torch.float8_e5m2])  # e5m2: the hybrid recipe's gradients
+def test_wgrad_block_scales_into_fp32_main_grad(routing, accumulate, dy_dtype):
+    counts, n, k = ROUTINGS[routing]
+    check_wgrad(counts, n, (k + 3) // 4 * 4, accumulate, dy_dtype)
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_every_compiled_wgrad_config_matches(accumulate):
+    # 384 x 640: odd counts of 128- and 256-wide tiles; an empty expert; a group of 1 token
+    counts = [300, 0, 1, 211]
+    names = ops.grouped_configs(2, E4M3, torch.float32, 90, 2)
+    assert names, "no FP8 wgrad kernel compiled"
+    for config in range(len(names)):
+        check_wgrad(counts, 384, 640, accumulate, config=config)
 
 
 # ---------------------------------------------------------------- bad input
