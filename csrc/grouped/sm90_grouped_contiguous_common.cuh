@@ -1,6 +1,7 @@
 // What the sm90 contiguous-token grouped kernels (sm90_grouped_contiguous.cuh: forward and
 // dgrad; sm90_grouped_contiguous_wgrad.cuh) share: their shape (mainloop collective, threads,
-// shared memory), the mainloop pipeline's set-up, the masked epilogue and the launch.
+// shared memory), the mainloop pipeline's set-up, the launch, and the forward's and dgrad's
+// masked epilogue (the wgrad stores with TMA instead).
 #pragma once
 
 #include <cstdint>

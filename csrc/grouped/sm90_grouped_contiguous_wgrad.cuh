@@ -1,20 +1,26 @@
-// SM90 grouped weight gradient over the contiguous token tensors (bf16/fp16 in, FP32 or 16-bit
-// out): out[g] (N, K) = dy[rows_g]^T @ x[rows_g] for every group g, with one TMA descriptor
-// for dy (T, N) and one for x (T, K), both read MN-major, so no argument builder runs and no
-// per-group descriptor is built or fenced. Built only with the sweep's instances
-// (grouped_instances_tuning.def): on the H200 it ran 0.52-0.80x a dense bmm where the ptr-array
-// wgrads run 0.77-0.97x, as its synchronous epilogue stops the math for the FP32 stores that
-// bound few-token wgrads (bench/results/h200_grouped_profile_contig_wgrad.json).
+// SM90 grouped weight gradient over the contiguous token tensors (bf16/fp16 in, FP32 out):
+// out[g] (N, K) = dy[rows_g]^T @ x[rows_g] for every group g, with one TMA descriptor for dy
+// (T, N) and one for x (T, K), both read MN-major, and one for out as a (N, K, G) tensor, so no
+// argument builder runs and no per-group descriptor is built or fenced (the ptr-array wgrads
+// rewrite and fence four on every change of group: on few-token wgrads, nearly every tile).
+// Built only with the sweep's instances (grouped_instances_tuning.def). Its first epilogue
+// stored from registers through a padded staging tile and ran 0.52-0.80x a dense bmm where the
+// ptr-array wgrads run 0.77-0.97x (bench/results/h200_grouped_profile_contig_wgrad.json); it
+// now stores with TMA, asynchronously, as the ptr-array kernels do.
 //
 // A tile's reduction runs over its group's tokens from the group's first token (any token: TMA
 // takes element coordinates), 64 a step. The last step also loads the next group's first
 // tokens: the consumers zero them in x's shared-memory tile before the tensor cores read it
 // (past T, TMA's out-of-bounds fill gives zeros already). Persistent CTAs walk the (group,
-// N tile, K tile) units; the epilogue is the forward kernel's (sm90_grouped_contiguous_common.cuh).
+// N tile, K tile) units. The epilogue writes the FP32 tile 128 bytes of columns at a time into
+// one of two swizzled shared-memory buffers and one thread stores it with TMA (clipped at N
+// and K by the descriptor), or, accumulating, adds it with TMA's FP32 reduce-add (one rounding,
+// as beta = 1), while the consumers go on to the next columns or the next tile.
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
@@ -48,10 +54,37 @@ struct ContiguousWgrad
   using typename Base::StrideA;
   using typename Base::StrideB;
   static constexpr int kStepTokens = Base::kStepK;  // tokens per K step
+  static_assert(std::is_same_v<ElementD, float>,
+                "FP32 out: accumulating is TMA's reduce-add, exact (one rounding) only in FP32");
+
+  // The epilogue's shared memory: kEpiBuffers tiles of TileM rows x 128 bytes, swizzled as TMA
+  // and the bank-spread accumulator writes both want.
+  static constexpr int kEpiCols = 128 / static_cast<int>(sizeof(ElementD));  // 32 floats
+  static constexpr int kEpiBuffers = 2;
+  using SmemLayoutEpi = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<ElementD>{},
+                                               Shape<Int<TileM>, Int<kEpiCols>>{}));
+  struct SharedStorage {
+    typename CollectiveMainloop::TensorStorage mainloop;  // first: 1024-byte aligned swizzles
+    alignas(1024) ElementD epilogue[kEpiBuffers][cosize_v<SmemLayoutEpi>];
+    alignas(16) typename CollectiveMainloop::PipelineStorage pipeline;
+  };
+  static constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage));
+  // The mainloop's stage count was set aside for Base's staging: this epilogue must fit there.
+  static_assert(sizeof(SharedStorage::epilogue) <= Base::kStagingBytes);
+
+  // out as (N, K, G): row stride K, group stride N * K.
+  using StrideOut = Stride<int64_t, _1, int64_t>;
+  static auto out_tensor(ElementD* d, int n, int k, int groups) {
+    return make_tensor(make_gmem_ptr(d), make_shape(n, k, groups),
+                       StrideOut{int64_t(k), _1{}, int64_t(n) * k});
+  }
+  using TmaStore = decltype(make_tma_copy(SM90_TMA_STORE{}, out_tensor(nullptr, 0, 0, 0), SmemLayoutEpi{}));
+  using TmaAdd = decltype(make_tma_copy(SM90_TMA_REDUCE_ADD{}, out_tensor(nullptr, 0, 0, 0), SmemLayoutEpi{}));
 
   struct Params {
     typename CollectiveMainloop::Params mainloop;
-    ElementD* d;
+    TmaStore tma_store;
+    TmaAdd tma_add;  // accumulate: out += the tile
     const int32_t* offs;
     int groups, tokens, n, k;
     int m_tiles, n_tiles;  // of one group's (N, K) output
@@ -70,7 +103,9 @@ struct ContiguousWgrad
                                                 static_cast<Element const*>(p.b), sb};
     Params out{};
     out.mainloop = CollectiveMainloop::to_underlying_arguments(make_shape(n, k, t, 1), args, nullptr);
-    out.d = static_cast<ElementD*>(p.d);
+    auto d = out_tensor(static_cast<ElementD*>(p.d), n, k, static_cast<int>(p.groups));
+    out.tma_store = make_tma_copy(SM90_TMA_STORE{}, d, SmemLayoutEpi{});
+    out.tma_add = make_tma_copy(SM90_TMA_REDUCE_ADD{}, d, SmemLayoutEpi{});
     out.offs = p.offs;
     out.groups = p.groups;
     out.tokens = t;
@@ -156,6 +191,52 @@ __device__ void mma_group_tokens(typename W::Pipeline& pipeline, typename W::Pip
   if (k_steps > 0) pipeline.consumer_release(release);
 }
 
+// One output tile from the consumers' accumulators: kEpiCols columns at a time into the next
+// epilogue buffer, stored (or added) by TMA from consumer thread 0, who first waits until the
+// store that last read that buffer has read it. `buffer` carries the rotation across tiles.
+template <class W, class Accumulators, class OutCoords>
+__device__ void store_tile_tma(Accumulators const& acc, typename W::SharedStorage& shared,
+                               typename W::Params const& params, OutCoords const& out, WgradUnit const& w,
+                               int mma_thread, int& buffer) {
+  constexpr int kTileM = size<0>(typename W::TileShape{});
+  constexpr int kTileN = size<1>(typename W::TileShape{});
+  constexpr int kCols = W::kEpiCols;
+  const bool issuer = mma_thread == 0;
+  typename W::TiledMma tiled_mma;
+  auto thr_mma = tiled_mma.get_thread_slice(mma_thread);
+  Tensor coords = thr_mma.partition_C(make_identity_tensor(make_shape(Int<kTileM>{}, Int<kTileN>{})));
+  CUTE_UNROLL
+  for (int pass = 0; pass < kTileN / kCols; ++pass) {
+    if (issuer) tma_store_wait<W::kEpiBuffers - 1>();  // this buffer's last store has read it
+    cutlass::arch::NamedBarrier::sync(W::kConsumerThreads, 0);
+    // sD(r, c), the 128-byte swizzle written out (16-byte chunks XOR the row mod 8; the buffer
+    // is 1024-byte aligned): through CuTe's layout the addresses of all 64 accumulators stay
+    // live and spill.
+    typename W::ElementD* staged = shared.epilogue[buffer];
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc); ++i) {
+      const int r = get<0>(coords(i)), c = get<1>(coords(i)) - pass * kCols;
+      if (c >= 0 && c < kCols) staged[r * kCols + (c ^ ((r & 7) << 2))] = acc(i);
+    }
+    cutlass::arch::fence_view_async_shared();  // the writes, visible to TMA's reads
+    cutlass::arch::NamedBarrier::sync(W::kConsumerThreads, 0);
+    if (issuer) {
+      Tensor sD = make_tensor(make_smem_ptr(shared.epilogue[buffer]), typename W::SmemLayoutEpi{});
+      Tensor gD = local_tile(out(_, _, w.g), make_shape(Int<kTileM>{}, Int<kCols>{}),
+                             make_coord(w.m_tile, w.n_tile * (kTileN / kCols) + pass));
+      if (params.accumulate) {
+        auto tma = params.tma_add.get_slice(Int<0>{});
+        copy(params.tma_add, tma.partition_S(sD), tma.partition_D(gD));
+      } else {
+        auto tma = params.tma_store.get_slice(Int<0>{});
+        copy(params.tma_store, tma.partition_S(sD), tma.partition_D(gD));
+      }
+      tma_store_arrive();
+    }
+    buffer = (buffer + 1) % W::kEpiBuffers;
+  }
+}
+
 template <class W>
 __global__ void __launch_bounds__(W::kThreads, 1)
 contiguous_grouped_wgrad(const __grid_constant__ typename W::Params params) {
@@ -171,8 +252,6 @@ contiguous_grouped_wgrad(const __grid_constant__ typename W::Params params) {
   // Launched as a programmatic dependent: offsets and operands may come from the kernel before.
   cutlass::arch::wait_on_dependent_grids();
 
-  constexpr int kTileM = size<0>(typename W::TileShape{});
-  constexpr int kTileN = size<1>(typename W::TileShape{});
   const int64_t units = params.units();
   Mainloop mainloop;
   Tensor mA = params.mainloop.tma_load_a.get_tma_tensor(make_shape(params.n, params.tokens, 1));
@@ -201,6 +280,8 @@ contiguous_grouped_wgrad(const __grid_constant__ typename W::Params params) {
     const int mma_thread = threadIdx.x - W::kProducerThreads;
     typename W::PipelineState read;
     typename W::TiledMma tiled_mma;
+    Tensor out = params.tma_store.get_tma_tensor(make_shape(params.n, params.k, params.groups));
+    int buffer = 0;
     for (int64_t u = blockIdx.x; u < units; u += gridDim.x) {
       const WgradUnit w = wgrad_unit<W>(params, u);
       if (w.k_steps == 0 && params.accumulate) continue;  // adds nothing
@@ -212,11 +293,9 @@ contiguous_grouped_wgrad(const __grid_constant__ typename W::Params params) {
         mma_group_tokens<W>(pipeline, read, acc, w.k_steps, valid_last, mma_thread, shared.mainloop);
         read.advance(w.k_steps);
       }
-      const int row0 = w.m_tile * kTileM, col0 = w.n_tile * kTileN;
-      typename W::ElementD* tile = params.d + (int64_t(w.g) * params.n + row0) * params.k + col0;
-      store_tile<W>(acc, shared.staging, mma_thread, tile, params.k, min(kTileM, params.n - row0),
-                    params.k - col0, params.accumulate);
+      store_tile_tma<W>(acc, shared, params, out, w, mma_thread, buffer);
     }
+    if (mma_thread == 0) tma_store_wait<0>();  // shared memory stays until TMA has read it
   }
 #endif
 }
