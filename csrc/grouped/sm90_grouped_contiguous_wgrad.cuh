@@ -10,8 +10,8 @@
 //
 // A tile's reduction runs over its group's tokens from the group's first token (any token: TMA
 // takes element coordinates), 64 a step. The last step also loads the next group's first
-// tokens: the consumers zero them in x's shared-memory tile before the tensor cores read it
-// (past T, TMA's out-of-bounds fill gives zeros already). Persistent CTAs walk the (group,
+// tokens: the consumers zero them in both shared-memory tiles before the tensor cores read
+// them (past T, TMA's out-of-bounds fill gives zeros already). Persistent CTAs walk the (group,
 // N tile, K tile) units. The epilogue writes the FP32 tile 128 bytes of columns at a time into
 // one of two swizzled shared-memory buffers and one thread stores it with TMA (clipped at N
 // and K by the descriptor), or, accumulating, adds it with TMA's FP32 reduce-add (one rounding,
@@ -141,12 +141,13 @@ __device__ WgradUnit wgrad_unit(typename W::Params const& params, int64_t u) {
 }
 
 // The consumers' K loop over one tile's token steps (CUTLASS's collective mma, one step's MMAs
-// in flight), zeroing x's tokens [valid_last, kStepTokens) of the last step first.
+// in flight), zeroing dy's and x's tokens [valid_last, kStepTokens) of the last step first.
 template <class W, class Accumulators>
 __device__ void mma_group_tokens(typename W::Pipeline& pipeline, typename W::PipelineState read,
                                  Accumulators& accum, int k_steps, int valid_last, int mma_thread,
                                  typename W::CollectiveMainloop::TensorStorage& smem) {
   using Mainloop = typename W::CollectiveMainloop;
+  constexpr int kTileM = size<0>(typename W::TileShape{});
   constexpr int kTileN = size<1>(typename W::TileShape{});
   Tensor sA = make_tensor(make_smem_ptr(smem.smem_A.data()), typename Mainloop::SmemLayoutA{});  // (M, K, PIPE)
   Tensor sB = make_tensor(make_smem_ptr(smem.smem_B.data()), typename Mainloop::SmemLayoutB{});  // (N, K, PIPE)
@@ -165,6 +166,10 @@ __device__ void mma_group_tokens(typename W::Pipeline& pipeline, typename W::Pip
     pipeline.consumer_wait(read);
     const int stage = read.index();
     if (step == k_steps - 1 && valid_last < W::kStepTokens) {
+      // Both operands: a zero in one alone leaves 0 * Inf = NaN where the other's tokens past
+      // the group (the next expert's, or rows past offs[-1]) hold an Inf or a NaN.
+      for (int i = valid_last * kTileM + mma_thread; i < W::kStepTokens * kTileM; i += W::kConsumerThreads)
+        sA(i % kTileM, i / kTileM, stage) = typename W::Element(0);
       for (int i = valid_last * kTileN + mma_thread; i < W::kStepTokens * kTileN; i += W::kConsumerThreads)
         sB(i % kTileN, i / kTileN, stage) = typename W::Element(0);
       cutlass::arch::fence_view_async_shared();  // the writes, visible to the tensor cores' reads

@@ -198,6 +198,32 @@ def test_wgrad_ragged_routing_every_config(groups, tokens, accumulate):
             assert_close(out[g], expected[g])
 
 
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_wgrad_every_config_keeps_other_tokens_out(accumulate):
+    """A wgrad reduces over its expert's tokens only: a NaN in the rows past offs[-1] or an Inf
+    in another expert's rows reaches no other expert's gradient (a kernel that reads past the
+    expert and zeroes one operand's extra tokens only gets 0 * Inf = NaN; the fuzz's NaN tail
+    found this in the contiguous-token wgrad)."""
+    names = ops.grouped_configs(2, torch.bfloat16, torch.float32, device_arch(torch.device(DEV)))
+    counts, tail = [37, 50, 0, 20], 11  # no expert a multiple of the 64-token step
+    routed, n, k = sum(counts), 200, 136
+    torch.manual_seed(3)
+    dy = torch.randn(routed + tail, n, device=DEV).bfloat16()
+    x = torch.randn(routed + tail, k, device=DEV).bfloat16()
+    dy[routed:] = float("nan")
+    x[routed:] = float("nan")
+    dy[counts[0] + 5, 7] = float("inf")  # expert 1's own gradient is not finite; the others are
+    offs = make_offs(counts)
+    start = torch.randn(len(counts), n, k, device=DEV)
+    expected = ref_wgrad(dy[:routed], x[:routed], counts) + (start.double() if accumulate else 0)
+    for config, name in enumerate(names):
+        out = start.clone() if accumulate else torch.full_like(start, float("nan"))
+        ops.grouped_mm_wgrad_out(dy, x, offs, out, accumulate, 0, config)
+        for g in (0, 2, 3):
+            assert bool(torch.isfinite(out[g]).all()), (name, g)
+            assert_close(out[g], expected[g])
+
+
 @pytest.mark.parametrize("backend", ["cutlass", "cublas", "torch"])
 def test_backends_agree(backend, monkeypatch):
     monkeypatch.setenv("DISTGEMM_GROUPED_BACKEND", backend)
