@@ -159,14 +159,9 @@ contiguous_grouped_gemm(const __grid_constant__ typename K::Params params) {
   using Mainloop = typename K::CollectiveMainloop;
   using Pipeline = typename K::Pipeline;
   extern __shared__ __align__(1024) char smem[];
-  auto& shared = *reinterpret_cast<typename K::SharedStorage*>(smem);
-  const int warp = cutlass::canonical_warp_idx_sync();
-  const int warp_group = cutlass::canonical_warp_group_idx();
-
-  Pipeline pipeline = make_mainloop_pipeline<K>(shared, params, warp, warp_group);
-  // Launched as a programmatic dependent: the offsets and operands may come from the kernel
-  // before; nothing global is touched until it is complete.
-  cutlass::arch::wait_on_dependent_grids();
+  ContiguousCta<K> cta(smem, params);
+  auto& shared = cta.shared;
+  auto& pipeline = cta.pipeline;
 
   constexpr int kTileM = size<0>(typename K::TileShape{});
   constexpr int kTileN = size<1>(typename K::TileShape{});
@@ -179,9 +174,9 @@ contiguous_grouped_gemm(const __grid_constant__ typename K::Params params) {
   const int rank = static_cast<int>(cute::block_rank_in_cluster());
   const int64_t first_unit = blockIdx.x / K::kClusterM, unit_stride = gridDim.x / K::kClusterM;
 
-  if (warp_group == 0) {
+  if (cta.warp_group == 0) {
     cutlass::arch::warpgroup_reg_dealloc<40>();
-    if (warp != 0) return;
+    if (cta.warp != 0) return;
     auto write = cutlass::make_producer_start_state<Pipeline>();
     for (int64_t t = first_unit; walker.locate(t); t += unit_stride) {
       const int row0 = walker.start + walker.m_tile(t, rank) * kTileM;

@@ -8,6 +8,7 @@
 
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
+#include <cutlass/arch/grid_dependency_control.h>
 #include <cutlass/array.h>
 #include <cutlass/cutlass.h>
 #include <cutlass/gemm/collective/collective_builder.hpp>
@@ -89,6 +90,26 @@ __device__ typename K::Pipeline make_mainloop_pipeline(typename K::SharedStorage
   if constexpr (K::kClusterM > 1) cute::cluster_sync(); else __syncthreads();
   return pipeline;
 }
+
+// What a contiguous kernel's CTA starts with: its shared memory, warp and warpgroup, and the
+// mainloop pipeline; constructed once the kernel is launched as a programmatic dependent has
+// waited for the kernel before it (whose offsets and operands it may read), so nothing global
+// is touched earlier.
+template <class K>
+struct ContiguousCta {
+  typename K::SharedStorage& shared;
+  const int warp;
+  const int warp_group;
+  typename K::Pipeline pipeline;
+
+  __device__ ContiguousCta(char* smem, typename K::Params const& params)
+      : shared(*reinterpret_cast<typename K::SharedStorage*>(smem)),
+        warp(cutlass::canonical_warp_idx_sync()),
+        warp_group(cutlass::canonical_warp_group_idx()),
+        pipeline(make_mainloop_pipeline<K>(shared, params, warp, warp_group)) {
+    cutlass::arch::wait_on_dependent_grids();
+  }
+};
 
 // The consumers' epilogue: the FP32 tile through shared memory (K::kEpiN columns at a time),
 // out to `tile` (leading dimension `ld`), only its first rows_valid rows and cols_valid columns

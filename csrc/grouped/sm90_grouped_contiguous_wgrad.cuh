@@ -249,22 +249,18 @@ contiguous_grouped_wgrad(const __grid_constant__ typename W::Params params) {
   using Mainloop = typename W::CollectiveMainloop;
   using Pipeline = typename W::Pipeline;
   extern __shared__ __align__(1024) char smem[];
-  auto& shared = *reinterpret_cast<typename W::SharedStorage*>(smem);
-  const int warp = cutlass::canonical_warp_idx_sync();
-  const int warp_group = cutlass::canonical_warp_group_idx();
-
-  Pipeline pipeline = make_mainloop_pipeline<W>(shared, params, warp, warp_group);
-  // Launched as a programmatic dependent: offsets and operands may come from the kernel before.
-  cutlass::arch::wait_on_dependent_grids();
+  ContiguousCta<W> cta(smem, params);
+  auto& shared = cta.shared;
+  auto& pipeline = cta.pipeline;
 
   const int64_t units = params.units();
   Mainloop mainloop;
   Tensor mA = params.mainloop.tma_load_a.get_tma_tensor(make_shape(params.n, params.tokens, 1));
   Tensor mB = params.mainloop.tma_load_b.get_tma_tensor(make_shape(params.k, params.tokens, 1));
 
-  if (warp_group == 0) {
+  if (cta.warp_group == 0) {
     cutlass::arch::warpgroup_reg_dealloc<40>();
-    if (warp != 0) return;
+    if (cta.warp != 0) return;
     auto write = cutlass::make_producer_start_state<Pipeline>();
     for (int64_t u = blockIdx.x; u < units; u += gridDim.x) {
       const WgradUnit w = wgrad_unit<W>(params, u);
