@@ -195,9 +195,9 @@ def _tuned_forward(x, w, offs, n: int, out, accumulate: bool, out_dtype, trans_w
                    torch_may_answer: bool) -> Optional[str]:
     """The autotuner's choice for this forward/dgrad call (see grouped_autotune)."""
     kind = 0 if trans_w else 1
-    run_config = grouped_autotune.scratch_runner(out, accumulate, (x.shape[0], n), out_dtype, x.device,
-                               lambda scratch, i: ops.grouped_mm_out(x, w, offs, scratch, accumulate, trans_w,
-                                                                     _CUTLASS, i))
+    run_config = grouped_autotune.scratch_runner(
+        out, accumulate, (x.shape[0], n), out_dtype, x.device,
+        lambda scratch, i: ops.grouped_mm_out(x, w, offs, scratch, accumulate, trans_w, _CUTLASS, i))
     peer = _torch_forward(out_dtype, trans_w) if torch_may_answer else None
     return grouped_autotune.choose(kind, w.shape[0], x.shape[0], n, x.shape[1], x.dtype, out_dtype, accumulate,
                                    run_config, (lambda: peer(x, w, offs)) if peer else None, x.device)
@@ -364,9 +364,9 @@ def grouped_mm_wgrad(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, *,
 def _tuned_wgrad(dy, x, offs, out, accumulate: bool, out_dtype, torch_may_answer: bool) -> Optional[str]:
     """The autotuner's choice for this wgrad call (see grouped_autotune)."""
     groups, n, k = offs.numel(), dy.shape[1], x.shape[1]
-    run_config = grouped_autotune.scratch_runner(out, accumulate, (groups, n, k), out_dtype, x.device,
-                               lambda scratch, i: ops.grouped_mm_wgrad_out(dy, x, offs, scratch, accumulate,
-                                                                           _CUTLASS, i))
+    run_config = grouped_autotune.scratch_runner(
+        out, accumulate, (groups, n, k), out_dtype, x.device,
+        lambda scratch, i: ops.grouped_mm_wgrad_out(dy, x, offs, scratch, accumulate, _CUTLASS, i))
     peer = (lambda: torch._grouped_mm(dy.T, x, offs=offs, out_dtype=out_dtype)) if torch_may_answer else None
     return grouped_autotune.choose(2, groups, x.shape[0], n, k, x.dtype, out_dtype, accumulate, run_config, peer,
                                    x.device)
