@@ -3,10 +3,11 @@
 // (T, N) and one for x (T, K), both read MN-major, and one for out as a (N, K, G) tensor, so no
 // argument builder runs and no per-group descriptor is built or fenced (the ptr-array wgrads
 // rewrite and fence four on every change of group: on few-token wgrads, nearly every tile).
-// Built only with the sweep's instances (grouped_instances_tuning.def). Its first epilogue
-// stored from registers through a padded staging tile and ran 0.52-0.80x a dense bmm where the
-// ptr-array wgrads run 0.77-0.97x (bench/results/h200_grouped_profile_contig_wgrad.json); it
-// now stores with TMA, asynchronously, as the ptr-array kernels do.
+// Its first epilogue stored from registers through a padded staging tile and ran 0.52-0.80x a
+// dense bmm where the ptr-array wgrads run 0.77-0.97x
+// (bench/results/h200_grouped_profile_contig_wgrad.json); it now stores with TMA,
+// asynchronously, as the ptr-array kernels do, and is one of the autotuner's candidates in the
+// default build (grouped_instances.def says where it wins).
 //
 // A tile's reduction runs over its group's tokens from the group's first token (any token: TMA
 // takes element coordinates), 64 a step. The last step also loads the next group's first
