@@ -46,28 +46,37 @@ def sweep(op, shape, names, call, routing="balanced"):
         rows.append(r)
 
 
-for g, per, n, k in SHAPES:
+def forward_rows(g, per, n, k):
+    """Block and row-wise forwards, balanced and Zipf routing."""
     t = g * per
     x, w = torch.randn(t, k, device="cuda").to(E4M3), torch.randn(g, n, k, device="cuda").to(E4M3)
     kb, nb = (k + 127) // 128, (n + 127) // 128
     sx_b, sw_b = (torch.rand(kb, t, device="cuda") + 0.5).t(), torch.rand(g, kb, nb, device="cuda") + 0.5
     sx_r, sw_r = torch.rand(t, device="cuda") + 0.5, torch.rand(g, n, device="cuda") + 0.5
-    for routing in ("balanced", "zipf") if ONLY != "wgrad" else ():  # zipf: the bench suites' skewed routing
+    for routing in ("balanced", "zipf"):  # zipf: the bench suites' skewed routing
         offs = offs_of(counts_for(g, per, routing))
         for mode, code, sx, sw in (("block", 2, sx_b, sw_b), ("row", 1, sx_r, sw_r)):
             sweep(f"forward_{mode}", (g, per, n, k), ops.grouped_configs(0, E4M3, torch.bfloat16, 90, code),
                   lambda c: ops.grouped_mm_fp8(x, w, offs, sx, sw, code, torch.bfloat16, c), routing)
-    # wgrad: dy^T (N, Tp), x^T (K, Tp), padded per expert (balanced: per is a multiple of 128).
-    tp = 128 * ((t + 127) // 128 + g)
+
+
+def wgrad_rows(g, per, n, k):
+    """The block wgrad into FP32 (accumulating), balanced and Zipf routing: dy^T (N, Tp) and
+    x^T (K, Tp), padded per expert, hold room for either routing."""
+    tp = 128 * ((g * per + 127) // 128 + g)
     dy_t, x_t = torch.randn(n, tp, device="cuda").to(E4M3), torch.randn(k, tp, device="cuda").to(E4M3)
     s_dy, s_x = torch.rand(tp // 128, n, device="cuda") + 0.5, torch.rand(tp // 128, k, device="cuda") + 0.5
     out = torch.zeros(g, n, k, device="cuda")
-    if ONLY == "forward":
-        continue
     for routing in ("balanced", "zipf"):
         offs = offs_of(counts_for(g, per, routing))
         sweep("wgrad_block", (g, per, n, k), ops.grouped_configs(2, E4M3, torch.float32, 90, 2),
               lambda c: ops.grouped_mm_wgrad_fp8_out(dy_t, x_t, offs, s_dy, s_x, out, True, c), routing)
-    del x, w, dy_t, x_t, out
-    torch.cuda.empty_cache()
+
+
+for shape in SHAPES:
+    if ONLY != "wgrad":
+        forward_rows(*shape)
+    if ONLY != "forward":
+        wgrad_rows(*shape)
+    torch.cuda.empty_cache()  # each pass's operands are freed on its return
 json.dump(rows, open(ARGS[0] if ARGS else "fp8_grouped_sweep.json", "w"), indent=1)
