@@ -27,6 +27,7 @@ TileCost tile_cost(const TileConfig& c) {
     case gemm::kCooperative:
     case gemm::kCooperativeFastAccum:
     case gemm::kCooperativeDirectStore:
+    case gemm::kCooperativeOverlapPromotion:
       return {area >= 128 * 256 ? 1.0 : area >= 128 * 192 ? 0.93 : 0.88, 128};
     case gemm::kContiguous:
       // The contiguous-token grouped kernel: the cooperative mainloop, but its masked epilogue

@@ -54,6 +54,9 @@ enum Schedule : int {
   // memory staging, no TMA store): many stores in flight, for store-bound FP32 wgrads
   kCooperativeDirectStore = 7,
   kPingpongDirectStore = 8,
+  // sm90 FP8 grouped: two temporary accumulators, one K tile's promotion under the next one's
+  // WGMMAs (sm90_fp8_overlapped_promotion.cuh)
+  kCooperativeOverlapPromotion = 9,
 };
 // Spellings used in the .def instance lists.
 constexpr int coop = kCooperative;
@@ -64,6 +67,7 @@ constexpr int coop_fa = kCooperativeFastAccum;
 constexpr int pingpong_fa = kPingpongFastAccum;
 constexpr int coop_direct = kCooperativeDirectStore;
 constexpr int pingpong_direct = kPingpongDirectStore;
+constexpr int coop_overlap = kCooperativeOverlapPromotion;
 
 constexpr bool is_fast_accum(int schedule) {
   return schedule == kCooperativeFastAccum || schedule == kPingpongFastAccum;

@@ -39,8 +39,8 @@ namespace {
 #define DG_SM90_FP8_GROUPED_OF(IN, PREFIX, MODE, OUT, KIND, S, TM, TN, CM, CN)               \
   {90, IN, OUT, dg_grouped_kind(KIND), dg_scale_mode(MODE), Schedule(S), TM, TN, CM, CN,      \
    PREFIX #MODE "_" #S "_" #TM "x" #TN "_c" #CM "x" #CN,                                    \
-   &Sm90Fp8GroupedKernel<MODE, OUT, KIND, TM, TN, CM, CN, IN>::run,                         \
-   &Sm90Fp8GroupedKernel<MODE, OUT, KIND, TM, TN, CM, CN, IN>::workspace},
+   &Sm90Fp8GroupedKernel<MODE, OUT, KIND, S, TM, TN, CM, CN, IN>::run,                         \
+   &Sm90Fp8GroupedKernel<MODE, OUT, KIND, S, TM, TN, CM, CN, IN>::workspace},
 #define DG_SM90_FP8_GROUPED(...) DG_SM90_FP8_GROUPED_OF(DG_E4M3, "", __VA_ARGS__)
 #define DG_SM90_FP8_E5M2_GROUPED(...) DG_SM90_FP8_GROUPED_OF(DG_E5M2, "e5m2_", __VA_ARGS__)
 #else

@@ -26,6 +26,7 @@
 #include "common/cutlass_types.cuh"
 #include "common/status.h"
 #include "grouped/grouped_problem.h"
+#include "grouped/sm90_fp8_overlapped_promotion.cuh"
 #include "grouped/sm90_grouped_common.cuh"
 
 namespace distgemm::grouped::sm90 {
@@ -52,7 +53,8 @@ using RowScaledEpilogue = fusion::Sm90EVT<
 // Mode: DG_SCALE_ROW or DG_SCALE_BLOCK; Kind: forward (x (T, K) @ w[g]^T, w (G, N, K)) or
 // wgrad (dy^T @ x over each group's tokens, both given transposed and padded per group). InA:
 // A's dtype, e4m3, or e5m2 for a gradient (dy in a dgrad, dy^T in a wgrad); B is e4m3.
-template <int Mode, dg_dtype Out, int Kind, int TileM, int TileN, int ClusterM, int ClusterN, dg_dtype InA>
+template <int Mode, dg_dtype Out, int Kind, int Schedule, int TileM, int TileN, int ClusterM,
+          int ClusterN, dg_dtype InA>
 struct Sm90Fp8Grouped {
   static constexpr int kKind = Kind;
   static constexpr int kMode = Mode;
@@ -85,13 +87,18 @@ struct Sm90Fp8Grouped {
       ElementD, LayoutD*, kAlignD, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
       Fusion>::CollectiveOp;
 
-  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+  using CutlassMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA,
       cute::tuple<LayoutA*, LayoutSFA*>, kAlign, ElementB, cute::tuple<LayoutB*, LayoutSFB*>,
       kAlign, float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename CollectiveEpilogue::SharedStorage))>,
       cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise>::CollectiveOp;
+  static_assert(Schedule == gemm::kCooperative || Schedule == gemm::kCooperativeOverlapPromotion,
+                "FP8 grouped schedules: coop, coop_overlap");
+  using CollectiveMainloop =
+      std::conditional_t<Schedule == gemm::kCooperativeOverlapPromotion,
+                         OverlappedPromotionMma<CutlassMainloop>, CutlassMainloop>;
 
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop,
                                                       CollectiveEpilogue>;
@@ -295,19 +302,19 @@ dg_status run_fp8_grouped(const GroupedProblem& p, cudaStream_t stream) {
 
 namespace distgemm::grouped {
 
-template <int Mode, dg_dtype Out, int Kind, int TM, int TN, int CM, int CN, dg_dtype InA>
-dg_status Sm90Fp8GroupedKernel<Mode, Out, Kind, TM, TN, CM, CN, InA>::run(const GroupedProblem& p,
+template <int Mode, dg_dtype Out, int Kind, int S, int TM, int TN, int CM, int CN, dg_dtype InA>
+dg_status Sm90Fp8GroupedKernel<Mode, Out, Kind, S, TM, TN, CM, CN, InA>::run(const GroupedProblem& p,
                                                                           cudaStream_t stream) {
-  return sm90::run_fp8_grouped<sm90::Sm90Fp8Grouped<Mode, Out, Kind, TM, TN, CM, CN, InA>>(p, stream);
+  return sm90::run_fp8_grouped<sm90::Sm90Fp8Grouped<Mode, Out, Kind, S, TM, TN, CM, CN, InA>>(p, stream);
 }
 
-template <int Mode, dg_dtype Out, int Kind, int TM, int TN, int CM, int CN, dg_dtype InA>
-size_t Sm90Fp8GroupedKernel<Mode, Out, Kind, TM, TN, CM, CN, InA>::workspace(const GroupedProblem& p) {
-  return sm90::cutlass_grouped_workspace<sm90::Sm90Fp8Grouped<Mode, Out, Kind, TM, TN, CM, CN, InA>>(p);
+template <int Mode, dg_dtype Out, int Kind, int S, int TM, int TN, int CM, int CN, dg_dtype InA>
+size_t Sm90Fp8GroupedKernel<Mode, Out, Kind, S, TM, TN, CM, CN, InA>::workspace(const GroupedProblem& p) {
+  return sm90::cutlass_grouped_workspace<sm90::Sm90Fp8Grouped<Mode, Out, Kind, S, TM, TN, CM, CN, InA>>(p);
 }
 
 }  // namespace distgemm::grouped
 
 #define DG_INSTANTIATE_SM90_FP8_GROUPED(MODE, OUT, KIND, S, TM, TN, CM, CN)                \
   template struct distgemm::grouped::Sm90Fp8GroupedKernel<distgemm::grouped::MODE, OUT,           \
-                                                          distgemm::grouped::KIND, TM, TN, CM, CN, DG_E4M3>;
+                                                          distgemm::grouped::KIND, distgemm::grouped::S, TM, TN, CM, CN, DG_E4M3>;

@@ -162,7 +162,7 @@ def test_rows_past_the_last_offset_are_untouched_and_accumulate_adds():
     bound_check(out[:-tail], base[:-tail].double() + ref, terms + base[:-tail].double().abs())
 
 
-@pytest.mark.parametrize("n,k", [(256, 512), (384, 640)])  # 384: an odd count of 128-wide N tiles
+@pytest.mark.parametrize("n,k", [(256, 512), (384, 640), (128, 128), (256, 384)])  # 384: odd N tiles; 1-5 K tiles
 def test_every_compiled_config_matches(n, k):
     counts = random_counts(4, 700, zero_groups=(1,))
     offs = make_offs(counts)
@@ -287,13 +287,15 @@ def test_wgrad_block_scales_into_fp32_main_grad(routing, accumulate, dy_dtype):
 
 
 @pytest.mark.parametrize("accumulate", [False, True])
-def test_every_compiled_wgrad_config_matches(accumulate):
-    # 384 x 640: odd counts of 128- and 256-wide tiles; an empty expert; a group of 1 token
-    counts = [300, 0, 1, 211]
-    names = ops.grouped_configs(2, E4M3, torch.float32, 90, 2)
-    assert names, "no FP8 wgrad kernel compiled"
+@pytest.mark.parametrize("dy_dtype", [E4M3, torch.float8_e5m2])
+def test_every_compiled_wgrad_config_matches(accumulate, dy_dtype):
+    # 384 x 640: odd counts of 128- and 256-wide tiles; an empty expert; a group of 1 token;
+    # 1 to 9 K tiles of 128 tokens (the overlapped mainloop runs its K tiles two at a time)
+    counts = [300, 0, 1, 211, 1030, 512]
+    names = ops.grouped_configs(2, dy_dtype, torch.float32, 90, 2)
+    assert names, f"no {dy_dtype} FP8 wgrad kernel compiled"
     for config in range(len(names)):
-        check_wgrad(counts, 384, 640, accumulate, config=config)
+        check_wgrad(counts, 384, 640, accumulate, dy_dtype, config=config)
 
 
 # ---------------------------------------------------------------- bad input
