@@ -58,7 +58,7 @@ for step in ${STEPS:-}; do
     flush_probe) PROBE_OUT="$OUT/flush_probe.json" timeout "${T:-150}" python3 scripts/dev/flush_probe.py ${PROBE_SHAPES:-} > "$OUT/flush_probe.log" 2>&1
       tail -50 "$OUT/flush_probe.log" ;;
     ncu) timeout "${T:-300}" ncu --profile-from-start off --clock-control none --set full \
-      --kernel-name regex:'device_kernel|nvjet' --print-summary none python3 scripts/dev/ncu_probe.py > "$OUT/ncu.log" 2>&1
+      --kernel-name regex:'device_kernel|nvjet' --print-summary none ${NCU_ARGS:-} python3 scripts/dev/ncu_probe.py > "$OUT/ncu.log" 2>&1
       grep -E "^  [a-z_]|Duration|Compute \(SM\) Throughput|DRAM Throughput|Memory Throughput|Registers Per|profiled in" "$OUT/ncu.log" | head -80 ;;
     fp8sweep) CUDA_MODULE_LOADING=EAGER timeout "${T:-240}" python3 scripts/dev/fp8_grouped_sweep.py ${FP8_SWEEP_ARGS:-} \
       "$OUT/fp8_grouped_sweep.json" > "$OUT/fp8_sweep.log" 2>&1; tail -40 "$OUT/fp8_sweep.log" | cut -c1-220 ;;

@@ -284,8 +284,12 @@ contiguous_grouped_wgrad(const __grid_constant__ typename W::Params params) {
     typename W::TiledMma tiled_mma;
     Tensor out = params.tma_store.get_tma_tensor(make_shape(params.n, params.k, params.groups));
     int buffer = 0;
+    // The next unit's group bounds are loaded (two dependent global loads) while this one's
+    // MMAs run, not at the top of its tile.
+    WgradUnit next = blockIdx.x < units ? wgrad_unit<W>(params, blockIdx.x) : WgradUnit{};
     for (int64_t u = blockIdx.x; u < units; u += gridDim.x) {
-      const WgradUnit w = wgrad_unit<W>(params, u);
+      const WgradUnit w = next;
+      if (u + gridDim.x < units) next = wgrad_unit<W>(params, u + gridDim.x);
       if (w.k_steps == 0 && params.accumulate) continue;  // adds nothing
       Tensor acc = partition_fragment_C(tiled_mma, take<0, 2>(typename W::TileShape{}));
       if (w.k_steps == 0) {

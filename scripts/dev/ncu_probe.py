@@ -2,9 +2,12 @@
 between cudaProfilerStart/Stop, so that
 ``ncu --profile-from-start off --kernel-name regex:'device_kernel|nvjet' python scripts/dev/ncu_probe.py``
 profiles one launch of each. A developer probe: where the FP8 wgrad (FP32 main_grad) and the
-store-bound bf16 FP32 wgrads lose time against the forward GEMM and cuBLAS."""
+store-bound bf16 FP32 wgrads lose time against the forward GEMM and cuBLAS.
+``NCU_PROBE=fp8_configs``: every compiled FP8 block forward and wgrad configuration instead."""
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -45,9 +48,33 @@ def bf16_wgrad_targets(g: int, per: int, n: int, k: int) -> dict:
     }
 
 
+def fp8_config_targets(g: int, per: int, n: int, k: int) -> dict:
+    """Every compiled FP8 block forward and accumulating wgrad configuration of one shape."""
+    t = g * per
+    offs = torch.full((g,), per, device="cuda", dtype=torch.int64).cumsum(0).to(torch.int32)
+    x, w = torch.randn(t, k, device="cuda").to(E4M3), torch.randn(g, n, k, device="cuda").to(E4M3)
+    kb, nb = (k + 127) // 128, (n + 127) // 128
+    sx, sw = (torch.rand(kb, t, device="cuda") + 0.5).t(), torch.rand(g, kb, nb, device="cuda") + 0.5
+    tp = 128 * ((t + 127) // 128 + g)
+    dy_t, x_t = torch.randn(n, tp, device="cuda").to(E4M3), torch.randn(k, tp, device="cuda").to(E4M3)
+    s_dy, s_x = torch.rand(tp // 128, n, device="cuda") + 0.5, torch.rand(tp // 128, k, device="cuda") + 0.5
+    out = torch.zeros(g, n, k, device="cuda")
+    tag = f"{g}x{per}_n{n}_k{k}"
+    targets = {}
+    for c, name in enumerate(ops.grouped_configs(0, E4M3, torch.bfloat16, 90, 2)):
+        targets[f"fp8_forward_{name}_{tag}"] = lambda c=c: ops.grouped_mm_fp8(x, w, offs, sx, sw, 2, torch.bfloat16, c)
+    for c, name in enumerate(ops.grouped_configs(2, E4M3, torch.float32, 90, 2)):
+        targets[f"fp8_wgrad_{name}_{tag}"] = lambda c=c: ops.grouped_mm_wgrad_fp8_out(
+            dy_t, x_t, offs, s_dy, s_x, out, True, c)
+    return targets
+
+
 def main() -> None:
-    targets = {**fp8_targets(8, 4096, 4096, 7168), **fp8_targets(64, 512, 4096, 7168),
-               **bf16_wgrad_targets(128, 256, 1536, 2048)}
+    if os.environ.get("NCU_PROBE") == "fp8_configs":
+        targets = fp8_config_targets(8, 4096, 4096, 7168)
+    else:
+        targets = {**fp8_targets(8, 4096, 4096, 7168), **fp8_targets(64, 512, 4096, 7168),
+                   **bf16_wgrad_targets(128, 256, 1536, 2048)}
     for fn in targets.values():
         fn()
         fn()
