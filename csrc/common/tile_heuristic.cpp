@@ -23,6 +23,7 @@ TileCost tile_cost(const TileConfig& c) {
     case gemm::kPingpong:
     case gemm::kPingpongFastAccum:
     case gemm::kPingpongDirectStore:
+    case gemm::kPingpongOverlapPromotion:
       return {c.tile_m >= 128 ? 0.95 : 0.8, 64};
     case gemm::kCooperative:
     case gemm::kCooperativeFastAccum:

@@ -57,6 +57,7 @@ enum Schedule : int {
   // sm90 FP8 grouped: two temporary accumulators, one K tile's promotion under the next one's
   // WGMMAs (sm90_fp8_overlapped_promotion.cuh)
   kCooperativeOverlapPromotion = 9,
+  kPingpongOverlapPromotion = 10,
 };
 // Spellings used in the .def instance lists.
 constexpr int coop = kCooperative;
@@ -68,6 +69,7 @@ constexpr int pingpong_fa = kPingpongFastAccum;
 constexpr int coop_direct = kCooperativeDirectStore;
 constexpr int pingpong_direct = kPingpongDirectStore;
 constexpr int coop_overlap = kCooperativeOverlapPromotion;
+constexpr int pingpong_overlap = kPingpongOverlapPromotion;
 
 constexpr bool is_fast_accum(int schedule) {
   return schedule == kCooperativeFastAccum || schedule == kPingpongFastAccum;

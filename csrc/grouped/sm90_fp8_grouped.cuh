@@ -78,14 +78,26 @@ struct Sm90Fp8Grouped {
   using TileShape = Shape<Int<TileM>, Int<TileN>, Int<kBlockK>>;
   using ClusterShape = Shape<Int<ClusterM>, Int<ClusterN>, _1>;
   using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;
+  // Ping-pong: each consumer warpgroup owns a tile, one's epilogue runs under the other's
+  // mainloop. *_overlap: the mainloop of sm90_fp8_overlapped_promotion.cuh.
+  static_assert(Schedule == gemm::kCooperative || Schedule == gemm::kCooperativeOverlapPromotion ||
+                    Schedule == gemm::kPingpong || Schedule == gemm::kPingpongOverlapPromotion,
+                "FP8 grouped schedules: coop, coop_overlap, pingpong, pingpong_overlap");
+  static constexpr bool kPingpong = Schedule == gemm::kPingpong || Schedule == gemm::kPingpongOverlapPromotion;
+  static constexpr bool kOverlapPromotion =
+      Schedule == gemm::kCooperativeOverlapPromotion || Schedule == gemm::kPingpongOverlapPromotion;
+  using KernelSchedule =
+      std::conditional_t<kPingpong, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8Blockwise,
+                         cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise>;
+  using EpilogueSchedule = std::conditional_t<kPingpong, cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong,
+                                              cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
 
   using Fusion = std::conditional_t<kRowScaled, RowScaledEpilogue<ElementD, TileShape>,
                                     fusion::LinearCombination<ElementD, float>>;
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementD, LayoutD*, kAlignD,
-      ElementD, LayoutD*, kAlignD, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
-      Fusion>::CollectiveOp;
+      ElementD, LayoutD*, kAlignD, EpilogueSchedule, Fusion>::CollectiveOp;
 
   using CutlassMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA,
@@ -93,12 +105,9 @@ struct Sm90Fp8Grouped {
       kAlign, float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename CollectiveEpilogue::SharedStorage))>,
-      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise>::CollectiveOp;
-  static_assert(Schedule == gemm::kCooperative || Schedule == gemm::kCooperativeOverlapPromotion,
-                "FP8 grouped schedules: coop, coop_overlap");
-  using CollectiveMainloop =
-      std::conditional_t<Schedule == gemm::kCooperativeOverlapPromotion,
-                         OverlappedPromotionMma<CutlassMainloop>, CutlassMainloop>;
+      KernelSchedule>::CollectiveOp;
+  using CollectiveMainloop = std::conditional_t<kOverlapPromotion, OverlappedPromotionMma<CutlassMainloop>,
+                                                CutlassMainloop>;
 
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop,
                                                       CollectiveEpilogue>;

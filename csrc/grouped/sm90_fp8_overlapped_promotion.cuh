@@ -1,16 +1,16 @@
 // SM90 FP8 blockwise-scaled mainloop whose promotion overlaps the tensor cores.
 //
-// CUTLASS's ptr-array blockwise mainloop issues one K block's WGMMAs into a temporary
-// accumulator, waits for them, then promotes (accum += temp * scales) while the tensor cores
-// sit idle. With 1D x 1D scales (the wgrad: a scale per row and per column) the promotion is an
-// FMUL and an FFMA per element, and the tensor pipe ran half busy on the H200.
+// CUTLASS's ptr-array blockwise mainloop issues one K tile's WGMMAs into a temporary
+// accumulator, waits for them, then promotes (accum += temp * scales) while this warpgroup's
+// tensor work stops. In the cooperative kernel the other warpgroup's WGMMAs fill that gap; in
+// the ping-pong kernel, where one warpgroup runs its mainloop while the other runs its
+// epilogue, nothing does.
 //
-// This mainloop keeps two temporary accumulators: it issues K block k's WGMMAs into one, then
-// promotes K block k-1's from the other while they run, so the promotion leaves the critical
-// path. It needs three tile-sized accumulators per thread, which only tiles of one 128-row
-// promotion slice hold (128 x 128: 3 x 64 registers); the loads, the pipeline, the scale
-// layouts and the kernel are CUTLASS's (this type derives from its collective and replaces
-// only `mma`).
+// This mainloop keeps two temporary accumulators: it issues K tile k's WGMMAs into one, then
+// promotes K tile k-1's from the other while they run. It needs three tile-sized accumulators
+// per thread: cooperative 128 x 128 (3 x 64 registers) or ping-pong 64 x 128 (3 x 64). The
+// loads, the pipeline, the scale layouts and the kernel are CUTLASS's: this type derives from
+// its collective and replaces only `mma`.
 #pragma once
 
 #include <cute/tensor.hpp>

@@ -11,7 +11,7 @@ import torch
 
 import distgemm
 from distgemm._library import ops
-from distgemm.bench.common import Timer
+from distgemm.bench.common import Timer, env_info
 from distgemm.bench.grouped_suite import counts_for
 
 E4M3 = torch.float8_e4m3fn
@@ -79,4 +79,5 @@ for shape in SHAPES:
     if ONLY != "forward":
         wgrad_rows(*shape)
     torch.cuda.empty_cache()  # each pass's operands are freed on its return
-json.dump(rows, open(ARGS[0] if ARGS else "fp8_grouped_sweep.json", "w"), indent=1)
+with open(ARGS[0] if ARGS else "fp8_grouped_sweep.json", "w") as f:
+    json.dump({"env": env_info(1), "rows": rows}, f, indent=1)
