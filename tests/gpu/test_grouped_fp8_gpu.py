@@ -233,9 +233,10 @@ def padded(values_per_group, counts, rows):
     return data
 
 
-def check_wgrad(counts, n, k, accumulate, dy_dtype=E4M3, config=None):
+def check_wgrad(counts, n, k, accumulate, dy_dtype=E4M3, config=None, guard=0):
     """FP32 main_grad from the padded FP8 operands (through the API, or the registered op with
-    one compiled `config`) against the float64 reference of the dequantized values."""
+    one compiled `config`) against the float64 reference of the dequantized values. guard > 0:
+    main_grad sits between two guard regions of that many floats, which must stay as they were."""
     g = len(counts)
     dys = [fp8(c, n, dtype=dy_dtype) for c in counts]
     xs = [fp8(c, k) for c in counts]
@@ -243,16 +244,20 @@ def check_wgrad(counts, n, k, accumulate, dy_dtype=E4M3, config=None):
     tp = dy_t.shape[1]
     s_dy = scales(tp // 128, n).t()  # (N, Tp/128), strides (1, N): quantize_fp8's layout
     s_x = scales(tp // 128, k).t()
-    main_grad = torch.randn(g, n, k, device=DEV) if accumulate else None
+    buffer = torch.randn(g * n * k + 2 * guard, device=DEV)
+    main_grad = buffer[guard:guard + g * n * k].view(g, n, k) if accumulate else None
     base = main_grad.clone() if accumulate else None
+    guards = (buffer[:guard].clone(), buffer[guard + g * n * k:].clone())
     if config is None:
         out = distgemm.grouped_mm_wgrad(dy_t, x_t, make_offs(counts), scale_dy=s_dy, scale_x=s_x,
                                         out=main_grad, accumulate=accumulate)
     else:
-        out = main_grad if accumulate else torch.full((g, n, k), float("nan"), device=DEV)
+        out = main_grad if accumulate else buffer[guard:guard + g * n * k].view(g, n, k).fill_(float("nan"))
         ops.grouped_mm_wgrad_fp8_out(dy_t, x_t, make_offs(counts), s_dy.t().contiguous(),
                                      s_x.t().contiguous(), out, accumulate, config)
     assert out.dtype == torch.float32 and out.shape == (g, n, k)
+    assert torch.equal(buffer[:guard], guards[0]) and torch.equal(buffer[guard + g * n * k:], guards[1]), \
+        "memory around main_grad changed"
     dyd = dequantize_blocks(dy_t, s_dy, 1, 128).double()
     xd = dequantize_blocks(x_t, s_x, 1, 128).double()
     ref = torch.zeros(g, n, k, dtype=torch.float64, device=DEV)
@@ -296,6 +301,16 @@ def test_every_compiled_wgrad_config_matches(accumulate, dy_dtype):
     assert names, f"no {dy_dtype} FP8 wgrad kernel compiled"
     for config in range(len(names)):
         check_wgrad(counts, 384, 640, accumulate, dy_dtype, config=config)
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_every_compiled_wgrad_config_clips_partial_tiles(accumulate):
+    # N and K not multiples of any tile: the last tiles' stores (and reduce-adds, accumulating)
+    # are clipped at each expert's (N, K) bounds, and nothing past main_grad is touched
+    counts = [300, 0, 129, 40]
+    names = ops.grouped_configs(2, E4M3, torch.float32, 90, 2)
+    for config in range(len(names)):
+        check_wgrad(counts, 200, 260, accumulate, config=config, guard=4096)
 
 
 # ---------------------------------------------------------------- bad input
