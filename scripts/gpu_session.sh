@@ -25,9 +25,12 @@ fi
 reap() {
   nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv,noheader >> "$OUT/gpu_apps.log" 2>&1
   { echo "== before step $step"; ps -eo pid,ppid,stat,etime,pcpu,rss,args --sort=-pcpu | head -15; } >> "$OUT/gpu_apps.log" 2>&1
+  # Never this script's own ancestors: the command that started it may name python and tests/.
+  local ancestors=" $$ " p=$$
+  while [ "$p" -gt 1 ] 2>/dev/null; do p=$(ps -o ppid= -p "$p" | tr -d ' '); ancestors+="$p "; done
   for pid in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null) \
              $(ps -eo pid=,ppid=,args= | awk '$2 == 1 && /python/ && /pytest|multiprocessing|tests\// {print $1}'); do
-    [ "$pid" != "$$" ] && kill -9 "$pid" 2>/dev/null && stamp "reaped stray process $pid"
+    [[ "$ancestors" != *" $pid "* ]] && kill -9 "$pid" 2>/dev/null && stamp "reaped stray process $pid"
   done
 }
 for step in ${STEPS:-}; do
@@ -62,6 +65,8 @@ for step in ${STEPS:-}; do
       grep -E "^  [a-z_]|Duration|Compute \(SM\) Throughput|DRAM Throughput|Memory Throughput|Registers Per|profiled in" "$OUT/ncu.log" | head -80 ;;
     fp8sweep) CUDA_MODULE_LOADING=EAGER timeout "${T:-240}" python3 scripts/dev/fp8_grouped_sweep.py ${FP8_SWEEP_ARGS:-} \
       "$OUT/fp8_grouped_sweep.json" > "$OUT/fp8_sweep.log" 2>&1; tail -40 "$OUT/fp8_sweep.log" | cut -c1-220 ;;
+    fp8probe) timeout "${T:-150}" python3 scripts/dev/fp8_wgrad_data_probe.py "$OUT/fp8_wgrad_data_probe.json" \
+      > "$OUT/fp8_wgrad_data_probe.log" 2>&1; tail -12 "$OUT/fp8_wgrad_data_probe.log" ;;
     probe) PROBE_OUT="$OUT/host_probe.json" timeout "${T:-180}" python3 scripts/dev/host_probe.py > "$OUT/probe.log" 2>&1
       tail -12 "$OUT/probe.log" ;;
     soak) timeout "${T:-120}" python3 scripts/reliability/soak.py --out "$OUT/soak.json" --calls 10000 \
