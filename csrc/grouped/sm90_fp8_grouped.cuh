@@ -28,7 +28,6 @@
 #include "grouped/grouped_problem.h"
 #include "grouped/sm90_fp8_overlapped_promotion.cuh"
 #include "grouped/sm90_grouped_common.cuh"
-#include "grouped/sm90_tma_reduce_add_epilogue.cuh"
 
 namespace distgemm::grouped::sm90 {
 
@@ -54,10 +53,8 @@ using RowScaledEpilogue = fusion::Sm90EVT<
 // Mode: DG_SCALE_ROW or DG_SCALE_BLOCK; Kind: forward (x (T, K) @ w[g]^T, w (G, N, K)) or
 // wgrad (dy^T @ x over each group's tokens, both given transposed and padded per group). InA:
 // A's dtype, e4m3, or e5m2 for a gradient (dy in a dgrad, dy^T in a wgrad); B is e4m3.
-// AddOut (an accumulating wgrad): out += acc by TMA reduce-add stores, no source operand
-// (sm90_tma_reduce_add_epilogue.cuh).
 template <int Mode, dg_dtype Out, int Kind, int Schedule, int TileM, int TileN, int ClusterM,
-          int ClusterN, dg_dtype InA, bool AddOut = false>
+          int ClusterN, dg_dtype InA>
 struct Sm90Fp8Grouped {
   static constexpr int kKind = Kind;
   static constexpr int kMode = Mode;
@@ -97,13 +94,10 @@ struct Sm90Fp8Grouped {
 
   using Fusion = std::conditional_t<kRowScaled, RowScaledEpilogue<ElementD, TileShape>,
                                     fusion::LinearCombination<ElementD, float>>;
-  using ElementC = std::conditional_t<AddOut, void, ElementD>;
-  using CutlassEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementC, LayoutD*, kAlignD,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementD, LayoutD*, kAlignD,
       ElementD, LayoutD*, kAlignD, EpilogueSchedule, Fusion>::CollectiveOp;
-  using CollectiveEpilogue =
-      std::conditional_t<AddOut, typename WithStoreOp<CutlassEpilogue, TmaReduceAdd>::type, CutlassEpilogue>;
 
   using CutlassMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA,
@@ -190,18 +184,15 @@ struct Sm90Fp8Grouped {
       fusion.op_2.op_1.op_0 = {arr.ptr_col_scale, 1.f, {}};
     } else {
       fusion.alpha = 1.f;
-      fusion.beta = p.accumulate && !AddOut ? 1.f : 0.f;
+      fusion.beta = p.accumulate ? 1.f : 0.f;
     }
-    // The source operand: out itself (beta = 1) when accumulating by loads; none with AddOut.
-    decltype(typename CollectiveEpilogue::Arguments{}.ptr_C) ptr_c = nullptr;
-    if constexpr (!AddOut) ptr_c = p.accumulate ? arr.ptr_c : nullptr;
     cutlass::KernelHardwareInfo hw{p.device, p.sm_count};
     return typename Adapter::Arguments{
         cutlass::gemm::GemmUniversalMode::kGrouped,
         {p.groups, arr.shapes, nullptr},
         {arr.ptr_a, arr.stride_a, arr.ptr_b, arr.stride_b, arr.ptr_sfa, arr.layout_sfa,
          arr.ptr_sfb, arr.layout_sfb},
-        {fusion, ptr_c, arr.stride_d, arr.ptr_d, arr.stride_d},
+        {fusion, p.accumulate ? arr.ptr_c : nullptr, arr.stride_d, arr.ptr_d, arr.stride_d},
         hw};
   }
 };
@@ -320,23 +311,14 @@ dg_status run_fp8_grouped(const GroupedProblem& p, cudaStream_t stream) {
 
 namespace distgemm::grouped {
 
-// An accumulating wgrad adds into out by TMA reduce-add; everything else stores.
 template <int Mode, dg_dtype Out, int Kind, int S, int TM, int TN, int CM, int CN, dg_dtype InA>
 dg_status Sm90Fp8GroupedKernel<Mode, Out, Kind, S, TM, TN, CM, CN, InA>::run(const GroupedProblem& p,
                                                                           cudaStream_t stream) {
-  if constexpr (Kind == DG_GROUPED_WGRAD) {
-    if (p.accumulate)
-      return sm90::run_fp8_grouped<sm90::Sm90Fp8Grouped<Mode, Out, Kind, S, TM, TN, CM, CN, InA, true>>(p, stream);
-  }
   return sm90::run_fp8_grouped<sm90::Sm90Fp8Grouped<Mode, Out, Kind, S, TM, TN, CM, CN, InA>>(p, stream);
 }
 
 template <int Mode, dg_dtype Out, int Kind, int S, int TM, int TN, int CM, int CN, dg_dtype InA>
 size_t Sm90Fp8GroupedKernel<Mode, Out, Kind, S, TM, TN, CM, CN, InA>::workspace(const GroupedProblem& p) {
-  if constexpr (Kind == DG_GROUPED_WGRAD) {
-    if (p.accumulate)
-      return sm90::cutlass_grouped_workspace<sm90::Sm90Fp8Grouped<Mode, Out, Kind, S, TM, TN, CM, CN, InA, true>>(p);
-  }
   return sm90::cutlass_grouped_workspace<sm90::Sm90Fp8Grouped<Mode, Out, Kind, S, TM, TN, CM, CN, InA>>(p);
 }
 
