@@ -1,6 +1,7 @@
 // SM90 FP8 grouped GEMM for MoE: CUTLASS's ptr-array blockwise-scaled kernel. Partial sums
 // are promoted to FP32 once per 128-deep K block into a split accumulator (CUTLASS >= 4.3),
-// so 256 x 128 tiles fit in registers.
+// so 256 x 128 tiles fit in registers. Schedules: CUTLASS's cooperative or ping-pong kernel,
+// each with CUTLASS's mainloop or the one of sm90_fp8_overlapped_promotion.cuh (*_overlap).
 //   block scales: the promotion multiplies by scale_a * scale_b of the block;
 //   row-wise scales (constant along K): the promotion multiplies by 1 and the epilogue by
 //   scale_a[m] * scale_b[g][n], so the mainloop does no per-element scale work.
