@@ -92,6 +92,13 @@ struct OverlappedPromotionMma : Base {
       warpgroup_commit_batch();
       warpgroup_fence_operand(temp);
     };
+    // accum += temp * (single * per_element), one operand's scale a single value per tile.
+    auto promote_with = [&](auto& temp, ScaleT single, auto& per_element) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(filter_zeros(per_element)); ++i) filter_zeros(per_element)(i) *= single;
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(accum); ++i) accum(i) += temp(i) * per_element(i);
+    };
     // accum += temp * (scale_a * scale_b) of K tile `stage`, whose WGMMAs have completed.
     auto promote = [&](auto& temp, int stage) {
       copy(tCsSFA(_, _, _, make_coord(_0{}, stage)), tCrSFA);
@@ -103,17 +110,9 @@ struct OverlappedPromotionMma : Base {
         CUTLASS_PRAGMA_UNROLL
         for (int i = 0; i < size(accum); ++i) accum(i) += temp(i) * scale;
       } else if constexpr (Base::ScaleNsPerTile == 1) {
-        const ScaleT scale_b = tCrSFB(_0{});
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < size(filter_zeros(tCrSFA)); ++i) filter_zeros(tCrSFA)(i) *= scale_b;
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < size(accum); ++i) accum(i) += temp(i) * tCrSFA(i);
+        promote_with(temp, tCrSFB(_0{}), tCrSFA);
       } else if constexpr (Base::ScaleMsPerTile == 1) {
-        const ScaleT scale_a = tCrSFA(_0{});
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < size(filter_zeros(tCrSFB)); ++i) filter_zeros(tCrSFB)(i) *= scale_a;
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < size(accum); ++i) accum(i) += temp(i) * tCrSFB(i);
+        promote_with(temp, tCrSFA(_0{}), tCrSFB);
       } else {
         CUTLASS_PRAGMA_UNROLL
         for (int i = 0; i < size(accum); ++i) accum(i) += temp(i) * tCrSFA(i) * tCrSFB(i);

@@ -8,6 +8,7 @@ store-bound bf16 FP32 wgrads lose time against the forward GEMM and cuBLAS.
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import torch
 
@@ -16,21 +17,37 @@ from distgemm._library import ops
 E4M3 = torch.float8_e4m3fn
 
 
-def fp8_targets(g: int, per: int, n: int, k: int) -> dict:
+def fp8_operands(g: int, per: int, n: int, k: int) -> SimpleNamespace:
+    """Random e4m3 operands and scales of one balanced shape: the block forward's x, w and
+    their scales, and the wgrad's dy^T, x^T padded per expert (as it reads them) with an FP32
+    out."""
     t = g * per
-    offs = torch.full((g,), per, device="cuda", dtype=torch.int64).cumsum(0).to(torch.int32)
-    x, w = torch.randn(t, k, device="cuda").to(E4M3), torch.randn(g, n, k, device="cuda").to(E4M3)
     kb, nb = (k + 127) // 128, (n + 127) // 128
-    sx, sw = (torch.rand(kb, t, device="cuda") + 0.5).t(), torch.rand(g, kb, nb, device="cuda") + 0.5
-    tp = 128 * ((t + 127) // 128 + g)  # padded per expert, as the wgrad reads them
-    dy_t, x_t = torch.randn(n, tp, device="cuda").to(E4M3), torch.randn(k, tp, device="cuda").to(E4M3)
-    s_dy, s_x = torch.rand(tp // 128, n, device="cuda") + 0.5, torch.rand(tp // 128, k, device="cuda") + 0.5
-    out = torch.zeros(g, n, k, device="cuda")
-    tag = f"{g}x{per}_n{n}_k{k}"
+    tp = 128 * ((t + 127) // 128 + g)
+    return SimpleNamespace(
+        tag=f"{g}x{per}_n{n}_k{k}",
+        offs=torch.full((g,), per, device="cuda", dtype=torch.int64).cumsum(0).to(torch.int32),
+        x=torch.randn(t, k, device="cuda").to(E4M3), w=torch.randn(g, n, k, device="cuda").to(E4M3),
+        sx=(torch.rand(kb, t, device="cuda") + 0.5).t(), sw=torch.rand(g, kb, nb, device="cuda") + 0.5,
+        dy_t=torch.randn(n, tp, device="cuda").to(E4M3), x_t=torch.randn(k, tp, device="cuda").to(E4M3),
+        s_dy=torch.rand(tp // 128, n, device="cuda") + 0.5, s_x=torch.rand(tp // 128, k, device="cuda") + 0.5,
+        out=torch.zeros(g, n, k, device="cuda"))
+
+
+def fp8_forward(o: SimpleNamespace, config: int):
+    return lambda: ops.grouped_mm_fp8(o.x, o.w, o.offs, o.sx, o.sw, 2, torch.bfloat16, config)
+
+
+def fp8_wgrad(o: SimpleNamespace, accumulate: bool, config: int):
+    return lambda: ops.grouped_mm_wgrad_fp8_out(o.dy_t, o.x_t, o.offs, o.s_dy, o.s_x, o.out, accumulate, config)
+
+
+def fp8_targets(g: int, per: int, n: int, k: int) -> dict:
+    o = fp8_operands(g, per, n, k)
     return {
-        f"fp8_forward_block_{tag}": lambda: ops.grouped_mm_fp8(x, w, offs, sx, sw, 2, torch.bfloat16, -1),
-        f"fp8_wgrad_accumulate_{tag}": lambda: ops.grouped_mm_wgrad_fp8_out(dy_t, x_t, offs, s_dy, s_x, out, True, -1),
-        f"fp8_wgrad_overwrite_{tag}": lambda: ops.grouped_mm_wgrad_fp8_out(dy_t, x_t, offs, s_dy, s_x, out, False, -1),
+        f"fp8_forward_block_{o.tag}": fp8_forward(o, -1),
+        f"fp8_wgrad_accumulate_{o.tag}": fp8_wgrad(o, True, -1),
+        f"fp8_wgrad_overwrite_{o.tag}": fp8_wgrad(o, False, -1),
     }
 
 
@@ -50,22 +67,12 @@ def bf16_wgrad_targets(g: int, per: int, n: int, k: int) -> dict:
 
 def fp8_config_targets(g: int, per: int, n: int, k: int) -> dict:
     """Every compiled FP8 block forward and accumulating wgrad configuration of one shape."""
-    t = g * per
-    offs = torch.full((g,), per, device="cuda", dtype=torch.int64).cumsum(0).to(torch.int32)
-    x, w = torch.randn(t, k, device="cuda").to(E4M3), torch.randn(g, n, k, device="cuda").to(E4M3)
-    kb, nb = (k + 127) // 128, (n + 127) // 128
-    sx, sw = (torch.rand(kb, t, device="cuda") + 0.5).t(), torch.rand(g, kb, nb, device="cuda") + 0.5
-    tp = 128 * ((t + 127) // 128 + g)
-    dy_t, x_t = torch.randn(n, tp, device="cuda").to(E4M3), torch.randn(k, tp, device="cuda").to(E4M3)
-    s_dy, s_x = torch.rand(tp // 128, n, device="cuda") + 0.5, torch.rand(tp // 128, k, device="cuda") + 0.5
-    out = torch.zeros(g, n, k, device="cuda")
-    tag = f"{g}x{per}_n{n}_k{k}"
+    o = fp8_operands(g, per, n, k)
     targets = {}
     for c, name in enumerate(ops.grouped_configs(0, E4M3, torch.bfloat16, 90, 2)):
-        targets[f"fp8_forward_{name}_{tag}"] = lambda c=c: ops.grouped_mm_fp8(x, w, offs, sx, sw, 2, torch.bfloat16, c)
+        targets[f"fp8_forward_{name}_{o.tag}"] = fp8_forward(o, c)
     for c, name in enumerate(ops.grouped_configs(2, E4M3, torch.float32, 90, 2)):
-        targets[f"fp8_wgrad_{name}_{tag}"] = lambda c=c: ops.grouped_mm_wgrad_fp8_out(
-            dy_t, x_t, offs, s_dy, s_x, out, True, c)
+        targets[f"fp8_wgrad_{name}_{o.tag}"] = fp8_wgrad(o, True, c)
     return targets
 
 
