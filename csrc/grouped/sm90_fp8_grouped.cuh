@@ -107,8 +107,15 @@ struct Sm90Fp8Grouped {
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename CollectiveEpilogue::SharedStorage))>,
       KernelSchedule>::CollectiveOp;
-  using CollectiveMainloop = std::conditional_t<kOverlapPromotion, OverlappedPromotionMma<CutlassMainloop>,
-                                                CutlassMainloop>;
+  // Cooperative tiles start their clusters' first tiles in four phases, so that the SMs'
+  // epilogues spread (sm90_fp8_overlapped_promotion.cuh). One K tile's share of a tile's period
+  // on the H200: ~0.46 us of WGMMAs (128 x 128 x 128), plus the FP32 wgrad's epilogue.
+  static constexpr int kStaggerPhases = kPingpong ? 1 : 4;
+  static constexpr int kStaggerCyclesPerKTile = Kind == DG_GROUPED_WGRAD ? 1100 : 850;
+  using CollectiveMainloop =
+      std::conditional_t<kOverlapPromotion,
+                         OverlappedPromotionMma<CutlassMainloop, kStaggerPhases, kStaggerCyclesPerKTile>,
+                         CutlassMainloop>;
 
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop,
                                                       CollectiveEpilogue>;

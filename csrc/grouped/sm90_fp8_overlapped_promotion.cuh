@@ -11,6 +11,12 @@
 // per thread: cooperative 128 x 128 (3 x 64 registers) or ping-pong 64 x 128 (3 x 64). The
 // loads, the pipeline, the scale layouts and the kernel are CUTLASS's: this type derives from
 // its collective and replaces only `mma`.
+//
+// StaggerPhases > 1 delays each cluster's first tile by a fraction of a tile (cooperative FP32
+// wgrads): equal tiles keep the SMs in step, so that every SM reads and writes its FP32
+// main_grad tile in the same few microseconds while the tensor cores wait. Spread over the
+// phases, the epilogues of some SMs run under the mainloops of the others. StaggerCyclesPerKTile
+// is one K tile's share of the tile's period in SM cycles; the spread need not be exact.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -19,7 +25,7 @@
 
 namespace distgemm::grouped::sm90 {
 
-template <class Base>
+template <class Base, int StaggerPhases = 1, int StaggerCyclesPerKTile = 0>
 struct OverlappedPromotionMma : Base {
   using typename Base::MainloopPipeline;
   using typename Base::Params;
@@ -36,6 +42,17 @@ struct OverlappedPromotionMma : Base {
   static_assert(typename Base::NumSplitsM{} == 1,
                 "overlapped promotion holds three tile accumulators: one 128-row slice per tile");
   static_assert(Base::ScalePromotionInterval == 4, "one promotion per 128-deep K tile");
+
+  // Called by the consumers before their first tile only (the pipeline state has read nothing).
+  CUTLASS_DEVICE static void stagger_first_tile(int k_tile_count) {
+    if constexpr (StaggerPhases > 1) {
+      const dim3 cluster = cute::cluster_id_in_grid();
+      const int phase = static_cast<int>((cluster.x + cluster.y * cute::cluster_grid_dims().x) % StaggerPhases);
+      const long long delay = static_cast<long long>(phase) * k_tile_count * StaggerCyclesPerKTile / StaggerPhases;
+      const long long start = clock64();
+      while (clock64() - start < delay) __nanosleep(256);
+    }
+  }
 
   template <class FrgTensorC>
   CUTLASS_DEVICE void mma(MainloopPipeline pipeline, PipelineState smem_pipe_read, FrgTensorC& accum,
@@ -122,6 +139,7 @@ struct OverlappedPromotionMma : Base {
     };
 
     if (k_tile_count <= 0) return;
+    if (smem_pipe_read.count() == 0) stagger_first_tile(k_tile_count);
     // `pending` is the K tile whose WGMMAs are in flight; its stage is released once promoted.
     PipelineState pending = smem_pipe_read;
     pipeline.consumer_wait(pending, pipeline.consumer_try_wait(pending));
