@@ -107,15 +107,10 @@ struct Sm90Fp8Grouped {
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename CollectiveEpilogue::SharedStorage))>,
       KernelSchedule>::CollectiveOp;
-  // Cooperative tiles start their clusters' first tiles in four phases, so that the SMs'
-  // epilogues spread (sm90_fp8_overlapped_promotion.cuh). One K tile's share of a tile's period
-  // on the H200: ~0.46 us of WGMMAs (128 x 128 x 128), plus the FP32 wgrad's epilogue.
-  static constexpr int kStaggerPhases = kPingpong ? 1 : 4;
-  static constexpr int kStaggerCyclesPerKTile = Kind == DG_GROUPED_WGRAD ? 1100 : 850;
-  using CollectiveMainloop =
-      std::conditional_t<kOverlapPromotion,
-                         OverlappedPromotionMma<CutlassMainloop, kStaggerPhases, kStaggerCyclesPerKTile>,
-                         CutlassMainloop>;
+  // coop_overlap: the warpgroups skewed; pingpong_overlap: two temporary accumulators.
+  using CollectiveMainloop = std::conditional_t<
+      Schedule == gemm::kCooperativeOverlapPromotion, SkewedWarpgroupsMma<CutlassMainloop>,
+      std::conditional_t<kOverlapPromotion, OverlappedPromotionMma<CutlassMainloop>, CutlassMainloop>>;
 
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop,
                                                       CollectiveEpilogue>;
