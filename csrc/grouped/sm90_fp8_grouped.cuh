@@ -107,10 +107,8 @@ struct Sm90Fp8Grouped {
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename CollectiveEpilogue::SharedStorage))>,
       KernelSchedule>::CollectiveOp;
-  // coop_overlap: the warpgroups skewed; pingpong_overlap: two temporary accumulators.
-  using CollectiveMainloop = std::conditional_t<
-      Schedule == gemm::kCooperativeOverlapPromotion, SkewedWarpgroupsMma<CutlassMainloop>,
-      std::conditional_t<kOverlapPromotion, OverlappedPromotionMma<CutlassMainloop>, CutlassMainloop>>;
+  using CollectiveMainloop = std::conditional_t<kOverlapPromotion, OverlappedPromotionMma<CutlassMainloop>,
+                                                CutlassMainloop>;
 
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop,
                                                       CollectiveEpilogue>;

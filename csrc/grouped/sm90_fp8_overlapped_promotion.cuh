@@ -1,23 +1,19 @@
-// SM90 FP8 blockwise-scaled mainloops whose promotion overlaps the tensor cores.
+// SM90 FP8 blockwise-scaled mainloop whose promotion overlaps the tensor cores.
 //
 // CUTLASS's ptr-array blockwise mainloop issues one K tile's WGMMAs into a temporary
 // accumulator, waits for them, then promotes (accum += temp * scales) while this warpgroup's
-// tensor work stops. Both consumer warpgroups of a cooperative tile wait on the same stage and
-// so run in step: both promote at once, and the tensor cores idle meanwhile. Two ways out,
-// each a type that derives from CUTLASS's collective (its loads, pipeline, scale layouts and
-// kernel) and replaces only `mma`:
+// tensor work stops. In the cooperative kernel the other warpgroup's WGMMAs fill that gap; in
+// the ping-pong kernel, where one warpgroup runs its mainloop while the other runs its
+// epilogue, nothing does.
 //
-// - OverlappedPromotionMma keeps two temporary accumulators: it issues K tile k's WGMMAs into
-//   one, then promotes K tile k-1's from the other while they run. Three tile-sized
-//   accumulators per thread: cooperative 128 x 128 (3 x 64 registers) or ping-pong 64 x 128.
-// - SkewedWarpgroupsMma keeps CUTLASS's one temporary accumulator per 128-row slice, but starts
-//   the second warpgroup's WGMMAs only once the first one's first batch has completed. The two
-//   then stay a batch apart and each one's promotion runs under the other's WGMMAs. It fits the
-//   256 x 128 tile (128 + 64 accumulator registers), where the first does not.
+// This mainloop keeps two temporary accumulators: it issues K tile k's WGMMAs into one, then
+// promotes K tile k-1's from the other while they run. It needs three tile-sized accumulators
+// per thread: cooperative 128 x 128 (3 x 64 registers) or ping-pong 64 x 128 (3 x 64). The
+// loads, the pipeline, the scale layouts and the kernel are CUTLASS's: this type derives from
+// its collective and replaces only `mma`.
 #pragma once
 
 #include <cute/tensor.hpp>
-#include <cutlass/arch/barrier.h>
 #include <cutlass/cutlass.h>
 #include <cutlass/gemm/collective/collective_builder.hpp>
 
@@ -157,141 +153,6 @@ struct OverlappedPromotionMma : Base {
     warpgroup_wait<0>();
     promote(temp0, pending.index());
     pipeline.consumer_release(pending);
-  }
-};
-
-template <class Base>
-struct SkewedWarpgroupsMma : Base {
-  using typename Base::MainloopPipeline;
-  using typename Base::Params;
-  using typename Base::PipelineState;
-  using typename Base::SmemLayoutA;
-  using typename Base::SmemLayoutB;
-  using typename Base::SmemLayoutSFA;
-  using typename Base::SmemLayoutSFB;
-  using typename Base::TensorStorage;
-  using typename Base::TileShape;
-  using typename Base::TiledMma;
-  using ScaleT = typename Base::ElementBlockScale;
-  using Slices = typename Base::NumSplitsM;  // 128-row slices of the tile, one WGMMA batch each
-
-  static_assert(Base::ScalePromotionInterval == 4, "one promotion per 128-deep K tile");
-  static_assert(size(TiledMma{}) == 2 * cutlass::NumThreadsPerWarpGroup, "two consumer warpgroups (cooperative)");
-  // The first user barrier: the cooperative kernel and its epilogue use reserved ones only.
-  static constexpr uint32_t kSkewBarrier = 0;
-
-  template <class FrgTensorC>
-  CUTLASS_DEVICE void mma(MainloopPipeline pipeline, PipelineState smem_pipe_read, FrgTensorC& accum,
-                          int k_tile_count, int thread_idx, TensorStorage& shared_tensors,
-                          Params const& /*mainloop_params*/) {
-    using namespace cute;
-    static_assert(is_rmem<FrgTensorC>::value, "the accumulator must be in registers");
-
-    Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), SmemLayoutA{});
-    Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), SmemLayoutB{});
-    // The scales as (BLK_M, BLK_N, (BLK_K, PIPE)) views, broadcast along the other operand's
-    // dimension, so that partition_C gives each thread the scales of its accumulator elements.
-    Tensor sSFA = make_tensor(
-        make_smem_ptr(shared_tensors.smem_SFA.data()),
-        make_layout(make_shape(shape<0>(SmemLayoutSFA{}), get<1>(TileShape{}),
-                               make_shape(shape<1>(SmemLayoutSFA{}), shape<2>(SmemLayoutSFA{}))),
-                    make_stride(stride<0>(SmemLayoutSFA{}), _0{},
-                                make_stride(stride<1>(SmemLayoutSFA{}), stride<2>(SmemLayoutSFA{})))));
-    Tensor sSFB = make_tensor(
-        make_smem_ptr(shared_tensors.smem_SFB.data()),
-        make_layout(make_shape(get<0>(TileShape{}), shape<0>(SmemLayoutSFB{}),
-                               make_shape(shape<1>(SmemLayoutSFB{}), shape<2>(SmemLayoutSFB{}))),
-                    make_stride(_0{}, stride<0>(SmemLayoutSFB{}),
-                                make_stride(stride<1>(SmemLayoutSFB{}), stride<2>(SmemLayoutSFB{})))));
-
-    constexpr int kWgThreads = cutlass::NumThreadsPerWarpGroup;
-    Layout warp_group_layout = make_layout(Int<2>{}, Int<kWgThreads>{});
-    const int warp_group = __shfl_sync(0xffffffff, thread_idx / kWgThreads, 0);
-    TiledMma tiled_mma;
-    auto thread_mma = tiled_mma.get_slice(warp_group_layout(warp_group));
-    Tensor tCsSFA = tiled_mma.get_slice(thread_idx).partition_C(sSFA);  // (MMA, M, N, (K, PIPE))
-    Tensor tCsSFB = tiled_mma.get_slice(thread_idx).partition_C(sSFB);
-    Tensor tCrA = thread_mma.make_fragment_A(thread_mma.partition_A(sA));  // (MMA, M, K, PIPE)
-    Tensor tCrB = thread_mma.make_fragment_B(thread_mma.partition_B(sB));
-    // Registers for the distinct scales only: the broadcast modes keep stride 0.
-    Tensor tCrSFA = make_tensor_like<ScaleT>(tCsSFA(_, _, _, _0{}));
-    Tensor tCrSFB = make_tensor_like<ScaleT>(tCsSFB(_, _, _, _0{}));
-    // Slice views: the accumulator, A's fragments and the scales have the same (MMA, M, N) shape
-    // and split along M alike.
-    auto accum_slices = tiled_divide(accum, cute::tuple<_1, Slices>{});
-    auto tCrA_slices = tiled_divide(tCrA, cute::tuple<_1, Slices>{});
-    auto tCrSFA_slices = tiled_divide(tCrSFA, cute::tuple<_1, Slices>{});
-    auto tCrSFB_slices = tiled_divide(tCrSFB, cute::tuple<_1, Slices>{});
-    Tensor temp = make_fragment_like(accum_slices(_0{}, _, _, _));
-    clear(accum);
-    if (k_tile_count <= 0) return;
-
-    // Both operands' scales of K tile `stage`, one operand's folded into the other's where it
-    // is a single value per tile.
-    auto load_scales = [&](int stage) {
-      copy(tCsSFA(_, _, _, make_coord(_0{}, stage)), tCrSFA);
-      copy(tCsSFB(_, _, _, make_coord(_0{}, stage)), tCrSFB);
-      if constexpr (Base::ScaleMsPerTile > 1 && Base::ScaleNsPerTile == 1) {
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < size(filter_zeros(tCrSFA)); ++i) filter_zeros(tCrSFA)(i) *= tCrSFB(_0{});
-      } else if constexpr (Base::ScaleMsPerTile == 1 && Base::ScaleNsPerTile > 1) {
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < size(filter_zeros(tCrSFB)); ++i) filter_zeros(tCrSFB)(i) *= tCrSFA(_0{});
-      }
-    };
-    // accum slice += temp * its scales.
-    auto promote = [&](int slice) {
-      auto acc = accum_slices(slice, _, _, _);
-      auto sfa = tCrSFA_slices(slice, _, _, _);
-      auto sfb = tCrSFB_slices(slice, _, _, _);
-      warpgroup_fence_operand(temp);
-      warpgroup_fence_operand(accum);
-      if constexpr (Base::ScaleMsPerTile == 1 && Base::ScaleNsPerTile == 1) {
-        const ScaleT scale = tCrSFA(_0{}) * tCrSFB(_0{});
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < size(acc); ++i) acc(i) += temp(i) * scale;
-      } else if constexpr (Base::ScaleNsPerTile == 1) {
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < size(acc); ++i) acc(i) += temp(i) * sfa(i);
-      } else if constexpr (Base::ScaleMsPerTile == 1) {
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < size(acc); ++i) acc(i) += temp(i) * sfb(i);
-      } else {
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < size(acc); ++i) acc(i) += temp(i) * sfa(i) * sfb(i);
-      }
-      warpgroup_fence_operand(accum);
-      warpgroup_fence_operand(temp);
-    };
-
-    // The skew: warpgroup 1 issues its first WGMMAs once warpgroup 0's first batch is done.
-    if (warp_group == 1) cutlass::arch::NamedBarrier::sync(2 * kWgThreads, kSkewBarrier);
-    bool first = true;
-    CUTLASS_PRAGMA_NO_UNROLL
-    for (; k_tile_count > 0; --k_tile_count) {
-      pipeline.consumer_wait(smem_pipe_read, pipeline.consumer_try_wait(smem_pipe_read));
-      const int stage = smem_pipe_read.index();
-      load_scales(stage);
-      CUTLASS_PRAGMA_UNROLL
-      for (int slice = 0; slice < Slices{}; ++slice) {
-        tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
-        warpgroup_fence_operand(temp);
-        warpgroup_arrive();
-        CUTLASS_PRAGMA_UNROLL
-        for (int k_block = 0; k_block < size<2>(tCrA); ++k_block) {
-          cute::gemm(tiled_mma, tCrA_slices(slice, _, _, k_block, stage), tCrB(_, _, k_block, stage), temp);
-          tiled_mma.accumulate_ = GMMA::ScaleOut::One;
-        }
-        warpgroup_commit_batch();
-        warpgroup_wait<0>();
-        warpgroup_fence_operand(temp);
-        if (first && warp_group == 0) cutlass::arch::NamedBarrier::arrive(2 * kWgThreads, kSkewBarrier);
-        first = false;
-        if (slice == Slices{} - 1) pipeline.consumer_release(smem_pipe_read);
-        promote(slice);
-      }
-      ++smem_pipe_read;
-    }
   }
 };
 
