@@ -184,12 +184,61 @@ def _remember_call(a, b, c, alpha, beta, out_dtype, run: Callable) -> None:
 autotune.on_clear(_REPEAT_CALLS.clear)
 
 
+_TORCH_BLOCK = "F.scaled_mm"  # the autotuner's name for cuBLAS's block-scaled GEMM
+
+
 def _block_scaled_gemm(a, b, alpha, scale_a, scale_b):
+    """128-block-scaled a @ b.T in bfloat16: our FP8 grouped kernel with one group, or cuBLAS's
+    block-scaled GEMM where the autotuner timed that faster for this shape."""
     from .grouped_fp8 import grouped_mm_fp8
 
-    offs = torch.full((1,), a.shape[0], dtype=torch.int32, device=a.device)
-    out = grouped_mm_fp8(a, b.unsqueeze(0), offs, scale_x=scale_a, scale_w=scale_b.unsqueeze(0))
+    def ours():
+        offs = torch.full((1,), a.shape[0], dtype=torch.int32, device=a.device)
+        return grouped_mm_fp8(a, b.unsqueeze(0), offs, scale_x=scale_a, scale_w=scale_b.unsqueeze(0))
+
+    out = _block_scaled_runner(a, b, scale_a, scale_b, ours)()
     return out if alpha == 1.0 else (out.float() * alpha).to(out.dtype)
+
+
+def _block_scaled_peer(a, b, scale_a, scale_b) -> Optional[Callable]:
+    """The same call through F.scaled_mm (BlockWise1x128 x BlockWise128x128), or None where it
+    cannot take it (a CPU tensor, e5m2, K or N not a multiple of 16, no rows)."""
+    m, k, n = a.shape[0], a.shape[1], b.shape[0]
+    if (not a.is_cuda or a.dtype != torch.float8_e4m3fn or b.dtype != a.dtype
+            or k % 16 or n % 16 or m == 0):
+        return None
+    from ._torch_block_scaled import cublas_scale_a, cublas_scale_b, scaled_mm_block
+
+    def run():
+        return scaled_mm_block(a.contiguous(), b.contiguous().t(), cublas_scale_a(scale_a.float()),
+                               cublas_scale_b(scale_b.float()))
+    return run
+
+
+def _block_scaled_runner(a, b, scale_a, scale_b, ours: Callable) -> Callable:
+    """`ours` or the F.scaled_mm peer, whichever the autotuner chose for this shape (timed on
+    the first eager call; under torch.compile, graph capture of an untimed shape, or where the
+    peer refuses the call: ours)."""
+    if torch.compiler.is_compiling():
+        return ours
+    peer = _block_scaled_peer(a, b, scale_a, scale_b)
+    if peer is None:
+        return ours
+    m, k, n = a.shape[0], a.shape[1], b.shape[0]
+    key = f"sm{device_arch(a.device)}|{m}x{n}x{k}|{a.dtype}x{b.dtype}->bf16|scales:block"
+    choice = autotune.lookup(key)
+    if choice is None:
+        if not autotune.may_time():
+            return ours
+        try:
+            peer()  # PyTorch's own checks differ by version: a refusal leaves ours
+        except (RuntimeError, TypeError, ValueError, ImportError, AttributeError):
+            autotune.remember(key, autotune.CUTLASS_PREFIX + "grouped")
+            return ours
+        choice = autotune.choose(key, {autotune.CUTLASS_PREFIX + "grouped": ours, _TORCH_BLOCK: peer},
+                                 prefer=_TORCH_BLOCK, device=a.device)
+    autotune.record(choice or autotune.CUTLASS_PREFIX + "grouped")
+    return peer if choice == _TORCH_BLOCK else ours
 
 
 def gemm_unchecked(a, b, c, alpha, beta, out_dtype, scale_a=None, scale_b=None, fast_accum=False, *,

@@ -179,3 +179,23 @@ def test_dense_gemm_with_block_scales():
     torch.testing.assert_close(out.float(), ref, rtol=2 ** -7, atol=1e-3)
     with pytest.raises(ValueError, match="128-block scales give bfloat16 out without c"):
         distgemm.gemm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("m, nb, kb", [(5, 3, 7), (256, 2, 4), (1, 1, 1)])
+def test_cublas_block_scale_layouts(m, nb, kb):
+    """The scales the block-scaled dense gemm hands F.scaled_mm: a's M-major with the same
+    values, b's (K blocks padded to 4 with ones, N/128) K-block-major."""
+    from distgemm._torch_block_scaled import cublas_scale_a, cublas_scale_b
+
+    sa = torch.rand(m, kb) + 0.5
+    ca = cublas_scale_a(sa)
+    assert torch.equal(ca, sa) and ca.stride() == (1, m)
+    assert cublas_scale_a(ca).data_ptr() == ca.data_ptr(), "an M-major scale was copied again"
+    if m > 2:  # a row slice of an M-major tensor has strides (1, m), not (1, m - 1)
+        rows = cublas_scale_a(ca[1:])
+        assert torch.equal(rows, sa[1:]) and rows.stride() == (1, m - 1)
+    sb = torch.rand(nb, kb) + 0.5
+    cb = cublas_scale_b(sb)
+    kp = -(-kb // 4) * 4
+    assert cb.shape == (kp, nb) and cb.stride() == (1, kp)
+    assert torch.equal(cb[:kb], sb.t()) and torch.all(cb[kb:] == 1)

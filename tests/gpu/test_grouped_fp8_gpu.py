@@ -420,12 +420,25 @@ def test_fp8_grouped_linear_gradients_match_bf16_closely(grad_dtype):
     assert torch.all(fp8.weight.grad[2] == 0), "an expert without tokens got a gradient"
 
 
-@pytest.mark.parametrize("m, n, k", [(1000, 384, 512), (4096, 2112, 7168), (7, 136, 144)])
-def test_dense_gemm_with_block_scales(m, n, k):
+@pytest.mark.parametrize("want", ["cutlass:grouped", "F.scaled_mm"])
+@pytest.mark.parametrize("m, n, k", [(1024, 1024, 1024), (1000, 384, 512), (4096, 2112, 7168), (7, 136, 144),
+                                     (300, 256, 200)])
+def test_dense_gemm_with_block_scales(m, n, k, want, autotune_cache, monkeypatch):
+    # Either backend the autotuner may pick; the peer is not a candidate where N % 16 != 0.
+    picked = []
+    monkeypatch.setattr(distgemm.autotune, "choose",
+                        lambda key, candidates, **kw: picked.append(sorted(candidates)) or want)
     a, b = fp8(m, k), fp8(n, k)
     sa = scales((k + 127) // 128, m).t()
     sb = scales((n + 127) // 128, (k + 127) // 128)
     out = distgemm.gemm(a, b, scale_a=sa, scale_b=sb)
+    if (m, n, k) == (1024, 1024, 1024):
+        assert picked, "F.scaled_mm refused a plain block-scaled call"
+    if picked:  # F.scaled_mm took the trial call
+        assert n % 16 == 0 and picked == [["F.scaled_mm", "cutlass:grouped"]]
+        assert distgemm.autotune.last_backend() == want
+    else:
+        assert distgemm.autotune.last_backend() == "cutlass:grouped"
     ad = dequantize_blocks(a, sa, 1, 128).double()
     bd = dequantize_blocks(b, sb, 128, 128).double()
     bound_check(out, ad @ bd.T, ad.abs() @ bd.abs().T)

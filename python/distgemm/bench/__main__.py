@@ -30,7 +30,7 @@ import sys
 
 import torch
 
-SUITES = ("gemm", "grouped", "grouped_fp8", "sweep", "tp", "tp_fp8")
+SUITES = ("gemm", "gemm_fp8_block", "grouped", "grouped_fp8", "sweep", "tp", "tp_fp8")
 
 
 def cpu_reference_check() -> None:
@@ -134,6 +134,10 @@ def main(argv=None) -> None:
         summary.update(gemm_suite.run(args.out, args.quick))
         if args.tune:
             gemm_suite.tune(args.out, args.quick)
+    if "gemm_fp8_block" in suites:
+        from . import gemm_suite
+
+        summary.update(gemm_suite.run(args.out, args.quick, (gemm_suite.BLOCK_VARIANT,)))
     if "grouped" in suites:
         from . import grouped_suite
 

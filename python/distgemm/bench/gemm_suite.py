@@ -1,5 +1,6 @@
-"""Dense GEMM suite: distgemm.gemm against cuBLAS (torch.matmul) in bf16 and against
-torch._scaled_mm in fp8, same inputs, same timer; plus the tile-configuration sweep."""
+"""Dense GEMM suite: distgemm.gemm against cuBLAS (torch.matmul) in bf16, against
+torch._scaled_mm in fp8 with one scale per tensor or per row, and against F.scaled_mm (cuBLAS)
+with DeepSeek-V3's 128-block scales; same inputs, same timer; plus the tile-configuration sweep."""
 
 from __future__ import annotations
 
@@ -23,45 +24,69 @@ def shapes(quick: bool):
     return square + [(m, n, k) for m in (4096, 8192, 16384) for n in LLM_NK for k in LLM_NK]
 
 
-def _inputs(m, n, k, fp8: bool, row_wise: bool = False):
+def _inputs(m, n, k, fp8: bool, scaling: str = "tensor"):
+    """a (M, K), b (N, K) and the scales in the form distgemm.gemm takes: one per tensor, per
+    row ((M, 1), (1, N), torch._scaled_mm's form), or per 1 x 128 of a ((M, K/128), M-major)
+    and per 128 x 128 block of b ((N/128, K/128))."""
     a = torch.randn(m, k, device="cuda")
     b = torch.randn(n, k, device="cuda")
-    if fp8 and row_wise:  # torch._scaled_mm's row-wise form: (M, 1) and (1, N)
-        return (a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn),
-                torch.rand(m, 1, device="cuda") + 0.5, torch.rand(1, n, device="cuda") + 0.5)
-    if fp8:
-        return (a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn),
-                torch.tensor(0.5, device="cuda"), torch.tensor(0.25, device="cuda"))
-    return a.to(torch.bfloat16), b.to(torch.bfloat16), None, None
+    if not fp8:
+        return a.to(torch.bfloat16), b.to(torch.bfloat16), None, None
+    a, b = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
+    if scaling == "row":
+        return a, b, torch.rand(m, 1, device="cuda") + 0.5, torch.rand(1, n, device="cuda") + 0.5
+    if scaling == "block":
+        kb, nb = -(-k // 128), -(-n // 128)
+        return a, b, (torch.rand(kb, m, device="cuda") + 0.5).t(), torch.rand(nb, kb, device="cuda") + 0.5
+    return a, b, torch.tensor(0.5, device="cuda"), torch.tensor(0.25, device="cuda")
 
 
 def _rel(x, y):
     return ((x.float() - y.float()).norm() / y.float().norm()).item()
 
 
-# (suite, dtype label, fp8, fast accumulation, row-wise scales)
-VARIANTS = (("gemm_bf16", "bf16", False, False, False),
-            ("gemm_fp8", "fp8_e4m3", True, False, False),
-            ("gemm_fp8_rowwise", "fp8_e4m3_rowwise", True, False, True),
-            ("gemm_fp8_fast_accum", "fp8_e4m3_fast_accum", True, True, False))
+# (suite, dtype label, fp8, fast accumulation, scaling)
+VARIANTS = (("gemm_bf16", "bf16", False, False, None),
+            ("gemm_fp8", "fp8_e4m3", True, False, "tensor"),
+            ("gemm_fp8_rowwise", "fp8_e4m3_rowwise", True, False, "row"),
+            ("gemm_fp8_fast_accum", "fp8_e4m3_fast_accum", True, True, "tensor"))
+# The --suites gemm_fp8_block variant: 128-block scales against F.scaled_mm.
+BLOCK_VARIANT = ("gemm_fp8_block", "fp8_e4m3_block", True, False, "block")
 
 
-def run(out_dir: str, quick: bool = False) -> dict:
+def _block_fns(a, b, sa, sb) -> dict:
+    """ours (distgemm.gemm: the autotuner's pick of our grouped kernel and F.scaled_mm), the
+    peer (F.scaled_mm, its scales prepared once in its layouts, as its users hold them) and our
+    kernel alone (the one-group grouped GEMM)."""
+    from distgemm._torch_block_scaled import cublas_scale_a, cublas_scale_b, scaled_mm_block
+    from distgemm.grouped_fp8 import grouped_mm_fp8
+
+    psa, psb, b_kn = cublas_scale_a(sa), cublas_scale_b(sb), b.t()
+    offs = torch.full((1,), a.shape[0], dtype=torch.int32, device=a.device)
+    w, sw = b.unsqueeze(0), sb.unsqueeze(0)
+    return {"ours": lambda: distgemm.gemm(a, b, scale_a=sa, scale_b=sb),
+            "peer": lambda: scaled_mm_block(a, b_kn, psa, psb),
+            "kernel": lambda: grouped_mm_fp8(a, w, offs, scale_x=sa, scale_w=sw)}
+
+
+def run(out_dir: str, quick: bool = False, variants=VARIANTS) -> dict:
     """Each variant: distgemm.gemm as users call it (the autotuner's pick among our tiles and,
-    for FP8, torch._scaled_mm where it computes the same call) against the peer; for FP8 also
-    our tile heuristic's kernel alone, so the file says what our own kernels reach."""
+    for FP8, torch._scaled_mm / F.scaled_mm where it computes the same call) against the peer;
+    for FP8 also our tile heuristic's kernel alone, so the file says what our own kernels reach."""
     from distgemm import autotune
 
     timer = Timer()
     result = {}
-    for suite, dtype, fp8, fast, row_wise in VARIANTS:
-        peer = "scaled_mm" if fp8 else "cublas"
+    for suite, dtype, fp8, fast, scaling in variants:
+        peer = {None: "cublas", "block": "f_scaled_mm_block"}.get(scaling, "scaled_mm")
         rows = []
         print(f"\n== dense GEMM {dtype}: distgemm vs {peer} (TFLOP/s, ratio = {peer} time / ours)")
         for m, n, k in tqdm(shapes(quick), desc=f"gemm {dtype}", leave=False):
-            a, b, sa, sb = _inputs(m, n, k, fp8, row_wise)
+            a, b, sa, sb = _inputs(m, n, k, fp8, scaling)
             fns = {}
-            if fp8:
+            if scaling == "block":
+                fns = _block_fns(a, b, sa, sb)
+            elif fp8:
                 fns["ours"] = lambda: distgemm.gemm(a, b, scale_a=sa, scale_b=sb, use_fast_accum=fast)
                 fns["peer"] = lambda: torch._scaled_mm(a, b.T, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16,
                                                        use_fast_accum=fast)

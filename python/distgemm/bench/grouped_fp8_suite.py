@@ -38,6 +38,9 @@ import torch
 
 from .common import Timer, entry, geomean, gpu_slug, host_ms, plot_ratios, print_row, write_results
 from .grouped_suite import counts_for
+from .._torch_block_scaled import cublas_scale_a, cublas_scale_b
+from .._torch_block_scaled import scaled_mm_block as _scaled_mm_block
+from .._torch_block_scaled import scaled_mm_block_v1 as _scaled_mm_block_v1
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -95,10 +98,6 @@ def configs(quick: bool = False) -> List[dict]:
 
 def ceil_div(a: int, b: int) -> int:
     return (a + b - 1) // b
-
-
-def round_up(a: int, b: int) -> int:
-    return ceil_div(a, b) * b
 
 
 def group_bounds(counts: Sequence[int]) -> List[Tuple[int, int]]:
@@ -239,36 +238,6 @@ def unpad_dequant(data_t: torch.Tensor, scale_t: torch.Tensor, token_index: torc
 
 
 # ---------------------------------------------------------------- cuBLAS block-scaled peer
-
-
-def cublas_scale_a(scale: torch.Tensor) -> torch.Tensor:
-    """1x128 scales of one expert's rows (M, K/128), any strides -> strides (1, M), the
-    outer-dim-major layout F.scaled_mm's BlockWise1x128 takes."""
-    return scale.t().contiguous().t()
-
-
-def cublas_scale_b(scale_nk: torch.Tensor) -> torch.Tensor:
-    """128x128 scales of one expert's b as (N/128, K/128) blocks, any strides -> the
-    (round_up(K/128, 4), N/128) tensor with strides (1, round_up(K/128, 4)) that F.scaled_mm's
-    BlockWise128x128 takes for b (K, N) (padding K blocks to 4 with ones)."""
-    nb, kb = scale_nk.shape
-    buf = torch.ones((nb, round_up(kb, 4)), dtype=torch.float32, device=scale_nk.device)
-    buf[:, :kb] = scale_nk
-    return buf.t()
-
-
-def _scaled_mm_block(a, b, sa, sb):
-    """F.scaled_mm (torch._scaled_mm_v2) with DeepSeek-V3 scaling: a 1x128, b 128x128."""
-    from torch.nn.functional import ScalingType, scaled_mm
-
-    return scaled_mm(a, b, sa, ScalingType.BlockWise1x128, sb, ScalingType.BlockWise128x128,
-                     output_dtype=torch.bfloat16)
-
-
-def _scaled_mm_block_v1(a, b, sa, sb):
-    """torch._scaled_mm, which infers the same recipe from the scale shapes (as long as
-    K/128 is a multiple of 4, where cublas_scale_b adds no padding)."""
-    return torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16)
 
 
 def cublas_block_loop(a: torch.Tensor, b_kn: Callable[[int], torch.Tensor], scale_a: torch.Tensor,
