@@ -26,6 +26,8 @@ def cublas_scale_b(scale_nk: torch.Tensor) -> torch.Tensor:
     (round_up(K/128, 4), N/128) tensor with strides (1, round_up(K/128, 4)) that
     BlockWise128x128 takes for b (K, N) (the K blocks padded to 4 with ones)."""
     nb, kb = scale_nk.shape
+    if kb % 4 == 0 and scale_nk.stride() == (kb, 1):  # already in that layout, as its transpose
+        return scale_nk.t()
     buf = torch.ones((nb, _round_up(kb, 4)), dtype=torch.float32, device=scale_nk.device)
     buf[:, :kb] = scale_nk
     return buf.t()

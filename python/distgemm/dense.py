@@ -217,28 +217,34 @@ def _block_scaled_peer(a, b, scale_a, scale_b) -> Optional[Callable]:
 
 def _block_scaled_runner(a, b, scale_a, scale_b, ours: Callable) -> Callable:
     """`ours` or the F.scaled_mm peer, whichever the autotuner chose for this shape (timed on
-    the first eager call; under torch.compile, graph capture of an untimed shape, or where the
-    peer refuses the call: ours)."""
+    the first eager call). Ours under torch.compile, with autotuning off, in graph capture of an
+    untimed shape, and where the peer refuses the call."""
     if torch.compiler.is_compiling():
         return ours
+    choice = _block_scaled_choice(a, b, scale_a, scale_b, ours) if autotune.enabled() else None
+    if choice != _TORCH_BLOCK:
+        autotune.record(autotune.CUTLASS_PREFIX + "grouped")
+        return ours
+    autotune.record(choice)
+    return _block_scaled_peer(a, b, scale_a, scale_b)
+
+
+def _block_scaled_choice(a, b, scale_a, scale_b, ours: Callable) -> Optional[str]:
     peer = _block_scaled_peer(a, b, scale_a, scale_b)
     if peer is None:
-        return ours
+        return None
     m, k, n = a.shape[0], a.shape[1], b.shape[0]
     key = f"sm{device_arch(a.device)}|{m}x{n}x{k}|{a.dtype}x{b.dtype}->bf16|scales:block"
     choice = autotune.lookup(key)
-    if choice is None:
-        if not autotune.may_time():
-            return ours
-        try:
-            peer()  # PyTorch's own checks differ by version: a refusal leaves ours
-        except (RuntimeError, TypeError, ValueError, ImportError, AttributeError):
-            autotune.remember(key, autotune.CUTLASS_PREFIX + "grouped")
-            return ours
-        choice = autotune.choose(key, {autotune.CUTLASS_PREFIX + "grouped": ours, _TORCH_BLOCK: peer},
-                                 prefer=_TORCH_BLOCK, device=a.device)
-    autotune.record(choice or autotune.CUTLASS_PREFIX + "grouped")
-    return peer if choice == _TORCH_BLOCK else ours
+    if choice is not None or not autotune.may_time():
+        return choice
+    try:
+        peer()  # PyTorch's own checks differ by version: a refusal leaves ours
+    except (RuntimeError, TypeError, ValueError, ImportError, AttributeError):
+        autotune.remember(key, autotune.CUTLASS_PREFIX + "grouped")
+        return None
+    return autotune.choose(key, {autotune.CUTLASS_PREFIX + "grouped": ours, _TORCH_BLOCK: peer},
+                           prefer=_TORCH_BLOCK, device=a.device)
 
 
 def gemm_unchecked(a, b, c, alpha, beta, out_dtype, scale_a=None, scale_b=None, fast_accum=False, *,

@@ -199,3 +199,4 @@ def test_cublas_block_scale_layouts(m, nb, kb):
     kp = -(-kb // 4) * 4
     assert cb.shape == (kp, nb) and cb.stride() == (1, kp)
     assert torch.equal(cb[:kb], sb.t()) and torch.all(cb[kb:] == 1)
+    assert (cb.data_ptr() == sb.data_ptr()) == (kb % 4 == 0), "a copy only to pad the K blocks"

@@ -422,7 +422,7 @@ def test_fp8_grouped_linear_gradients_match_bf16_closely(grad_dtype):
 
 @pytest.mark.parametrize("want", ["cutlass:grouped", "F.scaled_mm"])
 @pytest.mark.parametrize("m, n, k", [(1024, 1024, 1024), (1000, 384, 512), (4096, 2112, 7168), (7, 136, 144),
-                                     (300, 256, 200)])
+                                     (300, 256, 208)])
 def test_dense_gemm_with_block_scales(m, n, k, want, autotune_cache, monkeypatch):
     # Either backend the autotuner may pick; the peer is not a candidate where N % 16 != 0.
     picked = []
