@@ -234,7 +234,9 @@ def _block_scaled_choice(a, b, scale_a, scale_b, ours: Callable) -> Optional[str
     if peer is None:
         return None
     m, k, n = a.shape[0], a.shape[1], b.shape[0]
-    key = f"sm{device_arch(a.device)}|{m}x{n}x{k}|{a.dtype}x{b.dtype}->bf16|scales:block"
+    # torch's version in the key: a cached choice of F.scaled_mm must not outlive the torch
+    # that took the call (its block-scaled API is recent).
+    key = f"sm{device_arch(a.device)}|{m}x{n}x{k}|{a.dtype}x{b.dtype}->bf16|scales:block|torch:{torch.__version__}"
     choice = autotune.lookup(key)
     if choice is not None or not autotune.may_time():
         return choice
