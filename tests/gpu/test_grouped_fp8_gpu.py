@@ -442,3 +442,41 @@ def test_dense_gemm_with_block_scales(m, n, k, want, autotune_cache, monkeypatch
     ad = dequantize_blocks(a, sa, 1, 128).double()
     bd = dequantize_blocks(b, sb, 128, 128).double()
     bound_check(out, ad @ bd.T, ad.abs() @ bd.abs().T)
+
+
+@pytest.mark.parametrize("warm", [True, False])
+def test_dense_block_gemm_graph_replay(warm, autotune_cache):
+    """A block-scaled gemm captured in a CUDA graph replays on new operands: after an eager
+    call (the autotuner's choice, possibly cuBLAS's, is captured) and without one (capture may
+    not time: our kernel is captured)."""
+    m, n, k = 512, 256, 384
+    a, b = fp8(m, k), fp8(n, k)
+    sa, sb = scales(k // 128, m).t(), scales(n // 128, k // 128)  # a's scales M-major
+    if warm:
+        distgemm.gemm(a, b, scale_a=sa, scale_b=sb)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = distgemm.gemm(a, b, scale_a=sa, scale_b=sb)
+    if not warm:
+        assert distgemm.autotune.last_backend() == "cutlass:grouped"
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        a.copy_(fp8(m, k))
+        sa.copy_(scales(k // 128, m).t())
+        graph.replay()
+        torch.cuda.synchronize()
+        ad = dequantize_blocks(a, sa, 1, 128).double()
+        bd = dequantize_blocks(b, sb, 128, 128).double()
+        bound_check(out, ad @ bd.T, ad.abs() @ bd.abs().T)
+
+
+def test_dense_block_gemm_without_autotuning_runs_ours(autotune_cache, monkeypatch):
+    monkeypatch.setattr(distgemm.autotune, "_ENABLED", False)
+    a, b = fp8(1024, 512), fp8(512, 512)
+    sa, sb = scales(4, 1024).t(), scales(4, 4)
+    out = distgemm.gemm(a, b, scale_a=sa, scale_b=sb)
+    assert distgemm.autotune.last_backend() == "cutlass:grouped"
+    ad = dequantize_blocks(a, sa, 1, 128).double()
+    bd = dequantize_blocks(b, sb, 128, 128).double()
+    bound_check(out, ad @ bd.T, ad.abs() @ bd.abs().T)
