@@ -210,7 +210,9 @@ __device__ void fill_fp8_group_arguments(typename G::Arrays& arr, const GroupedP
   typename G::StrideA sa{};
   typename G::StrideB sb{};
   typename G::StrideD sd{};
-  const int n = static_cast<int>(p.n), k = static_cast<int>(p.k);
+  // k: read in one kind's branch only (the other instantiations would warn it unused).
+  const int n = static_cast<int>(p.n);
+  [[maybe_unused]] const int k = static_cast<int>(p.k);
   constexpr int kBlock = G::kBlockK;
   typename G::Shape3 shape;
   if constexpr (G::kKind == DG_GROUPED_WGRAD) {

@@ -163,7 +163,9 @@ __device__ void fill_group_arguments(typename G::Arrays& arr, const GroupedProbl
   typename G::StrideA sa{};
   typename G::StrideB sb{};
   typename G::StrideD sd{};
-  const int n = static_cast<int>(p.n), k = static_cast<int>(p.k);
+  // k: read in one kind's branch only (the other instantiations would warn it unused).
+  const int n = static_cast<int>(p.n);
+  [[maybe_unused]] const int k = static_cast<int>(p.k);
   if constexpr (G::kKind == DG_GROUPED_WGRAD) {
     // out[g] (N, K) = a[rows]^T (N x rows) @ b[rows] (rows x K)
     get<1>(sa) = p.n;
