@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import torch
 
-BLOCK = 128
-
 
 def _round_up(a: int, b: int) -> int:
     return (a + b - 1) // b * b
@@ -16,7 +14,8 @@ def _round_up(a: int, b: int) -> int:
 def cublas_scale_a(scale: torch.Tensor) -> torch.Tensor:
     """1 x 128 scales of a's rows (M, K/128), any strides -> strides (1, M), the outer-dim-major
     layout BlockWise1x128 takes."""
-    if scale.stride() == (1, scale.shape[0]):  # a row slice of an M-major tensor is not
+    # Exactly (1, M): a row slice of an M-major tensor keeps the whole tensor's stride.
+    if scale.stride() == (1, scale.shape[0]):
         return scale
     return scale.t().contiguous().t()
 

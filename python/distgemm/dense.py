@@ -68,11 +68,10 @@ def check_operands(op: str, a, b, c, out_dtype, scale_a, scale_b) -> torch.dtype
         if _shape(c) not in ((m, n), (n,), (1, n)):
             raise ValueError(f"{op}: c must have shape (M, N) = ({m}, {n}) or be a bias of "
                              f"shape ({n},), got {_shape(c)}")
-    if is_block_scaled(a, b, scale_a, scale_b):
-        if out_dtype != torch.bfloat16 or c is not None:
-            raise ValueError(f"{op}: 128-block scales give bfloat16 out without c (got out_dtype "
-                             f"{out_dtype}, c {'given' if c is not None else 'None'})")
-        return out_dtype
+    block_scaled = is_block_scaled(a, b, scale_a, scale_b)
+    if block_scaled and (out_dtype != torch.bfloat16 or c is not None):
+        raise ValueError(f"{op}: 128-block scales give bfloat16 out without c (got out_dtype "
+                         f"{out_dtype}, c {'given' if c is not None else 'None'})")
     for name, s, length, axis in (("scale_a", scale_a, m, "M"), ("scale_b", scale_b, n, "N")):
         if s is None:
             continue
@@ -82,7 +81,7 @@ def check_operands(op: str, a, b, c, out_dtype, scale_a, scale_b) -> torch.dtype
             raise ValueError(f"{op}: {name} must be a float32 tensor")
         if s.device != a.device:
             raise ValueError(f"{op}: {name} is on {s.device} but a is on {a.device}")
-        if s.numel() not in (1, length):
+        if not block_scaled and s.numel() not in (1, length):
             raise ValueError(f"{op}: {name} must hold 1 value (per tensor) or {axis} = {length} "
                              f"values (row-wise), got shape {_shape(s)}")
     return out_dtype
@@ -210,8 +209,8 @@ def _block_scaled_peer(a, b, scale_a, scale_b) -> Optional[Callable]:
     from ._torch_block_scaled import cublas_scale_a, cublas_scale_b, scaled_mm_block
 
     def run():
-        return scaled_mm_block(a.contiguous(), b.contiguous().t(), cublas_scale_a(scale_a.float()),
-                               cublas_scale_b(scale_b.float()))
+        return scaled_mm_block(a.contiguous(), b.contiguous().t(), cublas_scale_a(scale_a),
+                               cublas_scale_b(scale_b))
     return run
 
 
@@ -221,18 +220,15 @@ def _block_scaled_runner(a, b, scale_a, scale_b, ours: Callable) -> Callable:
     untimed shape, and where the peer refuses the call."""
     if torch.compiler.is_compiling():
         return ours
-    choice = _block_scaled_choice(a, b, scale_a, scale_b, ours) if autotune.enabled() else None
-    if choice != _TORCH_BLOCK:
-        autotune.record(autotune.CUTLASS_PREFIX + "grouped")
-        return ours
-    autotune.record(choice)
-    return _block_scaled_peer(a, b, scale_a, scale_b)
+    peer = _block_scaled_peer(a, b, scale_a, scale_b) if autotune.enabled() else None
+    if peer is not None and _block_scaled_choice(a, b, ours, peer) == _TORCH_BLOCK:
+        autotune.record(_TORCH_BLOCK)
+        return peer
+    autotune.record(autotune.CUTLASS_PREFIX + "grouped")
+    return ours
 
 
-def _block_scaled_choice(a, b, scale_a, scale_b, ours: Callable) -> Optional[str]:
-    peer = _block_scaled_peer(a, b, scale_a, scale_b)
-    if peer is None:
-        return None
+def _block_scaled_choice(a, b, ours: Callable, peer: Callable) -> Optional[str]:
     m, k, n = a.shape[0], a.shape[1], b.shape[0]
     # torch's version in the key: a cached choice of F.scaled_mm must not outlive the torch
     # that took the call (its block-scaled API is recent).

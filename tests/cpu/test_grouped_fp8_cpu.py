@@ -179,6 +179,8 @@ def test_dense_gemm_with_block_scales():
     torch.testing.assert_close(out.float(), ref, rtol=2 ** -7, atol=1e-3)
     with pytest.raises(ValueError, match="128-block scales give bfloat16 out without c"):
         distgemm.gemm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.float32)
+    with pytest.raises(ValueError, match="scale_b must be a float32 tensor"):
+        distgemm.gemm(a, b, scale_a=sa, scale_b=sb.to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("m, nb, kb", [(5, 3, 7), (256, 2, 4), (1, 1, 1)])
