@@ -1,6 +1,7 @@
 // Tile-configuration choice shared by the dense and grouped GEMMs: host-only, no CUDA.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -40,12 +41,18 @@ double estimate_grouped_cost(const TileConfig& c, int64_t tokens, int64_t groups
 // The candidate of lowest `cost(TileConfig)`; nullptr if none. On near-ties (0.1%) the one of
 // the larger cluster, whose multicast halves one operand's reads from L2 (the cost has no term
 // for it: ping-pong 128x128 FP32 wgrads ran up to 19% faster in 2x1 clusters than in 1x1, on 3
-// of 4 problems; bench/NOTES.md, session 11), else the first.
+// of 4 problems; bench/NOTES.md, session 11), else the first. The preference stops at clusters
+// of kTieBreakMaxCluster CTAs: clusters of four ran 4-17% slower than pairs on every bf16 and
+// FP8 row measured (session 18), and the rule picked them as soon as they were compiled.
+inline constexpr int kTieBreakMaxCluster = 2;
+
 template <class Instance, class Cost>
 const Instance* select_cheapest_by(const std::vector<const Instance*>& candidates, Cost cost) {
   const Instance* best = nullptr;
   double best_cost = 0;
-  auto cluster = [](const Instance* i) { return i->cluster_m * i->cluster_n; };
+  auto cluster = [](const Instance* i) {
+    return std::min(i->cluster_m * i->cluster_n, kTieBreakMaxCluster);
+  };
   for (const Instance* inst : candidates) {
     const double c = cost(tile_config(*inst));
     const bool near_tie = best && c <= best_cost * 1.001;  // lower costs: the first test below

@@ -162,3 +162,17 @@ TEST(SelectCheapest, BreaksNearTiesTowardTheLargerCluster) {
   EXPECT_EQ(select_cheapest_by(std::vector<const Candidate*>{&c2x1, &cheaper}, cost), &cheaper);
   EXPECT_EQ(select_cheapest_by(std::vector<const Candidate*>{}, flat), nullptr);
 }
+
+TEST(SelectCheapest, NearTiesPreferPairsNotClustersOfFour) {
+  // Clusters of four measured slower than pairs (bench/NOTES.md, session 18): a near-tie keeps
+  // the pair, whichever comes first; a clearly cheaper cluster of four still wins.
+  const Candidate c2x1{gemm::kCooperative, 128, 128, 2, 1};
+  const Candidate c1x4{gemm::kCooperative, 128, 128, 1, 4};
+  const Candidate c2x2{gemm::kCooperative, 128, 128, 2, 2};
+  auto flat = [](const TileConfig&) { return 1.0; };
+  EXPECT_EQ(select_cheapest_by(std::vector<const Candidate*>{&c2x1, &c1x4, &c2x2}, flat), &c2x1);
+  auto four_near = [](const TileConfig& c) { return c.cluster_m * c.cluster_n == 4 ? 0.9995 : 1.0; };
+  EXPECT_EQ(select_cheapest_by(std::vector<const Candidate*>{&c2x1, &c1x4}, four_near), &c2x1);
+  auto four_cheaper = [](const TileConfig& c) { return c.cluster_m * c.cluster_n == 4 ? 0.95 : 1.0; };
+  EXPECT_EQ(select_cheapest_by(std::vector<const Candidate*>{&c2x1, &c1x4}, four_cheaper), &c1x4);
+}
