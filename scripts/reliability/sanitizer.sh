@@ -104,9 +104,13 @@ import glob, json, os, re, sys
 out = sys.argv[1]
 summary = {}
 for tool in ("memcheck", "racecheck", "synccheck", "initcheck"):
-    parts, errors, worst, complete = {}, 0, 0, True
+    parts, errors, worst, complete = {}, None, 0, True
     for part in ("single", "tp"):
         rc_file = os.path.join(out, f"{tool}_{part}.rc")
+        if not os.path.exists(rc_file):  # not run (the TP part on one GPU): neither an error nor a pass
+            parts[part] = {"errors": None, "exit": None, "note": "not run"}
+            complete = False
+            continue
         rc, secs = (open(rc_file).read().split() + ["-1", "0"])[:2] if os.path.exists(rc_file) else ("-1", "0")
         rc, secs = int(rc), int(secs)
         logs = sorted(glob.glob(os.path.join(out, f"{tool}_{part}.*.sanitizer.log")))
@@ -131,10 +135,12 @@ for tool in ("memcheck", "racecheck", "synccheck", "initcheck"):
                        "driver_failed_checks": int(failed_checks.group(1)) if failed_checks else None,
                        "note": note, "log": os.path.basename(driver)}
         complete &= n is not None and rc not in (124, 137, 127, -1) and failed_checks is not None
-        errors += n or 0
+        if n is not None:
+            errors = (errors or 0) + n
         worst = rc if rc != 0 and (worst == 0 or rc > worst) else worst
-    summary[tool] = {"errors": errors if complete else (errors or None), "exit": worst, "complete": complete,
-                     "parts": parts}
+    # errors: the sum over the parts that left a summary (None when none did); complete: every
+    # part ran to its end (false on one GPU, where the TP part is not run).
+    summary[tool] = {"errors": errors, "exit": worst, "complete": complete, "parts": parts}
 with open(os.path.join(out, "sanitizer_summary.json"), "w") as f:
     json.dump(summary, f, indent=1)
 print(json.dumps({t: {k: v[k] for k in ("errors", "exit", "complete")} for t, v in summary.items()}))
