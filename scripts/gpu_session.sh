@@ -58,6 +58,8 @@ for step in ${STEPS:-}; do
       python3 scripts/dev/grouped_profile.py ${PROFILE_ROWS:-} > "$OUT/grouped_profile.log" 2>&1; tail -40 "$OUT/grouped_profile.log" ;;
     tuner_probe) PROBE_OUT="$OUT/tuner_probe.json" timeout "${T:-150}" python3 scripts/dev/tuner_probe.py > "$OUT/tuner_probe.log" 2>&1
       tail -30 "$OUT/tuner_probe.log" ;;
+    gtuner) PROBE_OUT="$OUT/grouped_tuner_probe.json" CUDA_MODULE_LOADING=EAGER timeout -s USR1 -k 15 "${T:-240}" \
+      python3 scripts/dev/grouped_tuner_probe.py > "$OUT/grouped_tuner_probe.log" 2>&1; tail -20 "$OUT/grouped_tuner_probe.log" ;;
     flush_probe) PROBE_OUT="$OUT/flush_probe.json" timeout "${T:-150}" python3 scripts/dev/flush_probe.py ${PROBE_SHAPES:-} > "$OUT/flush_probe.log" 2>&1
       tail -50 "$OUT/flush_probe.log" ;;
     ncu) timeout "${T:-300}" ncu --profile-from-start off --clock-control none --set full \
