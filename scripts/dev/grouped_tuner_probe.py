@@ -3,7 +3,7 @@ the grouped suite (Zipf routing included), every compiled configuration and torc
 are timed as the benchmark times them (Timer.compare: interleaved, L2 flushed), and the
 autotuner is asked to choose REPEATS times from scratch (memory and file cache cleared), as
 the suite's first call of a problem does under DISTGEMM_GROUPED_BACKEND=cutlass; and every
-configuration is timed sustained: back-to-back calls without a flush or an idle gap.
+configuration is timed sustained: all of them round-robin, the GPU never idle, no flush.
 ``python scripts/dev/grouped_tuner_probe.py``; ``PROBE_OUT`` names the JSON written."""
 
 from __future__ import annotations
@@ -35,27 +35,27 @@ REPEATS = 3
 KIND = {"forward": 0, "dgrad": 1, "wgrad": 2}
 
 
-def sustained_ms(fns: dict, calls: int = 20, rounds: int = 2) -> dict:
-    """Mean device time per call of `calls` back-to-back calls of each candidate (no flush, no
-    idle gap: the GPU's clocks as in a training step's run of GEMMs), the best of `rounds`
-    rounds, the candidates in a fresh order every round."""
-    best: dict = {}
+def sustained_ms(fns: dict, cycles: int = 12) -> dict:
+    """Median device time per call with the GPU never idle (the clocks of a training step's run
+    of GEMMs): the candidates called round-robin, `cycles` times, in a fresh random order every
+    cycle, with no flush, sleep or synchronize between calls; each call timed by its own events."""
+    import random  # noqa: PLC0415
+
+    rng = random.Random(0)
     names = list(fns)
-    for r in range(rounds):
-        order = names[r % len(names):] + names[:r % len(names)]
-        for name in (order if r % 2 == 0 else order[::-1]):
-            fn = fns[name]
-            for _ in range(3):
-                fn()
+    for name in names:
+        fns[name]()
+    events = {name: [] for name in names}
+    for _ in range(cycles):
+        rng.shuffle(names)
+        for name in names:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            for _ in range(calls):
-                fn()
+            fns[name]()
             end.record()
-            end.synchronize()
-            ms = start.elapsed_time(end) / calls
-            best[name] = min(best.get(name, ms), ms)
-    return best
+            events[name].append((start, end))
+    torch.cuda.synchronize()
+    return {name: sorted(s.elapsed_time(e) for s, e in pairs)[len(pairs) // 2] for name, pairs in events.items()}
 
 
 def main() -> None:
@@ -110,7 +110,7 @@ def main() -> None:
         ranked = sorted(rec["tflops"].items(), key=lambda kv: -kv[1])
         print(f"{pass_name} {name}: tuner chose {choices}; " + ", ".join(f"{c}={v}" for c, v in ranked), flush=True)
         ranked = sorted(rec["sustained_tflops"].items(), key=lambda kv: -kv[1])
-        print("   sustained (20 back-to-back calls): " + ", ".join(f"{c}={v}" for c, v in ranked), flush=True)
+        print("   sustained (round-robin, GPU never idle): " + ", ".join(f"{c}={v}" for c, v in ranked), flush=True)
     out = os.environ.get("PROBE_OUT", "grouped_tuner_probe.json")
     with open(out, "w") as f:
         json.dump({"env": env_info(1), "rows": records}, f, indent=1)
