@@ -191,3 +191,28 @@ def test_the_tuner_and_the_benchmark_flush_the_gpu_l2():
     l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
     for buf in (autotune.flush_buffer(), Timer()._flush):
         assert buf.is_cuda and buf.numel() * buf.element_size() >= 2 * l2
+
+
+@pytest.mark.parametrize("discipline", ["interleaved", "sequential", "sustained"])
+def test_every_benchmark_timing_discipline_times_each_candidate(monkeypatch, discipline):
+    """Each of DISTGEMM_BENCH_TIMING's disciplines calls every candidate warmup + reps times,
+    returns a positive median per candidate (the longer GEMM timed longer), and the results'
+    env names the discipline."""
+    from distgemm.bench.common import Timer, env_info
+
+    monkeypatch.setenv("DISTGEMM_BENCH_TIMING", discipline)
+    small = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
+    large = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    calls = {"small": 0, "large": 0}
+
+    def run(name, x):
+        def fn():
+            calls[name] += 1
+            return x @ x
+        return fn
+
+    times = Timer().compare({"small": run("small", small), "large": run("large", large)}, warmup=2, reps=5)
+    assert calls == {"small": 7, "large": 7}
+    assert set(times) == {"small", "large"} and all(t > 0 for t in times.values())
+    assert times["large"] > times["small"]
+    assert env_info()["timing"] == discipline

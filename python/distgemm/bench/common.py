@@ -30,9 +30,15 @@ def gpu_slug(gpus: int) -> str:
     return name if gpus == 1 else f"{name}x{gpus}"
 
 
+def timing_discipline() -> str:
+    """How Timer.compare times (DISTGEMM_BENCH_TIMING): "interleaved" (default), "sequential"
+    or "sustained"."""
+    return os.environ.get("DISTGEMM_BENCH_TIMING") or "interleaved"
+
+
 def env_info(gpus: int = 1) -> dict:
     return {"gpu": torch.cuda.get_device_name(0), "gpus": gpus, "torch": torch.__version__,
-            "cuda": torch.version.cuda, "commit": commit()}
+            "cuda": torch.version.cuda, "commit": commit(), "timing": timing_discipline()}
 
 
 class Timer:
@@ -66,10 +72,36 @@ class Timer:
     def compare(self, fns: Dict[str, Callable[[], object]], warmup: int = 3, reps: int = 20) -> Dict[str, float]:
         """Median device time of each callable, the runs interleaved (in a fresh order every
         round: the GPU runs faster for a while after lighter work, so a fixed neighbour biases) so that clock and power drift over a row falls on every implementation alike.
-        DISTGEMM_BENCH_TIMING=sequential times them one after the other instead."""
-        if os.environ.get("DISTGEMM_BENCH_TIMING") == "sequential":
+        DISTGEMM_BENCH_TIMING=sequential times them one after the other instead, and
+        DISTGEMM_BENCH_TIMING=sustained with the GPU never idle (see _sustained)."""
+        discipline = timing_discipline()
+        if discipline == "sequential":
             return {name: self(fn, warmup, reps) for name, fn in fns.items()}
+        if discipline == "sustained":
+            return self._sustained(fns, warmup, reps)
         return self._interleaved(fns, warmup, reps)
+
+    @staticmethod
+    def _sustained(fns: Dict[str, Callable[[], object]], warmup: int, reps: int) -> Dict[str, float]:
+        """Median device time of each callable called round-robin (a fresh order every round)
+        with no flush, sleep or synchronize in between: the GPU stays busy, at the clocks its
+        power limit allows under a training step's run of GEMMs. The interleaved discipline's
+        flush and ~1 ms of light work before each run let the clocks recover; on the H200 that
+        reads large grouped GEMMs ~15% faster and can rank two tiles differently
+        (scripts/dev/grouped_tuner_probe.py). Without a flush, operands that fit in L2 stay there."""
+        for _ in range(warmup):
+            for fn in fns.values():
+                fn()
+        events = {name: [] for name in fns}
+        for rep in range(reps):
+            for name in shuffled(list(fns), rep):
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                fns[name]()
+                e.record()
+                events[name].append((s, e))
+        torch.cuda.synchronize()
+        return {name: median(s.elapsed_time(e) for s, e in pairs) for name, pairs in events.items()}
 
     def _interleaved(self, fns: Dict[str, Callable[[], object]], warmup: int, reps: int) -> Dict[str, float]:
         for fn in fns.values():
