@@ -17,7 +17,7 @@ import torch
 import distgemm
 from distgemm import autotune
 from distgemm._library import device_arch, ops
-from distgemm.bench.common import Timer, env_info, with_env
+from distgemm.bench.common import Timer, env_info, sustained_ms, with_env
 from distgemm.bench.grouped_suite import counts_for
 
 # (name, groups, mean tokens per group, N, K, routing, pass): the suite's rows whose figures
@@ -33,29 +33,6 @@ ROWS = [
 ]
 REPEATS = 3
 KIND = {"forward": 0, "dgrad": 1, "wgrad": 2}
-
-
-def sustained_ms(fns: dict, cycles: int = 12) -> dict:
-    """Median device time per call with the GPU never idle (the clocks of a training step's run
-    of GEMMs): the candidates called round-robin, `cycles` times, in a fresh random order every
-    cycle, with no flush, sleep or synchronize between calls; each call timed by its own events."""
-    import random  # noqa: PLC0415
-
-    rng = random.Random(0)
-    names = list(fns)
-    for name in names:
-        fns[name]()
-    events = {name: [] for name in names}
-    for _ in range(cycles):
-        rng.shuffle(names)
-        for name in names:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fns[name]()
-            end.record()
-            events[name].append((start, end))
-    torch.cuda.synchronize()
-    return {name: sorted(s.elapsed_time(e) for s, e in pairs)[len(pairs) // 2] for name, pairs in events.items()}
 
 
 def main() -> None:
@@ -102,7 +79,7 @@ def main() -> None:
         times.update(timer.compare({"api_after_tuning": tuned, "fastest_config": fns[min(
             (c for c in names), key=lambda c: times[c])]}, warmup=3, reps=15))
         flops = 2.0 * t * n * k
-        sustained = sustained_ms(fns)
+        sustained = sustained_ms(fns, warmup=1, reps=12)
         rec = {"sustained_tflops": {c: round(flops / v / 1e9, 1) for c, v in sustained.items()}, "name": name, "groups": g, "tokens_per_group": mean, "n": n, "k": k, "routing": routing,
                "pass": pass_name, "counts": counts, "tflops": {c: round(flops / v / 1e9, 1) for c, v in times.items()},
                "tuner_choices": choices}

@@ -73,54 +73,54 @@ class Timer:
         """Median device time of each callable, the runs interleaved (in a fresh order every
         round: the GPU runs faster for a while after lighter work, so a fixed neighbour biases) so that clock and power drift over a row falls on every implementation alike.
         DISTGEMM_BENCH_TIMING=sequential times them one after the other instead, and
-        DISTGEMM_BENCH_TIMING=sustained with the GPU never idle (see _sustained)."""
+        DISTGEMM_BENCH_TIMING=sustained with the GPU never idle (see sustained_ms)."""
         discipline = timing_discipline()
         if discipline == "sequential":
             return {name: self(fn, warmup, reps) for name, fn in fns.items()}
         if discipline == "sustained":
-            return self._sustained(fns, warmup, reps)
+            return sustained_ms(fns, warmup, reps)
         return self._interleaved(fns, warmup, reps)
-
-    @staticmethod
-    def _sustained(fns: Dict[str, Callable[[], object]], warmup: int, reps: int) -> Dict[str, float]:
-        """Median device time of each callable called round-robin (a fresh order every round)
-        with no flush, sleep or synchronize in between: the GPU stays busy, at the clocks its
-        power limit allows under a training step's run of GEMMs. The interleaved discipline's
-        flush and ~1 ms of light work before each run let the clocks recover; on the H200 that
-        reads large grouped GEMMs ~15% faster and can rank two tiles differently
-        (scripts/dev/grouped_tuner_probe.py). Without a flush, operands that fit in L2 stay there;
-        and a GEMM shorter than the host's time per call drains the queue, so its events then
-        take in host time: device time only where the GPU work outlasts the host's (on the H200
-        sweep, rows of >= ~50 us read the same ratios as interleaved)."""
-        for _ in range(warmup):
-            for fn in fns.values():
-                fn()
-        events = {name: [] for name in fns}
-        for rep in range(reps):
-            for name in shuffled(list(fns), rep):
-                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                s.record()
-                fns[name]()
-                e.record()
-                events[name].append((s, e))
-        torch.cuda.synchronize()
-        return {name: median(s.elapsed_time(e) for s, e in pairs) for name, pairs in events.items()}
 
     def _interleaved(self, fns: Dict[str, Callable[[], object]], warmup: int, reps: int) -> Dict[str, float]:
         for fn in fns.values():
             for _ in range(warmup):
                 fn()
-        events = {name: [] for name in fns}
-        for rep in range(reps):
-            for name in shuffled(list(fns), rep):
-                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                self.queue_ahead()
-                s.record()
-                fns[name]()
-                e.record()
-                events[name].append((s, e))
-        torch.cuda.synchronize()
-        return {name: median(s.elapsed_time(e) for s, e in pairs) for name, pairs in events.items()}
+        return round_robin_ms(fns, reps, before_each=self.queue_ahead)
+
+
+def sustained_ms(fns: Dict[str, Callable[[], object]], warmup: int = 3, reps: int = 20) -> Dict[str, float]:
+    """Median device time of each callable called round-robin (a fresh order every round)
+    with no flush, sleep or synchronize in between: the GPU stays busy, at the clocks its power
+    limit allows under a training step's run of GEMMs (DISTGEMM_BENCH_TIMING=sustained). The
+    interleaved discipline's flush and ~1 ms of light work before each run let the clocks
+    recover; on the H200 that reads large grouped GEMMs ~15% faster and can rank two tiles
+    differently (scripts/dev/grouped_tuner_probe.py). Without a flush, operands that fit in L2
+    stay there; and a GEMM shorter than the host's time per call drains the queue, so its
+    events then take in host time: device time only where the GPU work outlasts the host's (on
+    the H200 sweep, rows of >= ~50 us read the same ratios as interleaved)."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    return round_robin_ms(fns, reps)
+
+
+def round_robin_ms(fns: Dict[str, Callable[[], object]], reps: int,
+                   before_each: Optional[Callable[[], object]] = None) -> Dict[str, float]:
+    """Median time between each callable's own CUDA events over `reps` rounds, the callables
+    in a fresh order every round (the same on every rank); `before_each` runs ahead of every
+    call, outside its events."""
+    events = {name: [] for name in fns}
+    for rep in range(reps):
+        for name in shuffled(list(fns), rep):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if before_each is not None:
+                before_each()
+            s.record()
+            fns[name]()
+            e.record()
+            events[name].append((s, e))
+    torch.cuda.synchronize()
+    return {name: median(s.elapsed_time(e) for s, e in pairs) for name, pairs in events.items()}
 
 
 def host_ms(fn: Callable[[], object], calls: int = 20, before: Optional[Callable[[], object]] = None) -> float:
