@@ -76,13 +76,14 @@ def main() -> None:
             with_env("DISTGEMM_GROUPED_BACKEND", "cutlass", api)()
             choices.append(autotune.last_backend())
         tuned = with_env("DISTGEMM_GROUPED_BACKEND", "cutlass", api)
-        times.update(timer.compare({"api_after_tuning": tuned, "fastest_config": fns[min(
-            (c for c in names), key=lambda c: times[c])]}, warmup=3, reps=15))
+        fastest = fns[min(names, key=times.get)]
+        times.update(timer.compare({"api_after_tuning": tuned, "fastest_config": fastest}, warmup=3, reps=15))
         flops = 2.0 * t * n * k
         sustained = sustained_ms(fns, warmup=1, reps=12)
-        rec = {"sustained_tflops": {c: round(flops / v / 1e9, 1) for c, v in sustained.items()}, "name": name, "groups": g, "tokens_per_group": mean, "n": n, "k": k, "routing": routing,
-               "pass": pass_name, "counts": counts, "tflops": {c: round(flops / v / 1e9, 1) for c, v in times.items()},
-               "tuner_choices": choices}
+        rec = {"name": name, "groups": g, "tokens_per_group": mean, "n": n, "k": k, "routing": routing,
+               "pass": pass_name, "counts": counts, "tuner_choices": choices,
+               "tflops": {c: round(flops / v / 1e9, 1) for c, v in times.items()},
+               "sustained_tflops": {c: round(flops / v / 1e9, 1) for c, v in sustained.items()}}
         records.append(rec)
         ranked = sorted(rec["tflops"].items(), key=lambda kv: -kv[1])
         print(f"{pass_name} {name}: tuner chose {choices}; " + ", ".join(f"{c}={v}" for c, v in ranked), flush=True)

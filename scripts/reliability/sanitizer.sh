@@ -111,7 +111,7 @@ for tool in ("memcheck", "racecheck", "synccheck", "initcheck"):
             parts[part] = {"errors": None, "exit": None, "note": "not run"}
             complete = False
             continue
-        rc, secs = (open(rc_file).read().split() + ["-1", "0"])[:2] if os.path.exists(rc_file) else ("-1", "0")
+        rc, secs = (open(rc_file).read().split() + ["-1", "0"])[:2]
         rc, secs = int(rc), int(secs)
         logs = sorted(glob.glob(os.path.join(out, f"{tool}_{part}.*.sanitizer.log")))
         text = "".join(open(f, errors="replace").read() for f in logs)
