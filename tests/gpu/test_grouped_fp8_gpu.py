@@ -184,6 +184,34 @@ def test_every_compiled_config_matches(n, k):
             bound_check(out, *ref)
 
 
+# Every height a group's last tile can end at, relative to the 64-row slices the row-trimmed
+# mainloop skips (1, 64 | 65, 128 | 129, 192 | 193, 256 of a 256-row tile) and past a full tile.
+TAIL_COUNTS = [1, 64, 65, 128, 129, 192, 193, 255, 256, 0, 257, 320, 383, 449, 511]
+
+
+@pytest.mark.parametrize("mode", ["block", "row"])
+def test_every_compiled_config_computes_each_tail_height(mode):
+    counts, n, k = TAIL_COUNTS, 256, 384
+    offs = make_offs(counts)
+    if mode == "block":
+        x, w, sx, sw, xd, wd = block_inputs(counts, n, k)
+        sw = sw.transpose(1, 2).contiguous()  # the kernel's (G, Kb, Nb) layout
+        code = 2
+    else:
+        x, w = fp8(sum(counts), k), fp8(len(counts), n, k)
+        sx, sw = scales(sum(counts)), scales(len(counts), n)
+        xd, wd = x.double() * sx.double()[:, None], w.double() * sw.double()[:, :, None]
+        code = 1
+    ref = forward_reference(xd, wd, counts)
+    names = ops.grouped_configs(0, E4M3, torch.bfloat16, 90, code)
+    for config, name in enumerate(names):
+        out = ops.grouped_mm_fp8(x, w, offs, sx, sw, code, torch.bfloat16, config)
+        try:
+            bound_check(out, *ref)
+        except AssertionError as e:
+            raise AssertionError(f"{name}: {e}") from None
+
+
 def test_cuda_graph_replay_with_new_routing():
     n, k, g, t = 256, 384, 6, 1536
     x, w = fp8(t, k), fp8(g, n, k)
