@@ -14,7 +14,7 @@
 // tensors are updated for the group and copies the count into shared memory per pipeline
 // stage (a cp.async from a table of counts, so that the stage's full barrier covers it like
 // the scales it loads). Loads, scale layouts and the kernel are CUTLASS's; this type derives
-// from its collective and replaces `load_auxiliary` (around CUTLASS's) and `mma`.
+// from its collective and replaces `load_auxiliary` and `mma`.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -66,28 +66,61 @@ struct RowTrimmedMma : Base {
     return Base::tensors_perform_update(input_tensors, params, problem_shape_mnkl, next_batch);
   }
 
-  // CUTLASS's scale loads, one K tile at a time, each preceded by the tile's row count. The
-  // stage is acquired here first (the scale warp is no pipeline leader: acquiring is a wait
-  // only, and waiting again on the same phase in CUTLASS's load returns at once).
+  // The scale loads of CUTLASS's load_auxiliary (one cp.async per scale, bounds-predicated
+  // along M / N), plus each K tile's row count. Its set-up and predicates are computed once per
+  // tile rather than per K tile: this warp shares issue slots with the consumers.
   template <class TensorA, class TensorB, class TensorSFA, class TensorSFB, class KTileIterator,
             class BlockCoord>
-  CUTLASS_DEVICE void load_auxiliary(Params const& params, MainloopPipeline pipeline,
+  CUTLASS_DEVICE void load_auxiliary(Params const& /*params*/, MainloopPipeline pipeline,
                                      PipelineState smem_pipe_write,
                                      cute::tuple<TensorA, TensorB, TensorSFA, TensorSFB> const& load_inputs,
                                      BlockCoord const& blk_coord, KTileIterator k_tile_iter, int k_tile_count,
-                                     int thread_idx, uint32_t block_rank_in_cluster,
+                                     int thread_idx, uint32_t /*block_rank_in_cluster*/,
                                      TensorStorage& shared_tensors) {
-    const int rows_left = group_rows_ - static_cast<int>(cute::get<0>(blk_coord)) * kTileM;
-    const int rows = rows_left < 0 ? 0 : rows_left > kTileM ? kTileM : rows_left;
+    using namespace cute;
+    if (k_tile_count <= 0) return;
+    auto [m_coord, n_coord, k_coord, l_coord] = blk_coord;
+    Tensor sSFA = make_tensor(make_smem_ptr(shared_tensors.smem_SFA.data()), SmemLayoutSFA{});  // (BLK_M, BLK_K, PIPE)
+    Tensor sSFB = make_tensor(make_smem_ptr(shared_tensors.smem_SFB.data()), SmemLayoutSFB{});
+    Tensor mSFA = get<2>(load_inputs);  // (m, k, l)
+    Tensor mSFB = get<3>(load_inputs);
+    // This tile's scales per K tile, and their coordinates: (BLK, BLK_K, k)
+    Tensor gSFA = local_tile(mSFA, TileShape{}, make_coord(_, _, _), Step<_1, X, _1>{})(_, _, m_coord, _, l_coord);
+    Tensor cSFA = local_tile(make_identity_tensor(shape(mSFA)), TileShape{}, make_coord(_, _, _),
+                             Step<_1, X, _1>{})(_, _, m_coord, _, l_coord);
+    Tensor gSFB = local_tile(mSFB, TileShape{}, make_coord(_, _, _), Step<X, _1, _1>{})(_, _, n_coord, _, l_coord);
+    Tensor cSFB = local_tile(make_identity_tensor(shape(mSFB)), TileShape{}, make_coord(_, _, _),
+                             Step<X, _1, _1>{})(_, _, n_coord, _, l_coord);
+    auto copy_a = make_tiled_copy(typename Base::CopyAtomSFA{}, Layout<Shape<_32>>{}, Layout<Shape<_1>>{});
+    auto copy_b = make_tiled_copy(typename Base::CopyAtomSFB{}, Layout<Shape<_32>>{}, Layout<Shape<_1>>{});
+    auto thr_a = copy_a.get_slice(thread_idx);
+    auto thr_b = copy_b.get_slice(thread_idx);
+    Tensor tSFAgSFA = thr_a.partition_S(gSFA);
+    Tensor tSFAsSFA = thr_a.partition_D(sSFA);
+    Tensor tSFBgSFB = thr_b.partition_S(gSFB);
+    Tensor tSFBsSFB = thr_b.partition_D(sSFB);
+    // In bounds along M / N (K tiles are whole scale blocks): the same for every K tile.
+    Tensor pSFA = make_tensor<bool>(shape(filter_zeros(tSFAsSFA(_, _, _, _0{}))));
+    Tensor pSFB = make_tensor<bool>(shape(filter_zeros(tSFBsSFB(_, _, _, _0{}))));
+    Tensor tSFAcSFA = filter_zeros(thr_a.partition_S(cSFA)(_, _, _, *k_tile_iter));
+    Tensor tSFBcSFB = filter_zeros(thr_b.partition_S(cSFB)(_, _, _, *k_tile_iter));
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < size(pSFA); ++i)
+      pSFA(i) = thread_idx < Base::ScaleMsPerTile && elem_less(tSFAcSFA(i), shape(mSFA));
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < size(pSFB); ++i)
+      pSFB(i) = thread_idx < Base::ScaleNsPerTile && elem_less(tSFBcSFB(i), shape(mSFB));
+
+    const int rows_left = group_rows_ - static_cast<int>(m_coord) * kTileM;
+    const uint32_t& rows = kRowCountTable.row_counts[rows_left < 0 ? 0 : rows_left > kTileM ? kTileM : rows_left];
     CUTLASS_PRAGMA_NO_UNROLL
     for (; k_tile_count > 0; --k_tile_count) {
       pipeline.producer_acquire(smem_pipe_write);
-      if (thread_idx == 0) {
-        cute::SM80_CP_ASYNC_CACHEALWAYS<uint32_t>::copy(kRowCountTable.row_counts[rows],
-                                                        shared_tensors.tile_rows[smem_pipe_write.index()]);
-      }
-      Base::load_auxiliary(params, pipeline, smem_pipe_write, load_inputs, blk_coord, k_tile_iter, 1,
-                           thread_idx, block_rank_in_cluster, shared_tensors);
+      const int stage = smem_pipe_write.index();
+      if (thread_idx == 0) SM80_CP_ASYNC_CACHEALWAYS<uint32_t>::copy(rows, shared_tensors.tile_rows[stage]);
+      copy_if(copy_a, pSFA, filter_zeros(tSFAgSFA(_, _, _, *k_tile_iter)), filter_zeros(tSFAsSFA(_, _, _, stage)));
+      copy_if(copy_b, pSFB, filter_zeros(tSFBgSFB(_, _, _, *k_tile_iter)), filter_zeros(tSFBsSFB(_, _, _, stage)));
+      pipeline.producer_commit(smem_pipe_write, cutlass::arch::cpasync_barrier_arrive_noinc);
       ++k_tile_iter;
       ++smem_pipe_write;
     }

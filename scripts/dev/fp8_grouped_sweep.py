@@ -23,9 +23,12 @@ def offs_of(counts):
     return torch.tensor(counts).cumsum(0).to(torch.int32).cuda()
 
 
-# ``--only wgrad`` (or forward): one pass only; the other arguments name the output file.
+# ``--only wgrad`` (or forward, or tails): one pass only; the other arguments name the output
+# file. tails: equal groups of 1-256 tokens, each group one partial tile (what a tile's rows
+# past its group's end cost).
 ONLY = sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else None
 ARGS = [a for i, a in enumerate(sys.argv[1:], 1) if a != "--only" and sys.argv[i - 1] != "--only"]
+TAIL_SHAPES = [(264, per, 4096, 7168) for per in (1, 64, 128, 192, 256)]
 
 SHAPES = [(8, 4096, 4096, 7168), (8, 4096, 7168, 2048), (32, 1024, 4096, 7168),
           (32, 1024, 7168, 2048), (64, 512, 4096, 7168), (4, 8192, 7168, 2048)]
@@ -53,7 +56,7 @@ def forward_rows(g, per, n, k):
     kb, nb = (k + 127) // 128, (n + 127) // 128
     sx_b, sw_b = (torch.rand(kb, t, device="cuda") + 0.5).t(), torch.rand(g, kb, nb, device="cuda") + 0.5
     sx_r, sw_r = torch.rand(t, device="cuda") + 0.5, torch.rand(g, n, device="cuda") + 0.5
-    for routing in ("balanced", "zipf"):  # zipf: the bench suites' skewed routing
+    for routing in ("balanced",) if ONLY == "tails" else ("balanced", "zipf"):  # zipf: the suites' skew
         offs = offs_of(counts_for(g, per, routing))
         for mode, code, sx, sw in (("block", 2, sx_b, sw_b), ("row", 1, sx_r, sw_r)):
             sweep(f"forward_{mode}", (g, per, n, k), ops.grouped_configs(0, E4M3, torch.bfloat16, 90, code),
@@ -73,10 +76,10 @@ def wgrad_rows(g, per, n, k):
               lambda c: ops.grouped_mm_wgrad_fp8_out(dy_t, x_t, offs, s_dy, s_x, out, True, c), routing)
 
 
-for shape in SHAPES:
-    if ONLY != "wgrad":
+for shape in TAIL_SHAPES if ONLY == "tails" else SHAPES:
+    if ONLY in ("tails", None, "forward"):
         forward_rows(*shape)
-    if ONLY != "forward":
+    if ONLY in (None, "wgrad"):
         wgrad_rows(*shape)
     torch.cuda.empty_cache()  # each pass's operands are freed on its return
 with open(ARGS[0] if ARGS else "fp8_grouped_sweep.json", "w") as f:
