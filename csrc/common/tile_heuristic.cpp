@@ -29,7 +29,6 @@ TileCost tile_cost(const TileConfig& c) {
     case gemm::kCooperativeFastAccum:
     case gemm::kCooperativeDirectStore:
     case gemm::kCooperativeOverlapPromotion:
-    case gemm::kCooperativeRowTrim:
       return {area >= 128 * 256 ? 1.0 : area >= 128 * 192 ? 0.93 : 0.88, 128};
     case gemm::kContiguous:
       // The contiguous-token grouped kernel: the cooperative mainloop, but its masked epilogue
@@ -73,9 +72,6 @@ double waves_cost(const TileConfig& c, double tiles, double k, int64_t sms, doub
 // model's expected padding makes it two waves); 32 x 128 tokens (six modelled waves) ran equal.
 constexpr double kPtrArraySetup = 128.0 * 128.0 * 1300.0;
 
-// The rows one consumer warpgroup's WGMMAs cover: the row-trimmed mainloop's unit of skipping.
-constexpr double kTrimmedSlice = 64.0;
-
 }  // namespace
 
 double estimate_cost(const TileConfig& c, int64_t m, int64_t n, double k, int64_t batches,
@@ -94,9 +90,8 @@ double estimate_grouped_cost(const TileConfig& c, int64_t tokens, int64_t groups
   if (sms <= 0 || tokens < 0 || groups <= 0 || n <= 0) return 1e300;
   const double granule = static_cast<double>(c.tile_m) * c.cluster_m;
   const double busy_groups = static_cast<double>(std::min(groups, tokens));  // others are empty
-  const bool trimmed = c.schedule == gemm::kCooperativeRowTrim;
-  const double rows = static_cast<double>(tokens) + busy_groups * (trimmed ? kTrimmedSlice : granule) / 2;
-  const double tiles_m = trimmed ? rows / c.tile_m : std::ceil(rows / granule) * c.cluster_m;
+  const double rows = static_cast<double>(tokens) + busy_groups * granule / 2;
+  const double tiles_m = std::ceil(rows / granule) * c.cluster_m;
   const double setup = c.schedule == gemm::kContiguous ? 0.0 : kPtrArraySetup;
   return setup + waves_cost(c, tiles_m * static_cast<double>(clustered_tiles(n, c.tile_n, c.cluster_n)),
                             k, sms, epilogue_scale);

@@ -34,9 +34,7 @@ double estimate_cost(const TileConfig& c, int64_t m, int64_t n, double k, int64_
 // model charges each non-empty group half of that granule: the expected padding when group
 // sizes are not multiples of it, which real routing makes the common case. The ptr-array
 // kernels add a fixed set-up (argument builder, per-group descriptors) that the contiguous-token
-// kernel (schedule kContiguous) does not pay. The row-trimmed FP8 kernel (kCooperativeRowTrim)
-// skips the 64-row slices of a tile past its group's end: it is charged half a slice of padding
-// per group, and its partial tiles what their rows cost.
+// kernel (schedule kContiguous) does not pay.
 double estimate_grouped_cost(const TileConfig& c, int64_t tokens, int64_t groups, int64_t n,
                              double k, int sm_count, double epilogue_scale = 1.0);
 

@@ -58,9 +58,6 @@ enum Schedule : int {
   // WGMMAs (sm90_fp8_overlapped_promotion.cuh)
   kCooperativeOverlapPromotion = 9,
   kPingpongOverlapPromotion = 10,
-  // sm90 FP8 grouped: the cooperative kernel without the WGMMAs of rows past a group's end
-  // (sm90_fp8_row_trimmed_mainloop.cuh)
-  kCooperativeRowTrim = 11,
 };
 // Spellings used in the .def instance lists.
 constexpr int coop = kCooperative;
@@ -73,7 +70,6 @@ constexpr int coop_direct = kCooperativeDirectStore;
 constexpr int pingpong_direct = kPingpongDirectStore;
 constexpr int coop_overlap = kCooperativeOverlapPromotion;
 constexpr int pingpong_overlap = kPingpongOverlapPromotion;
-constexpr int coop_trim = kCooperativeRowTrim;
 
 constexpr bool is_fast_accum(int schedule) {
   return schedule == kCooperativeFastAccum || schedule == kPingpongFastAccum;

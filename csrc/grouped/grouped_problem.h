@@ -91,7 +91,6 @@ using gemm::pingpong;
 using gemm::coop_direct;
 using gemm::pingpong_direct;
 using gemm::coop_overlap;
-using gemm::coop_trim;
 using gemm::pingpong_overlap;
 
 }  // namespace distgemm::grouped

@@ -1,8 +1,7 @@
 // SM90 FP8 grouped GEMM for MoE: CUTLASS's ptr-array blockwise-scaled kernel. Partial sums
 // are promoted to FP32 once per 128-deep K block into a split accumulator (CUTLASS >= 4.3),
 // so 256 x 128 tiles fit in registers. Schedules: CUTLASS's cooperative or ping-pong kernel,
-// each with CUTLASS's mainloop or the one of sm90_fp8_overlapped_promotion.cuh (*_overlap);
-// coop_trim: the cooperative kernel with the mainloop of sm90_fp8_row_trimmed_mainloop.cuh.
+// each with CUTLASS's mainloop or the one of sm90_fp8_overlapped_promotion.cuh (*_overlap).
 //   block scales: the promotion multiplies by scale_a * scale_b of the block;
 //   row-wise scales (constant along K): the promotion multiplies by 1 and the epilogue by
 //   scale_a[m] * scale_b[g][n], so the mainloop does no per-element scale work.
@@ -29,7 +28,6 @@
 #include "common/status.h"
 #include "grouped/grouped_problem.h"
 #include "grouped/sm90_fp8_overlapped_promotion.cuh"
-#include "grouped/sm90_fp8_row_trimmed_mainloop.cuh"
 #include "grouped/sm90_grouped_common.cuh"
 
 namespace distgemm::grouped::sm90 {
@@ -84,9 +82,8 @@ struct Sm90Fp8Grouped {
   // Ping-pong: each consumer warpgroup owns a tile, one's epilogue runs under the other's
   // mainloop. *_overlap: the mainloop of sm90_fp8_overlapped_promotion.cuh.
   static_assert(Schedule == gemm::kCooperative || Schedule == gemm::kCooperativeOverlapPromotion ||
-                    Schedule == gemm::kCooperativeRowTrim || Schedule == gemm::kPingpong ||
-                    Schedule == gemm::kPingpongOverlapPromotion,
-                "FP8 grouped schedules: coop, coop_overlap, coop_trim, pingpong, pingpong_overlap");
+                    Schedule == gemm::kPingpong || Schedule == gemm::kPingpongOverlapPromotion,
+                "FP8 grouped schedules: coop, coop_overlap, pingpong, pingpong_overlap");
   static constexpr bool kPingpong = Schedule == gemm::kPingpong || Schedule == gemm::kPingpongOverlapPromotion;
   static constexpr bool kOverlapPromotion =
       Schedule == gemm::kCooperativeOverlapPromotion || Schedule == gemm::kPingpongOverlapPromotion;
@@ -110,13 +107,11 @@ struct Sm90Fp8Grouped {
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename CollectiveEpilogue::SharedStorage))>,
       KernelSchedule>::CollectiveOp;
-  using CollectiveMainloop = std::conditional_t<
-      kOverlapPromotion, OverlappedPromotionMma<CutlassMainloop>,
-      std::conditional_t<Schedule == gemm::kCooperativeRowTrim, RowTrimmedMma<CutlassMainloop>, CutlassMainloop>>;
+  using CollectiveMainloop = std::conditional_t<kOverlapPromotion, OverlappedPromotionMma<CutlassMainloop>,
+                                                CutlassMainloop>;
 
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop,
                                                       CollectiveEpilogue>;
-  static_assert(sizeof(typename Kernel::SharedStorage) <= 227 * 1024, "the stages overflow shared memory");
   using Adapter = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   using StrideA = typename Kernel::InternalStrideA;
   using StrideB = typename Kernel::InternalStrideB;

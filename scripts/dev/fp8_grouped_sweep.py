@@ -23,9 +23,10 @@ def offs_of(counts):
     return torch.tensor(counts).cumsum(0).to(torch.int32).cuda()
 
 
-# ``--only wgrad`` (or forward, or tails): one pass only; the other arguments name the output
-# file. tails: equal groups of 1-256 tokens, each group one partial tile (what a tile's rows
-# past its group's end cost).
+# ``--only wgrad`` (or forward, tails, order): one pass only; the other arguments name the
+# output file. tails: equal groups of 1-256 tokens, each group one partial tile (what a tile's
+# rows past its group's end cost). order: the block forward's default config on Zipf routing
+# with the experts in the suite's order (largest first), reversed and shuffled, and balanced.
 ONLY = sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else None
 ARGS = [a for i, a in enumerate(sys.argv[1:], 1) if a != "--only" and sys.argv[i - 1] != "--only"]
 TAIL_SHAPES = [(264, per, 4096, 7168) for per in (1, 64, 128, 192, 256)]
@@ -63,6 +64,26 @@ def forward_rows(g, per, n, k):
                   lambda c: ops.grouped_mm_fp8(x, w, offs, sx, sw, code, torch.bfloat16, c), routing)
 
 
+def order_rows(g, per, n, k):
+    """Does the order of the experts' sizes matter? One interleaved comparison of the same
+    Zipf counts in three orders (and balanced routing) through the heuristic's config."""
+    t = g * per
+    x, w = torch.randn(t, k, device="cuda").to(E4M3), torch.randn(g, n, k, device="cuda").to(E4M3)
+    kb, nb = (k + 127) // 128, (n + 127) // 128
+    sx, sw = (torch.rand(kb, t, device="cuda") + 0.5).t(), torch.rand(g, kb, nb, device="cuda") + 0.5
+    zipf = counts_for(g, per, "zipf")
+    shuffled = [zipf[i] for i in torch.randperm(g, generator=torch.Generator().manual_seed(0)).tolist()]
+    orders = {"zipf_largest_first": zipf, "zipf_smallest_first": zipf[::-1], "zipf_shuffled": shuffled,
+              "balanced": counts_for(g, per, "balanced")}
+    offs = {name: offs_of(c) for name, c in orders.items()}
+    fns = {name: (lambda o=o: ops.grouped_mm_fp8(x, w, o, sx, sw, 2, torch.bfloat16, -1)) for name, o in offs.items()}
+    for name, ms in timer.compare(fns).items():
+        r = dict(op="forward_block_order", routing=name, g=g, per=per, n=n, k=k, config="heuristic", ms=ms,
+                 tflops=2 * t * n * k / ms / 1e9)
+        print(json.dumps(r), flush=True)
+        rows.append(r)
+
+
 def wgrad_rows(g, per, n, k):
     """The block wgrad into FP32 (accumulating), balanced and Zipf routing: dy^T (N, Tp) and
     x^T (K, Tp), padded per expert, hold room for either routing."""
@@ -77,6 +98,8 @@ def wgrad_rows(g, per, n, k):
 
 
 for shape in TAIL_SHAPES if ONLY == "tails" else SHAPES:
+    if ONLY == "order":
+        order_rows(*shape)
     if ONLY in ("tails", None, "forward"):
         forward_rows(*shape)
     if ONLY in (None, "wgrad"):

@@ -49,20 +49,6 @@ TEST(GroupedCost, ChargesHalfAClusterGranuleOfPaddingPerGroup) {
                    estimate_grouped_cost(along_n, 8, 8, 4096, 3584, kH200Sms));
 }
 
-TEST(GroupedCost, RowTrimmedTilesChargeHalfASliceOfPadding) {
-  const TileConfig plain{gemm::kCooperative, 256, 128, 1, 2};
-  const TileConfig trimmed{gemm::kCooperativeRowTrim, 256, 128, 1, 2};
-  // 64 experts x 512 tokens: 128 padded rows per expert (1.25x the tokens) against 32 (1.06x).
-  const double ratio = estimate_grouped_cost(plain, 32768, 64, 4096, 3584, kH200Sms) /
-                       estimate_grouped_cost(trimmed, 32768, 64, 4096, 3584, kH200Sms);
-  EXPECT_GT(ratio, 1.1);
-  EXPECT_LT(ratio, 1.25);
-  // One group of many tokens: equal within a wave.
-  EXPECT_NEAR(estimate_grouped_cost(plain, 32768, 1, 4096, 3584, kH200Sms) /
-                  estimate_grouped_cost(trimmed, 32768, 1, 4096, 3584, kH200Sms),
-              1.0, 0.05);
-}
-
 TEST(GroupedCost, ContiguousKernelSkipsThePtrArraySetUp) {
   const TileConfig contiguous{gemm::kContiguous, 128, 128, 1, 1};
   const TileConfig ptr_array{gemm::kPingpong, 128, 128, 1, 2};

@@ -184,8 +184,8 @@ def test_every_compiled_config_matches(n, k):
             bound_check(out, *ref)
 
 
-# Every height a group's last tile can end at, relative to the 64-row slices the row-trimmed
-# mainloop skips (1, 64 | 65, 128 | 129, 192 | 193, 256 of a 256-row tile) and past a full tile.
+# Every height a group's last tile can end at: each consumer warpgroup's 64-row slices of a
+# 256-row tile (1, 64 | 65, 128 | 129, 192 | 193, 256) and past a full tile.
 TAIL_COUNTS = [1, 64, 65, 128, 129, 192, 193, 255, 256, 0, 257, 320, 383, 449, 511]
 
 
