@@ -162,37 +162,8 @@ def test_rows_past_the_last_offset_are_untouched_and_accumulate_adds():
     bound_check(out[:-tail], base[:-tail].double() + ref, terms + base[:-tail].double().abs())
 
 
-@pytest.mark.parametrize("n,k", [(256, 512), (384, 640), (128, 128), (256, 384)])  # 384: odd N tiles; 1-5 K tiles
-def test_every_compiled_config_matches(n, k):
-    counts = random_counts(4, 700, zero_groups=(1,))
-    offs = make_offs(counts)
-    for mode in ("block", "row"):
-        if mode == "block":
-            x, w, sx, sw, xd, wd = block_inputs(counts, n, k)
-            code = 2
-        else:
-            x, w = fp8(sum(counts), k), fp8(len(counts), n, k)
-            sx, sw = scales(sum(counts)), scales(len(counts), n)
-            xd, wd = x.double() * sx.double()[:, None], w.double() * sw.double()[:, :, None]
-            code = 1
-        names = ops.grouped_configs(0, E4M3, torch.bfloat16, 90, code)
-        assert names, f"no {mode} FP8 grouped kernel compiled"
-        ref = forward_reference(xd, wd, counts)
-        sw_kernel = sw.transpose(1, 2).contiguous() if mode == "block" else sw
-        for config in range(len(names)):
-            out = ops.grouped_mm_fp8(x, w, offs, sx, sw_kernel, code, torch.bfloat16, config)
-            bound_check(out, *ref)
-
-
-# Every height a group's last tile can end at: each consumer warpgroup's 64-row slices of a
-# 256-row tile (1, 64 | 65, 128 | 129, 192 | 193, 256) and past a full tile.
-TAIL_COUNTS = [1, 64, 65, 128, 129, 192, 193, 255, 256, 0, 257, 320, 383, 449, 511]
-
-
-@pytest.mark.parametrize("mode", ["block", "row"])
-def test_every_compiled_config_computes_each_tail_height(mode):
-    counts, n, k = TAIL_COUNTS, 256, 384
-    offs = make_offs(counts)
+def check_every_forward_config(counts, n, k, mode):
+    """Every compiled FP8 grouped forward of `mode` ("block" or "row") against the reference."""
     if mode == "block":
         x, w, sx, sw, xd, wd = block_inputs(counts, n, k)
         sw = sw.transpose(1, 2).contiguous()  # the kernel's (G, Kb, Nb) layout
@@ -202,14 +173,33 @@ def test_every_compiled_config_computes_each_tail_height(mode):
         sx, sw = scales(sum(counts)), scales(len(counts), n)
         xd, wd = x.double() * sx.double()[:, None], w.double() * sw.double()[:, :, None]
         code = 1
-    ref = forward_reference(xd, wd, counts)
     names = ops.grouped_configs(0, E4M3, torch.bfloat16, 90, code)
+    assert names, f"no {mode} FP8 grouped kernel compiled"
+    ref = forward_reference(xd, wd, counts)
+    offs = make_offs(counts)
     for config, name in enumerate(names):
         out = ops.grouped_mm_fp8(x, w, offs, sx, sw, code, torch.bfloat16, config)
         try:
             bound_check(out, *ref)
         except AssertionError as e:
             raise AssertionError(f"{name}: {e}") from None
+
+
+@pytest.mark.parametrize("n,k", [(256, 512), (384, 640), (128, 128), (256, 384)])  # 384: odd N tiles; 1-5 K tiles
+def test_every_compiled_config_matches(n, k):
+    counts = random_counts(4, 700, zero_groups=(1,))
+    for mode in ("block", "row"):
+        check_every_forward_config(counts, n, k, mode)
+
+
+# Every height a group's last tile can end at: each consumer warpgroup's 64-row slices of a
+# 256-row tile (1, 64 | 65, 128 | 129, 192 | 193, 256) and past a full tile.
+TAIL_COUNTS = [1, 64, 65, 128, 129, 192, 193, 255, 256, 0, 257, 320, 383, 449, 511]
+
+
+@pytest.mark.parametrize("mode", ["block", "row"])
+def test_every_compiled_config_computes_each_tail_height(mode):
+    check_every_forward_config(TAIL_COUNTS, 256, 384, mode)
 
 
 def test_cuda_graph_replay_with_new_routing():
