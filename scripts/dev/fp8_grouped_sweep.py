@@ -37,25 +37,34 @@ rows = []
 timer = Timer()
 
 
+def record(op, routing, shape, config, ms):
+    """One timed row: printed, and kept for the JSON."""
+    g, per, n, k = shape
+    r = dict(op=op, routing=routing, g=g, per=per, n=n, k=k, config=config, ms=ms,
+             tflops=2 * g * per * n * k / ms / 1e9)
+    print(json.dumps(r), flush=True)
+    rows.append(r)
+
+
 def sweep(op, shape, names, call, routing="balanced"):
     """Times call(config) for the heuristic (-1) and every config, interleaved."""
-    g, per, n, k = shape
     fns = {"heuristic": lambda: call(-1)}
     fns.update({name: (lambda c=c: call(c)) for c, name in enumerate(names)})
-    flop = 2 * g * per * n * k
     for config, ms in timer.compare(fns).items():
-        r = dict(op=op, routing=routing, g=g, per=per, n=n, k=k, config=config, ms=ms,
-                 tflops=flop / ms / 1e9)
-        print(json.dumps(r), flush=True)
-        rows.append(r)
+        record(op, routing, shape, config, ms)
+
+
+def block_operands(g, t, n, k):
+    """x (T, K) and w (G, N, K) in e4m3, with 128-block scales in the kernel's layouts."""
+    x, w = torch.randn(t, k, device="cuda").to(E4M3), torch.randn(g, n, k, device="cuda").to(E4M3)
+    kb, nb = (k + 127) // 128, (n + 127) // 128
+    return x, w, (torch.rand(kb, t, device="cuda") + 0.5).t(), torch.rand(g, kb, nb, device="cuda") + 0.5
 
 
 def forward_rows(g, per, n, k):
     """Block and row-wise forwards, balanced and Zipf routing."""
     t = g * per
-    x, w = torch.randn(t, k, device="cuda").to(E4M3), torch.randn(g, n, k, device="cuda").to(E4M3)
-    kb, nb = (k + 127) // 128, (n + 127) // 128
-    sx_b, sw_b = (torch.rand(kb, t, device="cuda") + 0.5).t(), torch.rand(g, kb, nb, device="cuda") + 0.5
+    x, w, sx_b, sw_b = block_operands(g, t, n, k)
     sx_r, sw_r = torch.rand(t, device="cuda") + 0.5, torch.rand(g, n, device="cuda") + 0.5
     for routing in ("balanced",) if ONLY == "tails" else ("balanced", "zipf"):  # zipf: the suites' skew
         offs = offs_of(counts_for(g, per, routing))
@@ -67,10 +76,7 @@ def forward_rows(g, per, n, k):
 def order_rows(g, per, n, k):
     """Does the order of the experts' sizes matter? One interleaved comparison of the same
     Zipf counts in three orders (and balanced routing) through the heuristic's config."""
-    t = g * per
-    x, w = torch.randn(t, k, device="cuda").to(E4M3), torch.randn(g, n, k, device="cuda").to(E4M3)
-    kb, nb = (k + 127) // 128, (n + 127) // 128
-    sx, sw = (torch.rand(kb, t, device="cuda") + 0.5).t(), torch.rand(g, kb, nb, device="cuda") + 0.5
+    x, w, sx, sw = block_operands(g, g * per, n, k)
     zipf = counts_for(g, per, "zipf")
     shuffled = [zipf[i] for i in torch.randperm(g, generator=torch.Generator().manual_seed(0)).tolist()]
     orders = {"zipf_largest_first": zipf, "zipf_smallest_first": zipf[::-1], "zipf_shuffled": shuffled,
@@ -78,10 +84,7 @@ def order_rows(g, per, n, k):
     offs = {name: offs_of(c) for name, c in orders.items()}
     fns = {name: (lambda o=o: ops.grouped_mm_fp8(x, w, o, sx, sw, 2, torch.bfloat16, -1)) for name, o in offs.items()}
     for name, ms in timer.compare(fns).items():
-        r = dict(op="forward_block_order", routing=name, g=g, per=per, n=n, k=k, config="heuristic", ms=ms,
-                 tflops=2 * t * n * k / ms / 1e9)
-        print(json.dumps(r), flush=True)
-        rows.append(r)
+        record("forward_block_order", name, (g, per, n, k), "heuristic", ms)
 
 
 def wgrad_rows(g, per, n, k):
