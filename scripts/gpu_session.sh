@@ -54,6 +54,12 @@ for step in ${STEPS:-}; do
           DISTGEMM_FUZZ_REPORT="$OUT/fuzz_report_autotune$tune.jsonl" timeout "${T:-240}" python3 -m pytest -q -rs \
           -p no:cacheprovider "tests/gpu/test_fuzz_gpu.py::test_${t}_fuzz" > "$OUT/fuzz_${t}_autotune$tune.log" 2>&1 &
       done; wait; tail -n 3 "$OUT"/fuzz_*.log ;;
+    fuzz8) # the FP8 grouped ops' fuzz (forward/dgrad, wgrad), as users run them (autotuning on), in parallel
+      for t in grouped_mm_fp8 grouped_mm_wgrad_fp8; do
+        DISTGEMM_FUZZ_EXAMPLES="${FUZZ_EXAMPLES:-2000}" DISTGEMM_FUZZ_TIME_S="${FUZZ_TIME_S:-170}" \
+          DISTGEMM_FUZZ_REPORT="$OUT/fuzz_report_fp8.jsonl" timeout "${T:-240}" python3 -m pytest -q -rs \
+          -p no:cacheprovider "tests/gpu/test_fuzz_gpu.py::test_${t}_fuzz" > "$OUT/fuzz_${t}.log" 2>&1 &
+      done; wait; tail -n 25 "$OUT"/fuzz_grouped_mm_*fp8.log ;;
     gprofile) PROFILE_OUT="$OUT/grouped_profile.json" CUDA_MODULE_LOADING=EAGER timeout -s USR1 -k 15 "${T:-240}" \
       python3 scripts/dev/grouped_profile.py ${PROFILE_ROWS:-} > "$OUT/grouped_profile.log" 2>&1; tail -40 "$OUT/grouped_profile.log" ;;
     tuner_probe) PROBE_OUT="$OUT/tuner_probe.json" timeout "${T:-150}" python3 scripts/dev/tuner_probe.py > "$OUT/tuner_probe.log" 2>&1

@@ -57,10 +57,12 @@ void marshal_scales(const char* op, const Scales& s, const at::Tensor& a, dg_gro
 
 // Marshals the tensors into a dg_grouped_desc and runs it; the core checks every shape.
 // Checked here only what the desc cannot carry: devices, contiguity, offs as a flat int32
-// array, and b's dtype (the desc holds a's: b has the same, or is e4m3 against an e5m2 a).
+// array (a strided offs is copied: G values), and b's dtype (the desc holds a's: b has the
+// same, or is e4m3 against an e5m2 a).
 void run_grouped(dg_grouped_kind kind, const at::Tensor& a, const at::Tensor& b,
-                 const at::Tensor& offs, const at::Tensor& out, bool accumulate, int64_t backend,
+                 const at::Tensor& offs_in, const at::Tensor& out, bool accumulate, int64_t backend,
                  int64_t config, const Scales& scales = {}) {
+  const at::Tensor offs = offs_in.contiguous();
   const bool wgrad = kind == DG_GROUPED_WGRAD;
   const char* op = wgrad ? "distgemm.grouped_mm_wgrad" : "distgemm.grouped_mm";
   const char* a_name = wgrad ? "dy" : "x";

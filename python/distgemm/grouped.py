@@ -29,7 +29,8 @@ def _shape(t):
     return tuple(t.shape)
 
 
-def _check_offs(op: str, offs, groups: int, tokens: int, device) -> None:
+def _check_offs(op: str, offs, groups: int, tokens: int, device) -> torch.Tensor:
+    """offs checked, and contiguous (a strided view is copied: G values)."""
     if not isinstance(offs, torch.Tensor) or offs.dtype != torch.int32 or offs.dim() != 1:
         raise ValueError(f"{op}: offs must be a 1-D int32 tensor of cumulative group ends")
     if offs.device != device:
@@ -42,6 +43,7 @@ def _check_offs(op: str, offs, groups: int, tokens: int, device) -> None:
             raise ValueError(f"{op}: offs must be non-negative and non-decreasing, got {ends}")
         if ends and ends[-1] > tokens:
             raise ValueError(f"{op}: offs[-1] = {ends[-1]} is past the {tokens} rows of the input")
+    return offs.contiguous()
 
 
 def _check_out(op, out, shape, dtype, device, accumulate):
@@ -250,7 +252,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *,
         layout = "(G, N, K)" if trans_w else "(G, K, N)"
         raise ValueError(f"{op}: w must have shape {layout} with K = x.shape[1] = {k} "
                          f"(trans_w={trans_w}), got {_shape(w)}")
-    _check_offs(op, offs, groups, x.shape[0], x.device)
+    offs = _check_offs(op, offs, groups, x.shape[0], x.device)
     requested_dtype = out_dtype
     out_dtype = _out_dtype(op, x.dtype, out_dtype, out)
     _check_out(op, out, (x.shape[0], n), out_dtype, x.device, accumulate)
@@ -327,7 +329,7 @@ def grouped_mm_wgrad(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, *,
     if not isinstance(offs, torch.Tensor) or offs.dim() != 1:
         raise ValueError(f"{op}: offs must be a 1-D int32 tensor of cumulative group ends")
     groups, n, k = offs.numel(), dy.shape[1], x.shape[1]
-    _check_offs(op, offs, groups, x.shape[0], x.device)
+    offs = _check_offs(op, offs, groups, x.shape[0], x.device)
     if groups == 0:
         raise ValueError(f"{op}: offs must hold at least one group")
     out_dtype = _out_dtype(op, x.dtype, out_dtype, out)

@@ -5,7 +5,9 @@ the configurations of one shape are timed interleaved (distgemm.bench's Timer), 
 drift over the sweep falls on all of them alike."""
 
 import json
+import subprocess
 import sys
+import time
 
 import torch
 
@@ -23,11 +25,17 @@ def offs_of(counts):
     return torch.tensor(counts).cumsum(0).to(torch.int32).cuda()
 
 
-# ``--only wgrad`` (or forward, tails, order): one pass only; the other arguments name the
-# output file. tails: equal groups of 1-256 tokens, each group one partial tile (what a tile's
-# rows past its group's end cost). order: the block forward's default config on Zipf routing
-# with the experts in the suite's order (largest first), reversed and shuffled, and balanced.
-ONLY = sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else None
+# ``--only wgrad`` (or forward, tails, order, power, ksweep; several comma-separated): those
+# passes only; the other arguments name the output file. tails: equal groups of 1-256 tokens, each group one partial tile (what a
+# tile's rows past its group's end cost). order: the block forward's default config on Zipf
+# routing with the experts in the suite's order (largest first), reversed and shuffled, and
+# balanced. power: the block forward on random, zero and constant operands (the same work, less
+# switching in the tensor cores and on the wires): interleaved times, then each run alone for
+# ~2 s while nvidia-smi samples the board's power and SM clock. ksweep: the block and row-wise
+# forwards and torch._scaled_mm (row-wise and per-tensor) on one M x N at K = 128 ... 7168: the time
+# per wave of tiles against K separates a tile's fixed cost (epilogue, tile switch) from its
+# cost per 128 of K.
+PASSES = set(sys.argv[sys.argv.index("--only") + 1].split(",")) if "--only" in sys.argv else {"forward", "wgrad"}
 ARGS = [a for i, a in enumerate(sys.argv[1:], 1) if a != "--only" and sys.argv[i - 1] != "--only"]
 TAIL_SHAPES = [(264, per, 4096, 7168) for per in (1, 64, 128, 192, 256)]
 
@@ -66,7 +74,7 @@ def forward_rows(g, per, n, k):
     t = g * per
     x, w, sx_b, sw_b = block_operands(g, t, n, k)
     sx_r, sw_r = torch.rand(t, device="cuda") + 0.5, torch.rand(g, n, device="cuda") + 0.5
-    for routing in ("balanced",) if ONLY == "tails" else ("balanced", "zipf"):  # zipf: the suites' skew
+    for routing in ("balanced",) if "tails" in PASSES else ("balanced", "zipf"):  # zipf: the suites' skew
         offs = offs_of(counts_for(g, per, routing))
         for mode, code, sx, sw in (("block", 2, sx_b, sw_b), ("row", 1, sx_r, sw_r)):
             sweep(f"forward_{mode}", (g, per, n, k), ops.grouped_configs(0, E4M3, torch.bfloat16, 90, code),
@@ -87,6 +95,66 @@ def order_rows(g, per, n, k):
         record("forward_block_order", name, (g, per, n, k), "heuristic", ms)
 
 
+def sampled_power(fn, seconds=2.0):
+    """fn run back to back for ~seconds while nvidia-smi samples power (W) and SM clock (MHz);
+    (calls per second, mean W, max W, mean MHz, min MHz) over the samples of the busy phase."""
+    smi = subprocess.Popen(["nvidia-smi", "--query-gpu=power.draw,clocks.sm", "--format=csv,noheader,nounits",
+                            "-lms", "50"], stdout=subprocess.PIPE, text=True)
+    time.sleep(0.3)
+    torch.cuda.synchronize()
+    calls, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        for _ in range(10):
+            fn()
+        calls += 10
+        torch.cuda.synchronize()
+    rate = calls / (time.perf_counter() - start)
+    smi.terminate()
+    lines = smi.communicate()[0].strip().splitlines()
+    samples = [tuple(float(v) for v in line.split(",")) for line in lines if line.count(",") == 1]
+    busy = samples[len(samples) // 4:]  # skip the ramp (and the idle lead-in)
+    watts, mhz = [w for w, _ in busy], [c for _, c in busy]
+    return rate, sum(watts) / max(1, len(watts)), max(watts, default=0), sum(mhz) / max(1, len(mhz)), min(mhz, default=0)
+
+
+def power_rows(g, per, n, k):
+    """The block forward on random, all-zero and constant operands: same instructions, less
+    switching. If the kernel is power-limited, the quiet data run at higher clocks."""
+    x, w, sx, sw = block_operands(g, g * per, n, k)
+    offs = offs_of(counts_for(g, per, "balanced"))
+    data = {"random": (x, w), "x_zero": (torch.zeros_like(x), w),
+            "constant": (torch.ones_like(x), torch.ones_like(w))}
+    fns = {name: (lambda a=a, b=b: ops.grouped_mm_fp8(a, b, offs, sx, sw, 2, torch.bfloat16, -1))
+           for name, (a, b) in data.items()}
+    for name, ms in timer.compare(fns).items():
+        record("forward_block_data", name, (g, per, n, k), "heuristic", ms)
+    for name, fn in fns.items():
+        rate, watts, peak, mhz, low = sampled_power(fn)
+        record("forward_block_data_sustained", name, (g, per, n, k), "heuristic", 1e3 / rate)
+        rows[-1].update(watts_mean=round(watts, 1), watts_max=peak, sm_mhz_mean=round(mhz), sm_mhz_min=low)
+        print(json.dumps(rows[-1]), flush=True)
+
+
+def ksweep_rows(g, per, n, _k):
+    """Forwards of one (tokens, N) at growing K, and cuBLAS's dense row-wise FP8 GEMM of the same
+    total shape beside them, interleaved per K."""
+    t = g * per
+    offs = offs_of(counts_for(g, per, "balanced"))
+    for k in (128, 256, 512, 1024, 2048, 4096, 7168):
+        x, w, sx_b, sw_b = block_operands(g, t, n, k)
+        sx_r, sw_r = torch.rand(t, device="cuda") + 0.5, torch.rand(g, n, device="cuda") + 0.5
+        w_dense, one = w[0].t(), torch.ones((), device="cuda")  # (K, N) column-major: what _scaled_mm takes
+        fns = {"block": lambda: ops.grouped_mm_fp8(x, w, offs, sx_b, sw_b, 2, torch.bfloat16, -1),
+               "row": lambda: ops.grouped_mm_fp8(x, w, offs, sx_r, sw_r, 1, torch.bfloat16, -1),
+               # dense peers of the same total shape: row-wise (torch's own CUTLASS kernel on
+               # sm_90) and per-tensor scales (cuBLAS)
+               "torch_scaled_mm_row": lambda: torch._scaled_mm(x, w_dense, sx_r.view(-1, 1), sw_r[0].view(1, -1),
+                                                               out_dtype=torch.bfloat16),
+               "cublas_scaled_mm_tensor": lambda: torch._scaled_mm(x, w_dense, one, one, out_dtype=torch.bfloat16)}
+        for name, ms in timer.compare(fns).items():
+            record("forward_ksweep", name, (g, per, n, k), "heuristic", ms)
+
+
 def wgrad_rows(g, per, n, k):
     """The block wgrad into FP32 (accumulating), balanced and Zipf routing: dy^T (N, Tp) and
     x^T (K, Tp), padded per expert, hold room for either routing."""
@@ -100,12 +168,16 @@ def wgrad_rows(g, per, n, k):
               lambda c: ops.grouped_mm_wgrad_fp8_out(dy_t, x_t, offs, s_dy, s_x, out, True, c), routing)
 
 
-for shape in TAIL_SHAPES if ONLY == "tails" else SHAPES:
-    if ONLY == "order":
+for shape in TAIL_SHAPES if "tails" in PASSES else SHAPES:
+    if "order" in PASSES:
         order_rows(*shape)
-    if ONLY in ("tails", None, "forward"):
+    if "power" in PASSES and shape in SHAPES[:2]:
+        power_rows(*shape)
+    if "ksweep" in PASSES and shape in SHAPES[:2]:
+        ksweep_rows(*shape)
+    if PASSES & {"tails", "forward"}:
         forward_rows(*shape)
-    if ONLY in (None, "wgrad"):
+    if "wgrad" in PASSES:
         wgrad_rows(*shape)
     torch.cuda.empty_cache()  # each pass's operands are freed on its return
 with open(ARGS[0] if ARGS else "fp8_grouped_sweep.json", "w") as f:

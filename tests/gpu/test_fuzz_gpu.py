@@ -8,7 +8,11 @@ broadcast or at misaligned offsets. distgemm.grouped_mm: forward (trans_w=True) 
 T 0..4096, out= with accumulate on and off, out_dtype fp32, every grouped backend (mostly
 auto; DISTGEMM_FUZZ_GROUPED_BACKENDS lists the others, default "cublas,torch"); N and K
 multiples of 8, and 1 case in 20 not (then a clean refusal is accepted and counted).
-distgemm.grouped_mm_wgrad: fp32 / 16-bit out, new or given out, accumulate.
+distgemm.grouped_mm_wgrad: fp32 / 16-bit out, new or given out, accumulate. The FP8 grouped
+ops (float8 x and w with row-wise or 128-block scales in the layouts users hold, forward and
+dgrad, e5m2 x; the FP8 wgrad from quantize_fp8's padded transposed layout): the same routing,
+G up to 1000, N and K multiples of 16 (1 case in 20 not, or x at an 8-byte offset: copied or
+cleanly refused), scales over 2^-10..2^10, unrouted tokens' data and scales NaN.
 
 Every operand lives in a larger buffer of NaN sentinels (tests/fuzz_helpers.py): the
 buffers must be unchanged afterwards (inputs and their surroundings; for out= the bytes
@@ -70,6 +74,19 @@ def _run_case(tally: Tally, case: dict, body) -> None:
         if is_cuda_fatal(e):
             tally.fatal = f"{type(e).__name__}: {str(e)[:300]}"
         tally.record(case, [f"exception {type(e).__name__}: {str(e)[:300]}"], exception=True)
+
+
+def _fuzz(op: str, cases, check) -> None:
+    """Runs check on EXAMPLES cases drawn from the strategy `cases`; fails at the end on any problem."""
+    tally = Tally(op, EXAMPLES, fuzz_time_cap())
+
+    @FUZZ
+    @given(cases)
+    def run(case):
+        _run_case(tally, case, check)
+
+    run()
+    tally.finish()
 
 
 def _gen(seed: int):
@@ -185,15 +202,7 @@ def check_gemm(case):
 
 
 def test_gemm_fuzz():
-    tally = Tally("gemm", EXAMPLES, fuzz_time_cap())
-
-    @FUZZ
-    @given(gemm_cases())
-    def run(case):
-        _run_case(tally, case, check_gemm)
-
-    run()
-    tally.finish()
+    _fuzz("gemm", gemm_cases(), check_gemm)
 
 
 # ---------------------------------------------------------------- grouped routing
@@ -222,9 +231,10 @@ def _counts(case, tokens: int, groups: int) -> list:
     return counts.tolist()
 
 
-def _offs(counts) -> Placed:
+def _offs(case, counts) -> Placed:
+    """The group ends; 1 case in 6 as a strided view (every other int32 of its buffer)."""
     ends = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32).to(DEV)
-    return place(ends)
+    return Placed(ends, (2,)) if case.get("offs_strided") else place(ends)
 
 
 def _rows_with_tail(rows: int, cols: int, routed: int, dtype, gen, layout: str):
@@ -246,6 +256,16 @@ BACKENDS = ["auto"] * 6 + [b for b in os.environ.get("DISTGEMM_FUZZ_GROUPED_BACK
 GROUPED_DIM = st.one_of(st.integers(1, 96).map(lambda i: 8 * i), st.sampled_from([8, 16, 64, 128, 264, 1024, 2048]))
 
 
+def _routing_draws(draw) -> dict:
+    """The routing and output draws of the grouped cases (see _counts)."""
+    return dict(unaligned=draw(st.sampled_from([False] * 19 + [True])),
+                zero_frac=draw(st.sampled_from([0.0, 0.0, 0.25, 0.5, 0.9, 1.0])),
+                tail=draw(st.sampled_from([0, 0, 0, 1, 7, 100, 5000])),
+                skew=draw(st.sampled_from(["uniform", "zipf", "one"])),
+                out_mode=draw(st.sampled_from(["new", "out", "out_acc"])),
+                offs_strided=draw(st.sampled_from([False] * 5 + [True])))
+
+
 @st.composite
 def grouped_cases(draw, wgrad: bool):
     dtype = draw(st.sampled_from(["bf16", "fp16"]))
@@ -253,11 +273,7 @@ def grouped_cases(draw, wgrad: bool):
                 tokens=draw(st.one_of(st.integers(1, 64), st.integers(0, 4096), st.integers(0, 4096),
                                      st.sampled_from([0, 1, 4096]))),
                 n=draw(GROUPED_DIM), k=draw(GROUPED_DIM),
-                unaligned=draw(st.sampled_from([False] * 19 + [True])),
-                zero_frac=draw(st.sampled_from([0.0, 0.0, 0.25, 0.5, 0.9, 1.0])),
-                tail=draw(st.sampled_from([0, 0, 0, 1, 7, 100, 5000])),
-                skew=draw(st.sampled_from(["uniform", "zipf", "one"])),
-                out_mode=draw(st.sampled_from(["new", "out", "out_acc"])),
+                **_routing_draws(draw),
                 out_fp32=draw(st.booleans()), pass_out_dtype=draw(st.booleans()),
                 x_layout=draw(st.sampled_from(["contig", "contig", "offset16", "noncontig"])),
                 w_layout=draw(st.sampled_from(["contig", "contig", "noncontig"])),
@@ -302,6 +318,67 @@ def _refused(case, exc: Exception) -> bool:
         and not is_cuda_fatal(exc)
 
 
+def _forward_problems(y, out, init, acc, counts, xd, wd_nk, in_dtype, k) -> list:
+    """Problems of a grouped forward / dgrad result y (T, N): with out=, the rows past
+    offs[-1] left as they were; the routed rows against each expert's FP64 product of xd
+    (routed, K) and wd_nk (G, N, K), plus init where out accumulated, held per expert."""
+    problems = []
+    routed, tokens, groups = sum(counts), y.shape[0], len(counts)
+    if out is not None and routed < tokens and not same_values(y[routed:], init[routed:]):
+        problems.append(f"out: rows past offs[-1] = {routed} were written")
+    if routed == 0:
+        return problems
+    ref = torch.empty(routed, y.shape[1], dtype=torch.float64, device=DEV)
+    products = torch.empty_like(ref)
+    s = 0
+    for g, c in enumerate(counts):
+        if c:
+            torch.matmul(xd[s:s + c], wd_nk[g].T, out=ref[s:s + c])
+            torch.matmul(xd[s:s + c].abs(), wd_nk[g].abs().T, out=products[s:s + c])
+            s += c
+    bound = Bound(ref)
+    bound.products = products
+    if acc:
+        ref += init[:routed].double()
+        bound.add_rounded(init[:routed].double())
+    segments = torch.repeat_interleave(torch.arange(groups, device=DEV), torch.tensor(counts, device=DEV))
+    return problems + compare_segments(y[:routed], ref, bound, segments, groups, in_dtype,
+                                       accumulation_eps(in_dtype, k))
+
+
+def _wgrad_problems(y, init, acc, counts, operands_of, in_dtype) -> list:
+    """Problems of a grouped wgrad result y (G, N, K): experts without tokens zero (or, when
+    accumulating, unchanged); each other expert g against the FP64 product a @ b.T of
+    operands_of(g) = (a (N, count), b (K, count)), plus init where out accumulated."""
+    problems = []
+    live = [g for g, c in enumerate(counts) if c]
+    empty = [g for g, c in enumerate(counts) if not c]
+    if empty:
+        idx = torch.tensor(empty, device=DEV)
+        if acc and not same_values(y[idx], init[idx]):
+            problems.append(f"out: experts without tokens were changed (accumulate=True), of {empty[:8]}")
+        elif not acc and bool((y[idx] != 0).any()):
+            problems.append(f"out: experts without tokens are not zero, of {empty[:8]}")
+    if not live:
+        return problems
+    ref = torch.empty(len(live), y.shape[1], y.shape[2], dtype=torch.float64, device=DEV)
+    products = torch.empty_like(ref)
+    for i, g in enumerate(live):
+        a, b = operands_of(g)
+        torch.matmul(a, b.T, out=ref[i])
+        torch.matmul(a.abs(), b.abs().T, out=products[i])
+    idx = torch.tensor(live, device=DEV)
+    bound = Bound(ref)
+    bound.products = products
+    if acc:
+        ref += init[idx].double()
+        bound.add_rounded(init[idx].double())
+    eps = torch.tensor([accumulation_eps(in_dtype, counts[g]) for g in live], dtype=torch.float64,
+                       device=DEV).reshape(-1, 1, 1)
+    return problems + compare_segments(y[idx], ref, bound, torch.arange(len(live), device=DEV), len(live),
+                                       in_dtype, eps)
+
+
 # ---------------------------------------------------------------- distgemm.grouped_mm
 
 
@@ -315,7 +392,7 @@ def check_grouped_mm(case):
     w_shape = (groups, n, k) if trans_w else (groups, k, n)
     w_vals = _values(w_shape, dtype, gen, 0.25)
     w = place(w_vals, "transposed", 0) if case["w_layout"] == "noncontig" else place(w_vals)
-    offs = _offs(counts)
+    offs = _offs(case, counts)
     out_dtype = torch.float32 if case["out_fp32"] else dtype
     acc = case["out_mode"] == "out_acc"
     out, init = None, None
@@ -334,41 +411,13 @@ def check_grouped_mm(case):
                                              operands, out, (tokens, n), out_dtype)
     if refused or y is None:
         return problems, refused
-    if out is not None and routed < tokens and not same_values(y[routed:], init[routed:]):
-        problems.append(f"out: rows past offs[-1] = {routed} were written")
-    if routed == 0:
-        return problems, False
-    ref = torch.empty(routed, n, dtype=torch.float64, device=DEV)
-    products = torch.empty_like(ref)
-    s = 0
-    for g, c in enumerate(counts):
-        if c:
-            xg, wg = x.view[s:s + c].double(), w.view[g].double()
-            wg = wg.T if trans_w else wg
-            torch.matmul(xg, wg, out=ref[s:s + c])
-            torch.matmul(xg.abs(), wg.abs(), out=products[s:s + c])
-            s += c
-    bound = Bound(ref)
-    bound.products = products
-    if acc:
-        ref += init[:routed].double()
-        bound.add_rounded(init[:routed].double())
-    segments = torch.repeat_interleave(torch.arange(groups, device=DEV),
-                                       torch.tensor(counts, device=DEV))
-    problems += compare_segments(y[:routed], ref, bound, segments, groups, dtype, accumulation_eps(dtype, k))
+    w_nk = w.view.double() if trans_w else w.view.double().transpose(1, 2)
+    problems += _forward_problems(y, out, init, acc, counts, x.view[:routed].double(), w_nk, dtype, k)
     return problems, False
 
 
 def test_grouped_mm_fuzz():
-    tally = Tally("grouped_mm", EXAMPLES, fuzz_time_cap())
-
-    @FUZZ
-    @given(grouped_cases(wgrad=False))
-    def run(case):
-        _run_case(tally, case, check_grouped_mm)
-
-    run()
-    tally.finish()
+    _fuzz("grouped_mm", grouped_cases(wgrad=False), check_grouped_mm)
 
 
 # ---------------------------------------------------------------- distgemm.grouped_mm_wgrad
@@ -382,7 +431,7 @@ def check_grouped_mm_wgrad(case):
     gen = _gen(case["seed"])
     dy = _rows_with_tail(tokens, n, routed, dtype, gen, case["x_layout"])
     x = _rows_with_tail(tokens, k, routed, dtype, gen, "noncontig" if case["w_layout"] == "noncontig" else "contig")
-    offs = _offs(counts)
+    offs = _offs(case, counts)
     out_dtype = torch.float32 if case["out_fp32"] else dtype
     acc = case["out_mode"] == "out_acc"
     out, init = None, None
@@ -400,42 +449,247 @@ def check_grouped_mm_wgrad(case):
                                              case, operands, out, (groups, n, k), out_dtype)
     if refused or y is None:
         return problems, refused
-    live = [g for g, c in enumerate(counts) if c]
-    empty = [g for g, c in enumerate(counts) if not c]
-    if empty:
-        idx = torch.tensor(empty, device=DEV)
-        if acc and not same_values(y[idx], init[idx]):
-            problems.append(f"out: experts without tokens were changed (accumulate=True), of {empty[:8]}")
-        elif not acc and bool((y[idx] != 0).any()):
-            problems.append(f"out: experts without tokens are not zero, of {empty[:8]}")
-    if not live:
-        return problems, False
-    ref = torch.empty(len(live), n, k, dtype=torch.float64, device=DEV)
-    products = torch.empty_like(ref)
     starts = [0] + torch.tensor(counts).cumsum(0).tolist()
-    for i, g in enumerate(live):
-        dyg, xg = dy.view[starts[g]:starts[g + 1]].double(), x.view[starts[g]:starts[g + 1]].double()
-        torch.matmul(dyg.T, xg, out=ref[i])
-        torch.matmul(dyg.abs().T, xg.abs(), out=products[i])
-    idx = torch.tensor(live, device=DEV)
-    bound = Bound(ref)
-    bound.products = products
-    if acc:
-        ref += init[idx].double()
-        bound.add_rounded(init[idx].double())
-    eps = torch.tensor([accumulation_eps(dtype, counts[g]) for g in live], dtype=torch.float64,
-                       device=DEV).reshape(-1, 1, 1)
-    problems += compare_segments(y[idx], ref, bound, torch.arange(len(live), device=DEV), len(live), dtype, eps)
+
+    def operands_of(g):
+        rows = slice(starts[g], starts[g + 1])
+        return dy.view[rows].double().T, x.view[rows].double().T
+
+    problems += _wgrad_problems(y, init, acc, counts, operands_of, dtype)
     return problems, False
 
 
 def test_grouped_mm_wgrad_fuzz():
-    tally = Tally("grouped_mm_wgrad", EXAMPLES, fuzz_time_cap())
+    _fuzz("grouped_mm_wgrad", grouped_cases(wgrad=True), check_grouped_mm_wgrad)
 
-    @FUZZ
-    @given(grouped_cases(wgrad=True))
-    def run(case):
-        _run_case(tally, case, check_grouped_mm_wgrad)
 
-    run()
-    tally.finish()
+# ---------------------------------------------------------------- FP8 grouped ops
+#
+# distgemm.grouped_mm with float8 x and w: row-wise scales ((T,), (G, N), a scalar or one per
+# expert) or 128-block scales (x per 1 x 128 in any of the layouts users hold, w per 128 x 128
+# as (G, N/128, K/128) or a transposed view), forward and dgrad (w (G, K, N), or a (G, N, K)
+# tensor viewed transposed), e5m2 x against e4m3 w; distgemm.grouped_mm_wgrad with FP8 dy and
+# x from quantize_fp8(..., transpose=True, offs=offs). Routing, tails, out= and canaries as
+# above. The reference dequantizes the FP8 operands in FP64 (each block's scale written out
+# here, not taken from the library), so only the tensor cores' partial sums and the bf16 / FP32
+# output rounding separate the two.
+
+# K and N: multiples of 16 (FP8 rows are 16-byte aligned), across 128-block boundaries.
+FP8_DIM = st.one_of(st.integers(1, 64).map(lambda i: 16 * i),
+                    st.sampled_from([16, 112, 128, 144, 240, 256, 272, 384, 1040, 2048]))
+ROW_SCALES = ["row", "row", "row_scalar", "row_per_expert"]
+
+
+@st.composite
+def fp8_grouped_cases(draw, wgrad: bool):
+    case = dict(x_dtype=draw(st.sampled_from(["e4m3"] * 4 + ["e5m2"])),
+                groups=draw(st.one_of(st.integers(1, 8), st.integers(1, 64), st.sampled_from([160, 1000]))),
+                tokens=draw(st.one_of(st.integers(1, 300), st.integers(0, 4096), st.sampled_from([0, 1, 128, 4096]))),
+                n=draw(FP8_DIM), k=draw(FP8_DIM),
+                **_routing_draws(draw),
+                out_offset=draw(st.sampled_from([0, 16, 48, 512])),
+                x_layout=draw(st.sampled_from(["contig", "contig", "offset16", "pitched", "offset8"])),
+                scale_range=draw(st.sampled_from([1.0, 1.0, 2.0 ** 8, 2.0 ** -8])),
+                seed=draw(st.integers(0, 2 ** 31 - 1)))
+    if wgrad:
+        case.update(dy_layout=draw(st.sampled_from(["contig", "contig", "pitched"])),
+                    scale_layout=draw(st.sampled_from(["as_quantized", "as_quantized", "contiguous"])))
+    else:
+        case.update(mode=draw(st.sampled_from(["block", "block"] + ROW_SCALES)), trans_w=draw(st.booleans()),
+                    w_layout=draw(st.sampled_from(["contig", "contig", "other_major"])),
+                    sx_layout=draw(st.sampled_from(["t_major", "row_major", "pitched"])),
+                    sw_layout=draw(st.sampled_from(["contig", "contig", "transposed"])))
+    if case["x_layout"] == "offset8":  # x at an 8-byte offset: copied, or a clean refusal
+        case["unaligned"] = True
+    if case["unaligned"]:
+        case["n"] = max(1, case["n"] - draw(st.integers(1, 15)))
+        case["k"] = max(1, case["k"] - draw(st.integers(0, 15)))
+    if case["groups"] * case["n"] * case["k"] > 64 * 1024 * 1024:
+        case["k"] = max(16, (64 * 1024 * 1024 // (case["groups"] * case["n"])) // 16 * 16)
+    return case
+
+
+def _fp8_scales(shape, case, gen) -> torch.Tensor:
+    """Positive FP32 scales spread over [r/4, 4r) log-uniformly, r the case's scale range."""
+    e = torch.rand(*shape, generator=gen, device=DEV) * 4 - 2
+    return (2.0 ** e) * case["scale_range"]
+
+
+def _expand_blocks(scale: torch.Tensor, rows: int, cols: int, block_rows: int, block_cols: int):
+    """A (..., rows, cols) FP64 tensor of each element's block scale."""
+    s = scale.double()
+    if block_rows > 1:
+        s = s.repeat_interleave(block_rows, dim=-2)[..., :rows, :]
+    if block_cols > 1:
+        s = s.repeat_interleave(block_cols, dim=-1)[..., :cols]
+    return s
+
+
+def _fp8_rows_with_tail(rows, cols, routed, dtype, gen, layout):
+    values = _values((rows, cols), dtype, gen)
+    if rows > routed:
+        values[routed:] = sentinel_fill((rows - routed) * cols, dtype, DEV).view(rows - routed, cols)
+    if layout == "pitched":
+        return place(values, "pitched", 16)
+    return place(values, offset={"offset16": 16, "offset8": 8}.get(layout, 0))
+
+
+def _nan_past(values: torch.Tensor, routed: int, dim: int = 0) -> torch.Tensor:
+    """values with the entries of unrouted tokens (index >= routed along dim) set to NaN."""
+    values = values.clone()
+    if values.shape[dim] > routed:
+        values.narrow(dim, routed, values.shape[dim] - routed).fill_(float("nan"))
+    return values
+
+
+def _fp8_row_scale_w(case, groups, n, gen):
+    """Row-wise w scales: (G, N), a 0-d scalar or (G,) per expert; (placed, (G, N) FP64)."""
+    if case["mode"] == "row_scalar":
+        s = _fp8_scales((), case, gen)
+        return place(s), s.double().expand(groups, n)
+    if case["mode"] == "row_per_expert":
+        s = _fp8_scales((groups,), case, gen)
+        return place(s), s.double().reshape(groups, 1).expand(groups, n)
+    s = _fp8_scales((groups, n), case, gen)
+    return place(s), s.double()
+
+
+def _fp8_block_scale_x(case, tokens, kb, routed, gen):
+    """Block scales of x, (T, Kb): T-major (strides (1, T)), row-major or pitched;
+    (placed, values); the unrouted tokens' scales NaN."""
+    s = _nan_past(_fp8_scales((tokens, kb), case, gen), routed)
+    if case["sx_layout"] == "t_major":
+        return Placed(s, (1, max(tokens, 1)) if tokens else (1, 1)), s
+    if case["sx_layout"] == "pitched":
+        return place(s, "pitched", 3), s
+    return place(s), s
+
+
+def check_grouped_mm_fp8(case):
+    x_dtype, trans_w = F8[case["x_dtype"]], case["trans_w"]
+    groups, tokens, n, k = case["groups"], case["tokens"], case["n"], case["k"]
+    counts = _counts(case, tokens, groups)
+    routed = sum(counts)
+    gen = _gen(case["seed"])
+    x = _fp8_rows_with_tail(tokens, k, routed, x_dtype, gen, case["x_layout"])
+    w_nk = _values((groups, n, k), F8["e4m3"], gen)
+    # forward: w (G, N, K), contiguous or N-major (copied); dgrad: w (G, K, N), contiguous
+    # (copied transposed) or K-major (read in place, as GroupedLinear caches it)
+    w_vals = w_nk if trans_w else w_nk.transpose(1, 2)
+    w = place(w_vals, "transposed", 0) if case["w_layout"] == "other_major" else place(w_vals)
+    offs = _offs(case, counts)
+    kb, nb = (k + 127) // 128, (n + 127) // 128
+    if case["mode"] == "block":
+        sx, sx_vals = _fp8_block_scale_x(case, tokens, kb, routed, gen)
+        sw_nk = _fp8_scales((groups, nb, kb), case, gen)
+        sw_vals = sw_nk if trans_w else sw_nk.transpose(1, 2)  # (G, Kb, Nb) for a (G, K, N) w
+        sw = Placed(sw_vals, (sw_vals.shape[1] * sw_vals.shape[2], 1, sw_vals.shape[1])) \
+            if case["sw_layout"] == "transposed" else place(sw_vals.contiguous())
+        x_scale = _expand_blocks(sx_vals, tokens, k, 1, 128)
+        w_scale = _expand_blocks(sw_nk, n, k, 128, 128)
+    else:
+        sx_vals = _nan_past(_fp8_scales((tokens,), case, gen), routed)
+        sx = place(sx_vals)
+        sw, w_rows = _fp8_row_scale_w(case, groups, n, gen)
+        x_scale = sx_vals.double().reshape(-1, 1)
+        w_scale = w_rows.reshape(groups, n, 1)
+    acc = case["out_mode"] == "out_acc"
+    out, init = None, None
+    kwargs = {"trans_w": trans_w, "scale_x": sx.view, "scale_w": sw.view}
+    if case["out_mode"] != "new":
+        out = place_out((tokens, n), torch.bfloat16, DEV,
+                        _values((tokens, n), torch.bfloat16, gen) if acc else None, case["out_offset"])
+        init = out.view.clone()
+        kwargs.update(out=out.view, accumulate=acc)
+    operands = {"x": x, "w": w, "offs": offs, "out": out, "scale_x": sx, "scale_w": sw}
+    case = dict(case, backend="auto")
+    y, problems, refused = _run_grouped_case(distgemm.grouped_mm, (x.view, w.view, offs.view), kwargs, case,
+                                             operands, out, (tokens, n), torch.bfloat16)
+    if refused or y is None:
+        return problems, refused
+    problems += _forward_problems(y, out, init, acc, counts, x.view[:routed].double() * x_scale[:routed],
+                                  w_nk.double() * w_scale, x_dtype, k)
+    return problems, False
+
+
+def test_grouped_mm_fp8_fuzz():
+    _fuzz("grouped_mm_fp8", fp8_grouped_cases(wgrad=False), check_grouped_mm_fp8)
+
+
+def _padded_starts(counts) -> list:
+    """Each group's first column in quantize_fp8's padded transposed layout: 128 * (g + start // 128)."""
+    starts, s = [], 0
+    for g, c in enumerate(counts):
+        starts.append(128 * (g + s // 128))
+        s += c
+    return starts
+
+
+def check_grouped_mm_wgrad_fp8(case):
+    dy_dtype = F8[case["x_dtype"]]
+    groups, tokens, n, k = case["groups"], case["tokens"], case["n"], case["k"]
+    counts = _counts(case, tokens, groups)
+    routed = sum(counts)
+    gen = _gen(case["seed"])
+    # bf16 activations (unrouted rows NaN: the quantizer must not read them either), quantized
+    # the way a user does; then placed in canary buffers
+    dy_rows = _nan_past(torch.randn(tokens, n, generator=gen, device=DEV) * case["scale_range"], routed)
+    x_rows = _nan_past(torch.randn(tokens, k, generator=gen, device=DEV) * case["scale_range"], routed)
+    offs = _offs(case, counts)
+    try:
+        dy8, sdy8 = distgemm.quantize_fp8(dy_rows.to(torch.bfloat16), (1, 128), dtype=dy_dtype, transpose=True,
+                                          offs=offs.view)
+        x8, sx8 = distgemm.quantize_fp8(x_rows.to(torch.bfloat16), (1, 128), transpose=True, offs=offs.view)
+    except (ValueError, NotImplementedError, RuntimeError) as e:
+        if case["unaligned"] and not is_cuda_fatal(e):
+            return [], True
+        raise
+    tp = dy8.shape[1]
+
+    def placed(data, layout):
+        if layout == "pitched":
+            return place(data, "pitched", 16)
+        return place(data, offset={"offset16": 16, "offset8": 8}.get(layout, 0))
+
+    dy = placed(dy8, case["dy_layout"])
+    x = placed(x8, case["x_layout"])
+    if case["scale_layout"] == "contiguous":
+        sdy, sx = place(sdy8.contiguous()), place(sx8.contiguous())
+    else:
+        sdy, sx = Placed(sdy8, sdy8.stride()), Placed(sx8, sx8.stride())
+    acc = case["out_mode"] == "out_acc"
+    out, init = None, None
+    kwargs = {"scale_dy": sdy.view, "scale_x": sx.view}
+    if case["out_mode"] != "new":
+        out = place_out((groups, n, k), torch.float32, DEV,
+                        _values((groups, n, k), torch.float32, gen) if acc else None, case["out_offset"])
+        init = out.view.clone()
+        kwargs.update(out=out.view, accumulate=acc)
+    operands = {"dy": dy, "x": x, "offs": offs, "out": out, "scale_dy": sdy, "scale_x": sx}
+    case = dict(case, backend="auto")
+    y, problems, refused = _run_grouped_case(distgemm.grouped_mm_wgrad, (dy.view, x.view, offs.view), kwargs,
+                                             case, operands, out, (groups, n, k), torch.float32)
+    if refused or y is None:
+        return problems, refused
+    # the reference: each group's padded columns, dequantized with their 128-token scales
+    dyd = dy8.double() * _expand_blocks(sdy8, n, tp, 1, 128)
+    xd = x8.double() * _expand_blocks(sx8, k, tp, 1, 128)
+    starts = _padded_starts(counts)
+    # the quantizer's padding columns are zero (a group reading past its tokens would still
+    # match the reference): check that they are
+    covered = torch.zeros(tp, dtype=torch.bool, device=DEV)
+    for g, c in enumerate(counts):
+        covered[starts[g]:starts[g] + c] = True
+    if bool((dy8[:, ~covered].float() != 0).any()) or bool((x8[:, ~covered].float() != 0).any()):
+        problems.append("quantize_fp8: padding columns of the transposed layout are not zero")
+
+    def operands_of(g):
+        cols = slice(starts[g], starts[g] + counts[g])
+        return dyd[:, cols], xd[:, cols]
+
+    problems += _wgrad_problems(y, init, acc, counts, operands_of, dy_dtype)
+    return problems, False
+
+
+def test_grouped_mm_wgrad_fp8_fuzz():
+    _fuzz("grouped_mm_wgrad_fp8", fp8_grouped_cases(wgrad=True), check_grouped_mm_wgrad_fp8)
