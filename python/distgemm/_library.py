@@ -72,3 +72,9 @@ def needs_autograd(*tensors) -> bool:
         if getattr(t, "requires_grad", False):
             return True
     return False
+
+
+def aligned16(t):
+    """t, or a copy of it where its data is not 16-byte aligned (a view at an odd offset): the
+    kernels' TMA descriptors need 16-byte aligned bases."""
+    return t if t is None or t.data_ptr() % 16 == 0 else t.clone()

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from . import autotune
-from ._library import device_arch, has_kernels, needs_autograd, ops, warn_once
+from ._library import aligned16, device_arch, has_kernels, needs_autograd, ops, warn_once
 from ._repeat_calls import RepeatCalls
 
 FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -474,11 +474,6 @@ def kernel_out_dtype(a_dtype, b_dtype, out_dtype, arch: int,
             if (arch, a_dtype, b_dtype, candidate, fast) in _COMPILED:
                 return candidate, fast
     return None, fast_accum
-
-
-def aligned16(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """t, or a copy of it where its data is not 16-byte aligned (a view at an odd offset)."""
-    return t if t is None or t.data_ptr() % 16 == 0 else t.clone()
 
 
 def _flat(scale: Optional[torch.Tensor]) -> Optional[torch.Tensor]:

@@ -15,7 +15,7 @@ from typing import Callable, Optional, Tuple
 import torch
 
 from . import autotune, grouped_autotune
-from ._library import device_arch, env_flag, has_kernels, needs_autograd, ops, warn_once
+from ._library import aligned16, device_arch, env_flag, has_kernels, needs_autograd, ops, warn_once
 from ._repeat_calls import RepeatCalls
 from ._routing import group_bounds
 from .grouped_fp8 import FLOAT8, grouped_mm_fp8, grouped_mm_wgrad_fp8
@@ -170,6 +170,7 @@ def _call_signature(x, w, offs, out_dtype, trans_w) -> Optional[tuple]:
     try:
         return (x.shape, x.stride(), x.dtype, x.device, w.shape, w.stride(), w.dtype, w.device,
                 offs.shape, offs.stride(), offs.dtype, offs.device, out_dtype, trans_w,
+                x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0,
                 _ENVIRON.get(_BACKEND_VAR), _ENVIRON.get(_DEBUG_VAR))
     except AttributeError:  # not tensors: the checks name the argument
         return None
@@ -260,8 +261,8 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *,
     backend, torch_may_answer = _backend(op, x.device, n, k, x.dtype, out_dtype, 0 if trans_w else 1, accumulate)
     if backend in ("cutlass", "cublas"):
         code = _CUTLASS if backend == "cutlass" else _CUBLAS
-        in_place = x.is_contiguous() and w.is_contiguous()
-        x, w = x.contiguous(), w.contiguous()
+        in_place = x.is_contiguous() and w.is_contiguous() and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0
+        x, w = aligned16(x.contiguous()), aligned16(w.contiguous())
         autograd = needs_autograd(x, w)
         config, choice, settled = -1, backend, True
         if code == _CUTLASS:
@@ -338,7 +339,7 @@ def grouped_mm_wgrad(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, *,
     backend, torch_may_answer = _backend(op, x.device, n, k, x.dtype, out_dtype, 2, accumulate)
     if backend in ("cutlass", "cublas"):
         code = _CUTLASS if backend == "cutlass" else _CUBLAS
-        dy, x = dy.contiguous(), x.contiguous()
+        dy, x = aligned16(dy.contiguous()), aligned16(x.contiguous())
         config, choice = -1, backend
         if code == _CUTLASS:
             choice = _tuned_wgrad(dy, x, offs, out, accumulate, out_dtype,

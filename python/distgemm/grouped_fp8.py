@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from . import grouped_autotune
-from ._library import device_arch, has_kernels, ops
+from ._library import aligned16, device_arch, has_kernels, ops
 from ._routing import group_bounds
 
 FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -173,7 +173,7 @@ def grouped_mm_fp8(x, w, offs, *, scale_x, scale_w, out=None, accumulate=False,
         if out is None:
             out = torch.zeros((x.shape[0], n), dtype=out_dtype, device=x.device)
         return reference_grouped_mm_fp8(x, w_nk, offs, mode, sx, sw, out, accumulate)
-    x, w_nk = x.contiguous(), w_nk.contiguous()  # a transposed copy for a (G, K, N) w
+    x, w_nk = aligned16(x.contiguous()), aligned16(w_nk.contiguous())  # a transposed copy for a (G, K, N) w
     if out is None:
         return ops.grouped_mm_fp8(x, w_nk, offs, sx, sw, mode, out_dtype)
     ops.grouped_mm_fp8_out(x, w_nk, offs, sx, sw, mode, out, accumulate)
@@ -243,7 +243,7 @@ def grouped_mm_wgrad_fp8(dy_t, x_t, offs, *, scale_dy, scale_x, out=None, accumu
         return reference_grouped_mm_wgrad_fp8(dy_t, x_t, offs, scale_dy, scale_x, out, accumulate)
     # The kernel reads the scales as (Tp/128, N) and (Tp/128, K) contiguous.
     sdy, sx = scale_dy.t().contiguous(), scale_x.t().contiguous()
-    dy_t, x_t = dy_t.contiguous(), x_t.contiguous()
+    dy_t, x_t = aligned16(dy_t.contiguous()), aligned16(x_t.contiguous())
     if out is None:
         out = torch.empty((groups, n, k), dtype=torch.float32, device=dy_t.device)
 

@@ -29,8 +29,8 @@ from typing import Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ._library import device_arch, has_kernels, needs_autograd, ops, warn_once
-from .dense import (FLOAT8, _block_scaled_gemm, _flat, aligned16, check_operands, gemm_unchecked, grad_of_c,
+from ._library import aligned16, device_arch, has_kernels, needs_autograd, ops, warn_once
+from .dense import (FLOAT8, _block_scaled_gemm, _flat, check_operands, gemm_unchecked, grad_of_c,
                     is_block_scaled, kernel_out_dtype, kernel_ready)
 
 # distgemm never uses NVLink multicast: symmetric memory must not create multicast objects.

@@ -11,8 +11,9 @@ multiples of 8, and 1 case in 20 not (then a clean refusal is accepted and count
 distgemm.grouped_mm_wgrad: fp32 / 16-bit out, new or given out, accumulate. The FP8 grouped
 ops (float8 x and w with row-wise or 128-block scales in the layouts users hold, forward and
 dgrad, e5m2 x; the FP8 wgrad from quantize_fp8's padded transposed layout): the same routing,
-G up to 1000, N and K multiples of 16 (1 case in 20 not, or x at an 8-byte offset: copied or
-cleanly refused), scales over 2^-10..2^10, unrouted tokens' data and scales NaN.
+G up to 1000, N and K multiples of 16 (1 case in 20 not: computed or cleanly refused), x at
+16- and 8-byte offsets (misaligned views are copied), scales over 2^-10..2^10, unrouted
+tokens' data and scales NaN. offs is now and then a strided view.
 
 Every operand lives in a larger buffer of NaN sentinels (tests/fuzz_helpers.py): the
 buffers must be unchanged afterwards (inputs and their surroundings; for out= the bytes
@@ -244,7 +245,7 @@ def _rows_with_tail(rows: int, cols: int, routed: int, dtype, gen, layout: str):
         values[routed:] = sentinel_fill((rows - routed) * cols, dtype, DEV).view(rows - routed, cols)
     if layout == "noncontig":
         return place(values, "pitched", 8)
-    return place(values, offset=8 if layout == "offset16" else 0)
+    return place(values, offset={"offset16": 8, "offset2": 1}.get(layout, 0))  # bf16 / fp16 elements
 
 
 # DISTGEMM_GROUPED_BACKEND per case: mostly auto; the others as listed in
@@ -275,7 +276,7 @@ def grouped_cases(draw, wgrad: bool):
                 n=draw(GROUPED_DIM), k=draw(GROUPED_DIM),
                 **_routing_draws(draw),
                 out_fp32=draw(st.booleans()), pass_out_dtype=draw(st.booleans()),
-                x_layout=draw(st.sampled_from(["contig", "contig", "offset16", "noncontig"])),
+                x_layout=draw(st.sampled_from(["contig", "contig", "offset16", "offset2", "noncontig"])),
                 w_layout=draw(st.sampled_from(["contig", "contig", "noncontig"])),
                 out_offset=draw(st.sampled_from([0, 16, 48, 512])),
                 backend=draw(st.sampled_from(BACKENDS)), seed=draw(st.integers(0, 2 ** 31 - 1)))
@@ -499,8 +500,6 @@ def fp8_grouped_cases(draw, wgrad: bool):
                     w_layout=draw(st.sampled_from(["contig", "contig", "other_major"])),
                     sx_layout=draw(st.sampled_from(["t_major", "row_major", "pitched"])),
                     sw_layout=draw(st.sampled_from(["contig", "contig", "transposed"])))
-    if case["x_layout"] == "offset8":  # x at an 8-byte offset: copied, or a clean refusal
-        case["unaligned"] = True
     if case["unaligned"]:
         case["n"] = max(1, case["n"] - draw(st.integers(1, 15)))
         case["k"] = max(1, case["k"] - draw(st.integers(0, 15)))
@@ -511,7 +510,7 @@ def fp8_grouped_cases(draw, wgrad: bool):
 
 def _fp8_scales(shape, case, gen) -> torch.Tensor:
     """Positive FP32 scales spread over [r/4, 4r) log-uniformly, r the case's scale range."""
-    e = torch.rand(*shape, generator=gen, device=DEV) * 4 - 2
+    e = torch.rand(tuple(shape), generator=gen, device=DEV) * 4 - 2
     return (2.0 ** e) * case["scale_range"]
 
 

@@ -79,10 +79,14 @@ def _wgrad_references(ref_of):
     return [ref_of(g, s, c) for g, (s, c) in enumerate(zip(starts, COUNTS))]
 
 
-def _check_wgrad(dw, refs, what):
+def _check_wgrad(dw, refs, what, peer_errors=None):
+    """Norm-wise error per expert below 1e-3, or within 1.25x of the peer's (cuBLAS on the same
+    bf16 inputs: the tensor cores' FP32 accumulation over ~10^6 tokens drifts toward zero by
+    ~10^-3 there too)."""
     for g, ref_g in enumerate(refs):
         err = float((dw[g] - ref_g).norm() / ref_g.norm())
-        assert err < 1e-3, f"{what}, expert {g}: relative error {err:.2e}"
+        limit = max(1e-3, 1.25 * peer_errors[g]) if peer_errors else 1e-3
+        assert err < limit, f"{what}, expert {g}: relative error {err:.2e} (limit {limit:.2e})"
 
 
 def test_bf16_grouped_forward_dgrad_and_wgrad(operands):
@@ -104,10 +108,14 @@ def test_bf16_grouped_forward_dgrad_and_wgrad(operands):
     # wgrad: out_g = y_g^T @ x_g, each expert's reduction over ~10^6 tokens; FP32 cuBLAS reference
     dy = distgemm.grouped_mm(x, w, offs)
     refs = _wgrad_references(lambda g, s, c: dy[s:s + c].float().T @ x[s:s + c].float())
+    peer = _wgrad_references(lambda g, s, c: torch.bmm(dy[s:s + c].T.unsqueeze(0), x[s:s + c].unsqueeze(0),
+                                                       out_dtype=torch.float32)[0])
+    peer_errors = [float((p - r).norm() / r.norm()) for p, r in zip(peer, refs)]
     for config, name in _configs(2, bf, torch.float32):
         dw = (distgemm.grouped_mm_wgrad(dy, x, offs) if config < 0
               else ops.grouped_mm_wgrad(dy, x, offs, torch.float32, 0, config))
-        _check_wgrad(dw, refs, f"bf16 wgrad {name}")
+        _check_wgrad(dw, refs, f"bf16 wgrad {name}", peer_errors)
+    print("bf16 wgrad: cuBLAS bmm's relative errors per expert", [f"{e:.2e}" for e in peer_errors])
 
 
 def test_fp8_grouped_forward_and_wgrad(operands):
