@@ -74,7 +74,12 @@ def needs_autograd(*tensors) -> bool:
     return False
 
 
+def is_aligned16(*tensors) -> bool:
+    """Whether every tensor's data is 16-byte aligned (the kernels' TMA descriptors need it).
+    True while torch.compile traces (no data pointers then; the op checks them at run time)."""
+    return torch.compiler.is_compiling() or all(t.data_ptr() % 16 == 0 for t in tensors)
+
+
 def aligned16(t):
-    """t, or a copy of it where its data is not 16-byte aligned (a view at an odd offset): the
-    kernels' TMA descriptors need 16-byte aligned bases."""
-    return t if t is None or t.data_ptr() % 16 == 0 else t.clone()
+    """t, or a copy of it where its data is not 16-byte aligned (a view at an odd offset)."""
+    return t if t is None or is_aligned16(t) else t.clone()

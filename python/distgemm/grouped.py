@@ -15,7 +15,7 @@ from typing import Callable, Optional, Tuple
 import torch
 
 from . import autotune, grouped_autotune
-from ._library import aligned16, device_arch, env_flag, has_kernels, needs_autograd, ops, warn_once
+from ._library import aligned16, device_arch, is_aligned16, env_flag, has_kernels, needs_autograd, ops, warn_once
 from ._repeat_calls import RepeatCalls
 from ._routing import group_bounds
 from .grouped_fp8 import FLOAT8, grouped_mm_fp8, grouped_mm_wgrad_fp8
@@ -170,7 +170,7 @@ def _call_signature(x, w, offs, out_dtype, trans_w) -> Optional[tuple]:
     try:
         return (x.shape, x.stride(), x.dtype, x.device, w.shape, w.stride(), w.dtype, w.device,
                 offs.shape, offs.stride(), offs.dtype, offs.device, out_dtype, trans_w,
-                x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0,
+                is_aligned16(x, w),
                 _ENVIRON.get(_BACKEND_VAR), _ENVIRON.get(_DEBUG_VAR))
     except AttributeError:  # not tensors: the checks name the argument
         return None
@@ -261,7 +261,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *,
     backend, torch_may_answer = _backend(op, x.device, n, k, x.dtype, out_dtype, 0 if trans_w else 1, accumulate)
     if backend in ("cutlass", "cublas"):
         code = _CUTLASS if backend == "cutlass" else _CUBLAS
-        in_place = x.is_contiguous() and w.is_contiguous() and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0
+        in_place = x.is_contiguous() and w.is_contiguous() and is_aligned16(x, w)
         x, w = aligned16(x.contiguous()), aligned16(w.contiguous())
         autograd = needs_autograd(x, w)
         config, choice, settled = -1, backend, True
@@ -289,6 +289,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *,
         ops.grouped_mm_out(x, w, offs, out, accumulate, trans_w, code, config)
         return out
     if backend == "torch":
+        x, w = aligned16(x), aligned16(w)
         y = torch._grouped_mm(x, w.transpose(-2, -1) if trans_w else w, offs=offs, out_dtype=out_dtype)
         if out is None:
             return y
@@ -355,6 +356,7 @@ def grouped_mm_wgrad(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, *,
         ops.grouped_mm_wgrad_out(dy, x, offs, out, accumulate, code, config)
         return out
     if backend == "torch":
+        dy, x = aligned16(dy), aligned16(x)
         y = torch._grouped_mm(dy.T, x, offs=offs, out_dtype=out_dtype)
         return y if out is None else out.copy_(y)  # accumulate never takes this backend
     if out is None and x.device.type == "cpu":

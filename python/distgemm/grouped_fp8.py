@@ -90,7 +90,7 @@ def _scales(op, x, w_nk, scale_x, scale_w, trans_w):
             layout = "(G, ceil(N/128), ceil(K/128))" if trans_w else "(G, ceil(K/128), ceil(N/128))"
             raise ValueError(f"{op}: block scales: scale_w must be {layout} = {want_w} for w "
                              f"{'(G, N, K)' if trans_w else '(G, K, N)'}, got {_shape(scale_w)}")
-        if tokens > 1 and kb > 1 and scale_x.stride(0) != 1:
+        if tokens > 1 and scale_x.stride(0) != 1:
             scale_x = scale_x.t().contiguous().t()  # T-major, as PyTorch and DeepGEMM hold it
         # The kernel reads w's scales as (G, Kb, Nb), N blocks contiguous.
         scale_w = (scale_w.transpose(1, 2) if trans_w else scale_w).contiguous()

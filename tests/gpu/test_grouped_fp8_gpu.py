@@ -105,6 +105,25 @@ def test_forward_accepts_contiguous_row_major_block_scales_and_scalar_row_scales
     assert torch.equal(scalar, rows)
 
 
+@pytest.mark.parametrize("k", [96, 384])  # one K block (scale_x (T, 1)) and several
+def test_forward_accepts_views_the_kernel_cannot_read_in_place(k):
+    """Found by the FP8 fuzz: x at an 8-byte offset (the TMA base must be 16-byte aligned), a
+    strided offs, and a pitched row-major scale_x with one K block were refused; each is now
+    copied into the layout the kernel reads and gives the same bits."""
+    counts, n = [300, 0, 212], 256
+    x, w, sx, sw, _, _ = block_inputs(counts, n, k)
+    offs = make_offs(counts)
+    ref = distgemm.grouped_mm(x, w, offs, scale_x=sx, scale_w=sw)
+    x_odd = torch.empty(x.numel() + 8, dtype=x.dtype, device=DEV)[8:].view(x.shape)
+    x_odd.copy_(x)
+    offs_strided = torch.stack([offs, offs], 1).reshape(-1)[::2]
+    sx_pitched = torch.empty(x.shape[0], sx.shape[1] + 3, device=DEV)[:, :sx.shape[1]]
+    sx_pitched.copy_(sx)
+    assert x_odd.data_ptr() % 16 and not offs_strided.is_contiguous() and sx_pitched.stride(0) != 1
+    same = distgemm.grouped_mm(x_odd, w, offs_strided, scale_x=sx_pitched, scale_w=sw)
+    assert torch.equal(ref, same)
+
+
 def test_dgrad_reads_the_weight_transposed():
     """dx = dy @ W[g] with W (G, N, K): trans_w=False on W viewed (G, K_gemm=N, N_gemm=K), its
     128 x 128 scales read transposed; equal to the forward form on W^T made contiguous."""
