@@ -42,7 +42,7 @@ TAIL_SHAPES = [(264, per, 4096, 7168) for per in (1, 64, 128, 192, 256)]
 SHAPES = [(8, 4096, 4096, 7168), (8, 4096, 7168, 2048), (32, 1024, 4096, 7168),
           (32, 1024, 7168, 2048), (64, 512, 4096, 7168), (4, 8192, 7168, 2048)]
 rows = []
-timer = Timer()
+timer = Timer() if "--plot" not in sys.argv else None
 
 
 def record(op, routing, shape, config, ms):
@@ -168,6 +168,37 @@ def wgrad_rows(g, per, n, k):
               lambda c: ops.grouped_mm_wgrad_fp8_out(dy_t, x_t, offs, s_dy, s_x, out, True, c), routing)
 
 
+def plot_ksweep(rows, path_png):
+    """Time against K of each forward in the K sweep, one panel per N; the fitted slope
+    (us per 128 of K) and intercept (a tile wave's fixed cost times the waves) in the legend."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+    sweep_rows = [r for r in rows if r["op"] == "forward_ksweep"]
+    ns = sorted({r["n"] for r in sweep_rows})
+    if not ns:
+        return
+    fig, axes = plt.subplots(1, len(ns), figsize=(6 * len(ns), 4.5), squeeze=False)
+    for ax, n in zip(axes[0], ns):
+        for name in dict.fromkeys(r["routing"] for r in sweep_rows if r["n"] == n):
+            pts = sorted((r["k"], r["ms"] * 1e3) for r in sweep_rows if r["n"] == n and r["routing"] == name)
+            k, us = np.array(pts, dtype=float).T
+            slope, fixed = np.polyfit(k[2:] / 128, us[2:], 1)  # K >= 512: past the launch-bound points
+            ax.plot(k, us, "o-", label=f"{name}: {slope:.1f} us / 128 K + {fixed:.0f} us")
+        g, per = sweep_rows[0]["g"], sweep_rows[0]["per"]
+        ax.set(title=f"FP8 forward, {g} x {per} tokens, N {n}", xlabel="K", ylabel="us")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path_png, dpi=110)
+
+
+if "--plot" in sys.argv:  # plot a recorded K sweep: --plot results.json
+    with open(sys.argv[sys.argv.index("--plot") + 1]) as f:
+        plot_ksweep(json.load(f)["rows"], sys.argv[sys.argv.index("--plot") + 1].replace(".json", ".png"))
+    sys.exit(0)
+
 for shape in TAIL_SHAPES if "tails" in PASSES else SHAPES:
     if "order" in PASSES:
         order_rows(*shape)
@@ -180,5 +211,8 @@ for shape in TAIL_SHAPES if "tails" in PASSES else SHAPES:
     if "wgrad" in PASSES:
         wgrad_rows(*shape)
     torch.cuda.empty_cache()  # each pass's operands are freed on its return
-with open(ARGS[0] if ARGS else "fp8_grouped_sweep.json", "w") as f:
+OUT_JSON = ARGS[0] if ARGS else "fp8_grouped_sweep.json"
+with open(OUT_JSON, "w") as f:
     json.dump({"env": env_info(1), "rows": rows}, f, indent=1)
+if "ksweep" in PASSES:
+    plot_ksweep(rows, OUT_JSON.replace(".json", ".png"))
