@@ -25,10 +25,10 @@ def _sample_rows():
     rows = set(range(0, 300)) | set(range(T - 300, T))
     for r in ENDS[:-1] + [2 ** 31 // K]:
         rows |= set(range(r - 200, r + 200))
-    return torch.tensor(sorted(rows), device=DEV)
+    return torch.tensor(sorted(rows))
 
 
-ROWS = _sample_rows()
+ROWS_HOST = _sample_rows()  # moved to the GPU by each test (collection runs without one)
 
 
 def _group_of(rows):
@@ -45,14 +45,14 @@ def operands():
     torch.cuda.empty_cache()
 
 
-def _check_rows(out_rows, ref_rows, terms, what):
+def _check_rows(rows, out_rows, ref_rows, terms, what):
     """|out - ref| <= 2^-8 |ref| + 2^-10 * sum|terms| (bf16 output rounding, the tensor cores'
     partial sums), elementwise on the sampled rows."""
     err = (out_rows.double() - ref_rows).abs()
     limit = ref_rows.abs() * 2.0 ** -8 + terms * 2.0 ** -10 + 1e-30
     bad = err > limit
     assert not bool(bad.any()), (f"{what}: {int(bad.sum())} of {bad.numel()} sampled elements wrong; rows "
-                                 f"{ROWS[bad.any(1)][:8].tolist()}")
+                                 f"{rows[bad.any(1)][:8].tolist()}")
 
 
 def _per_row_reference(x_rows, w_all, groups):
@@ -89,19 +89,20 @@ def _check_wgrad(dw, refs, what, limit):
 
 def test_bf16_grouped_forward_dgrad_and_wgrad(operands):
     x, offs = operands
+    rows = ROWS_HOST.to(DEV)
     assert x.numel() > 2 ** 31
     bf = torch.bfloat16
     w = torch.randn(3, N, K, device=DEV, dtype=bf) * 0.05
     # dgrad: x as dy (T, 1024) against w2 (G, 1024, 256): dx_g = dy_g @ w2_g
     w2 = torch.randn(3, K, N, device=DEV, dtype=bf) * 0.05
-    groups = _group_of(ROWS)
-    xr = x[ROWS].double()
+    groups = _group_of(rows)
+    xr = x[rows].double()
     for kind, weight, w_rows in ((0, w, w.double()), (1, w2, w2.double().transpose(1, 2))):
         ref, terms = _per_row_reference(xr, w_rows, groups)
         for config, name in _configs(kind, bf, bf):
             y = (distgemm.grouped_mm(x, weight, offs, trans_w=kind == 0) if config < 0
                  else ops.grouped_mm(x, weight, offs, bf, kind == 0, 0, config))
-            _check_rows(y[ROWS], ref, terms, f"bf16 {'forward' if kind == 0 else 'dgrad'} {name}")
+            _check_rows(rows, y[rows], ref, terms, f"bf16 {'forward' if kind == 0 else 'dgrad'} {name}")
             del y
     # wgrad: out_g = y_g^T @ x_g, each expert's reduction over ~10^6 tokens; FP32 cuBLAS reference
     dy = distgemm.grouped_mm(x, w, offs)
@@ -116,17 +117,18 @@ def test_bf16_grouped_forward_dgrad_and_wgrad(operands):
 
 def test_fp8_grouped_forward_and_wgrad(operands):
     x, offs = operands
+    rows = ROWS_HOST.to(DEV)
     x8, sx = distgemm.quantize_fp8(x, (1, 128))  # sx (T, 8), T-major: the kernel's layout
     assert x8.numel() > 2 ** 31
     w = torch.randn(3, N, K, device=DEV, dtype=torch.bfloat16)
     w8, sw = distgemm.quantize_fp8(w, (128, 128))
-    groups = _group_of(ROWS)
+    groups = _group_of(rows)
     # block scales; then row-wise ones on the same data
     sx_row, sw_row = sx[:, 0].contiguous(), sw[:, :, 0].repeat_interleave(128, 1)[:, :N].contiguous()
     modes = {
         2: (sx, sw, sw.transpose(1, 2).contiguous(),
-            dequantize_blocks(x8[ROWS], sx[ROWS], 1, 128).double(), dequantize_blocks(w8, sw, 128, 128).double()),
-        1: (sx_row, sw_row, sw_row, x8[ROWS].double() * sx_row[ROWS].double().unsqueeze(1),
+            dequantize_blocks(x8[rows], sx[rows], 1, 128).double(), dequantize_blocks(w8, sw, 128, 128).double()),
+        1: (sx_row, sw_row, sw_row, x8[rows].double() * sx_row[rows].double().unsqueeze(1),
             w8.double() * sw_row.double().unsqueeze(2)),
     }
     for mode, (scale_x, scale_w, scale_w_kernel, xd, wd) in modes.items():
@@ -134,7 +136,7 @@ def test_fp8_grouped_forward_and_wgrad(operands):
         for config, name in _configs(0, E4M3, torch.bfloat16, mode):
             y = (distgemm.grouped_mm(x8, w8, offs, scale_x=scale_x, scale_w=scale_w) if config < 0
                  else ops.grouped_mm_fp8(x8, w8, offs, scale_x, scale_w_kernel, mode, torch.bfloat16, config))
-            _check_rows(y[ROWS], ref, terms, f"FP8 {'block' if mode == 2 else 'row-wise'} forward {name}")
+            _check_rows(rows, y[rows], ref, terms, f"FP8 {'block' if mode == 2 else 'row-wise'} forward {name}")
             del y
     del x8, sx
     # wgrad: dy (T, 256) and x quantized transposed per expert; x_t (1024, Tp) > 2^31 elements
@@ -162,7 +164,8 @@ def test_fp8_grouped_forward_and_wgrad(operands):
 
 def test_dense_gemm(operands):
     x, _ = operands
+    rows = ROWS_HOST.to(DEV)
     b = torch.randn(N, K, device=DEV, dtype=torch.bfloat16) * 0.05
     out = distgemm.gemm(x, b)
-    ref, terms = _per_row_reference(x[ROWS].double(), b.double().unsqueeze(0), torch.zeros_like(ROWS))
-    _check_rows(out[ROWS], ref, terms, "bf16 dense")
+    ref, terms = _per_row_reference(x[rows].double(), b.double().unsqueeze(0), torch.zeros_like(rows))
+    _check_rows(rows, out[rows], ref, terms, "bf16 dense")
