@@ -45,11 +45,11 @@ rows = []
 timer = Timer() if "--plot" not in sys.argv else None
 
 
-def record(op, routing, shape, config, ms):
-    """One timed row: printed, and kept for the JSON."""
+def record(op, routing, shape, config, ms, **extra):
+    """One timed row (and any extra fields): printed, and kept for the JSON."""
     g, per, n, k = shape
     r = dict(op=op, routing=routing, g=g, per=per, n=n, k=k, config=config, ms=ms,
-             tflops=2 * g * per * n * k / ms / 1e9)
+             tflops=2 * g * per * n * k / ms / 1e9, **extra)
     print(json.dumps(r), flush=True)
     rows.append(r)
 
@@ -130,9 +130,8 @@ def power_rows(g, per, n, k):
         record("forward_block_data", name, (g, per, n, k), "heuristic", ms)
     for name, fn in fns.items():
         rate, watts, peak, mhz, low = sampled_power(fn)
-        record("forward_block_data_sustained", name, (g, per, n, k), "heuristic", 1e3 / rate)
-        rows[-1].update(watts_mean=round(watts, 1), watts_max=peak, sm_mhz_mean=round(mhz), sm_mhz_min=low)
-        print(json.dumps(rows[-1]), flush=True)
+        record("forward_block_data_sustained", name, (g, per, n, k), "heuristic", 1e3 / rate,
+               watts_mean=round(watts, 1), watts_max=peak, sm_mhz_mean=round(mhz), sm_mhz_min=low)
 
 
 def ksweep_rows(g, per, n, _k):

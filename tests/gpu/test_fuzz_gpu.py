@@ -238,14 +238,22 @@ def _offs(case, counts) -> Placed:
     return Placed(ends, (2,)) if case.get("offs_strided") else place(ends)
 
 
+def _place_rows(values: torch.Tensor, layout: str) -> Placed:
+    """A (rows, cols) operand in a canary buffer: "noncontig" / "pitched" (rows 16 bytes
+    longer), "offset<B>" (the view B bytes into its buffer), else contiguous."""
+    item = values.element_size()
+    if layout in ("noncontig", "pitched"):
+        return place(values, "pitched", 16 // item)
+    offset = int(layout[len("offset"):]) if layout.startswith("offset") else 0
+    return place(values, offset=offset // item)
+
+
 def _rows_with_tail(rows: int, cols: int, routed: int, dtype, gen, layout: str):
     """A (rows, cols) input whose rows past `routed` hold NaN sentinels (no group owns them)."""
     values = _values((rows, cols), dtype, gen)
     if rows > routed:
         values[routed:] = sentinel_fill((rows - routed) * cols, dtype, DEV).view(rows - routed, cols)
-    if layout == "noncontig":
-        return place(values, "pitched", 8)
-    return place(values, offset={"offset16": 8, "offset2": 1}.get(layout, 0))  # bf16 / fp16 elements
+    return _place_rows(values, layout)
 
 
 # DISTGEMM_GROUPED_BACKEND per case: mostly auto; the others as listed in
@@ -524,15 +532,6 @@ def _expand_blocks(scale: torch.Tensor, rows: int, cols: int, block_rows: int, b
     return s
 
 
-def _fp8_rows_with_tail(rows, cols, routed, dtype, gen, layout):
-    values = _values((rows, cols), dtype, gen)
-    if rows > routed:
-        values[routed:] = sentinel_fill((rows - routed) * cols, dtype, DEV).view(rows - routed, cols)
-    if layout == "pitched":
-        return place(values, "pitched", 16)
-    return place(values, offset={"offset16": 16, "offset8": 8}.get(layout, 0))
-
-
 def _nan_past(values: torch.Tensor, routed: int, dim: int = 0) -> torch.Tensor:
     """values with the entries of unrouted tokens (index >= routed along dim) set to NaN."""
     values = values.clone()
@@ -570,7 +569,7 @@ def check_grouped_mm_fp8(case):
     counts = _counts(case, tokens, groups)
     routed = sum(counts)
     gen = _gen(case["seed"])
-    x = _fp8_rows_with_tail(tokens, k, routed, x_dtype, gen, case["x_layout"])
+    x = _rows_with_tail(tokens, k, routed, x_dtype, gen, case["x_layout"])
     w_nk = _values((groups, n, k), F8["e4m3"], gen)
     # forward: w (G, N, K), contiguous or N-major (copied); dgrad: w (G, K, N), contiguous
     # (copied transposed) or K-major (read in place, as GroupedLinear caches it)
@@ -645,13 +644,8 @@ def check_grouped_mm_wgrad_fp8(case):
         raise
     tp = dy8.shape[1]
 
-    def placed(data, layout):
-        if layout == "pitched":
-            return place(data, "pitched", 16)
-        return place(data, offset={"offset16": 16, "offset8": 8}.get(layout, 0))
-
-    dy = placed(dy8, case["dy_layout"])
-    x = placed(x8, case["x_layout"])
+    dy = _place_rows(dy8, case["dy_layout"])
+    x = _place_rows(x8, case["x_layout"])
     if case["scale_layout"] == "contiguous":
         sdy, sx = place(sdy8.contiguous()), place(sx8.contiguous())
     else:
