@@ -16,10 +16,13 @@ remembers the fastest, in memory and on disk; the vendor's keeps near-ties (PREF
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import statistics
 import threading
+import time
+import warnings
 from pathlib import Path
 from typing import Callable, Dict, Optional
 
@@ -60,26 +63,82 @@ def _cache_file() -> Path:
     return root / f"autotune-{gpu}-torch{torch.__version__}-{BUILD_ID[:12]}.json"
 
 
+def _read_choices(path: Path, warn: bool = True) -> Dict[str, str]:
+    """The choices stored in `path`: {} when there is no file; a file that is not a flat JSON
+    object of strings (corrupt, truncated, or nested past the parser's recursion limit) is
+    treated as empty, with a warning, and rewritten at the next save."""
+    try:
+        text = path.read_text()
+    except OSError:
+        return {}
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError) as e:  # deep nesting raises RecursionError, not ValueError
+        data = e
+    if not isinstance(data, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in data.items()):
+        what = type(data).__name__ if not isinstance(data, Exception) else f"unreadable: {type(data).__name__}"
+        if warn:
+            warnings.warn(f"distgemm.autotune: ignoring the cache file {path} ({what}, not a JSON object of "
+                          "strings); shapes are timed again", RuntimeWarning, stacklevel=3)
+        return {}
+    return data
+
+
 def _load() -> None:
     global _LOADED
     if _LOADED:
         return
     _LOADED = True
     try:
-        data = json.loads(_cache_file().read_text())
-        if isinstance(data, dict):
-            _CHOICES.update({str(k): str(v) for k, v in data.items()})
-    except (OSError, ValueError, ImportError):
-        pass  # no cache yet, or unreadable: time again
+        path = _cache_file()
+    except ImportError:
+        return
+    _CHOICES.update(_read_choices(path))
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path, timeout_s: float = 10.0):
+    """An exclusive lock on `path` + '.lock' between processes (bounded: after `timeout_s` the
+    write goes ahead unlocked; still atomic, it may then lose a concurrent writer's choices)."""
+    lock_path = path.with_name(path.name + ".lock")
+    fd = None
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.005)
+    except OSError:
+        pass  # no lock file (read-only directory): the write itself will say so
+    try:
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)  # releases the lock
 
 
 def _save() -> None:
+    """Writes the choices atomically (a temporary file renamed over the cache), merged under a
+    file lock with what other processes stored since this one read the file: ranks tuning at
+    once keep every rank's choices."""
     path = _cache_file()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(_CHOICES, indent=0, sort_keys=True))
-        tmp.replace(path)  # atomic: concurrent ranks each write a whole file
+        with _file_lock(path):
+            merged = _read_choices(path, warn=False)  # a corrupt file was reported when loaded
+            merged.update(_CHOICES)
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+            try:
+                tmp.write_text(json.dumps(merged, indent=0, sort_keys=True))
+                os.replace(tmp, path)
+            finally:
+                if tmp.exists():
+                    tmp.unlink()
     except OSError:
         pass  # a read-only home still autotunes, per process
 

@@ -1,6 +1,10 @@
 """The autotuner's choice rule with the timing replaced (no GPU needed): the fastest candidate
 wins, except that the preferred one (the vendor library) keeps near-ties."""
 
+import json
+import multiprocessing
+import os
+
 import pytest
 
 from distgemm import autotune
@@ -59,3 +63,47 @@ def test_a_close_win_must_hold_head_to_head(timed):
 def test_a_clear_win_is_not_timed_again(timed):
     timed.update({"ours": [0.5] * 3, "vendor": 1.0})  # a fourth timing of ours would fail
     assert autotune.choose("clear", candidates(["ours", "vendor"]), prefer="vendor") == "ours"
+
+
+def _remember_many(path, prefix, count, barrier):
+    """A process that stores `count` choices one by one into the cache file at `path`."""
+    os.environ["DISTGEMM_AUTOTUNE_CACHE"] = path
+    from distgemm import autotune as tuner
+
+    barrier.wait()
+    for i in range(count):
+        tuner.remember(f"{prefix}-{i}", f"choice-{prefix}-{i}")
+
+
+def test_two_processes_storing_at_once_keep_both_sides_choices(tmp_path):
+    path = tmp_path / "cache.json"
+    path.write_text(json.dumps({"earlier": "kept"}))
+    ctx = multiprocessing.get_context("spawn")
+    barrier = ctx.Barrier(2)
+    procs = [ctx.Process(target=_remember_many, args=(str(path), name, 150, barrier)) for name in ("a", "b")]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=240)
+        assert p.exitcode == 0
+    stored = json.loads(path.read_text())
+    expected = {f"{name}-{i}": f"choice-{name}-{i}" for name in ("a", "b") for i in range(150)}
+    expected["earlier"] = "kept"
+    assert stored == expected
+    assert not list(tmp_path.glob("*.tmp")), "a temporary file was left behind"
+
+
+@pytest.mark.parametrize("content", ["[" * 200_000, '{"k": {"nested": "dict"}}', "{truncated", "[1, 2]"])
+def test_a_corrupt_cache_file_is_treated_as_empty(monkeypatch, tmp_path, content):
+    path = tmp_path / "cache.json"
+    path.write_text(content)
+    monkeypatch.setenv("DISTGEMM_AUTOTUNE_CACHE", str(path))
+    monkeypatch.setattr(autotune, "_LOADED", False)
+    autotune.clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="ignoring the cache file"):
+            assert autotune.lookup("k") is None
+        autotune.remember("k", "v")  # rewrites the file whole
+        assert json.loads(path.read_text()) == {"k": "v"}
+    finally:
+        autotune.clear()
