@@ -4,7 +4,11 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <climits>
+#include <string>
+
 #include "torch/marshal.h"
+#include "tp/tp_settings.h"
 
 namespace distgemm::torch_binding {
 namespace {
@@ -13,6 +17,10 @@ dg_tp_desc tp_desc(const dg_gemm_desc& gemm, int64_t rank, int64_t world,
                    const std::vector<int64_t>& workspaces, std::vector<void*>& storage,
                    int64_t workspace_bytes, double timeout_s, const std::vector<double>& settings,
                    int agree_only) {
+  // Checked before the narrowing casts below (int64 -> int, int64 -> size_t, double -> int).
+  TORCH_CHECK_VALUE(world >= 1 && world <= INT_MAX, "distgemm: world must be a positive group size, got ", world);
+  TORCH_CHECK_VALUE(rank >= 0 && rank < world, "distgemm: rank ", rank, " is out of range for world size ", world);
+  TORCH_CHECK_VALUE(workspace_bytes >= 0, "distgemm: workspace_bytes must be non-negative, got ", workspace_bytes);
   storage.clear();
   for (int64_t ptr : workspaces) storage.push_back(reinterpret_cast<void*>(ptr));
   TORCH_CHECK_VALUE(static_cast<int64_t>(storage.size()) == world,
@@ -25,11 +33,9 @@ dg_tp_desc tp_desc(const dg_gemm_desc& gemm, int64_t rank, int64_t world,
   d.workspace_bytes = static_cast<size_t>(workspace_bytes);
   d.timeout_s = timeout_s;
   // settings: (algo, pieces, tapered, rs_split_gflops), as distgemm/tp.py reads them
-  TORCH_CHECK_VALUE(settings.size() == 4, "distgemm: tp settings must be (algo, pieces, tapered, rs_split_gflops)");
-  d.settings.algo = static_cast<dg_tp_algo>(static_cast<int>(settings[0]));
-  d.settings.pieces = static_cast<int>(settings[1]);
-  d.settings.tapered = settings[2] != 0.0;
-  d.settings.rs_split_gflops = settings[3];
+  std::string why;
+  TORCH_CHECK_VALUE(tp::settings_from_doubles(settings.data(), settings.size(), &d.settings, &why),
+                    "distgemm: ", why);
   d.agree_only = agree_only;
   return d;
 }

@@ -68,3 +68,29 @@ def test_a_rank_announcing_alone_times_out_within_its_bound(clean_error_word):
     assert word >> 24 == 0 and word & 0xFFFF == 2, f"expected a timeout on rank 1, error word {word:#x}"
     with pytest.raises(TimeoutError, match="never arrived"):
         distgemm.check_errors()
+
+
+@pytest.mark.parametrize("settings, match", [
+    ([float("nan"), 0, 0, 0], "tp setting algo"), ([0, float("inf"), 0, 0], "tp setting pieces"),
+    ([0, 1e300, 0, 0], "tp setting pieces"), ([0, 0, float("nan"), 0], "tp setting tapered"),
+    ([0, 0, 0, float("nan")], "tp setting rs_split_gflops"), ([7, 0, 0, 0], "tp setting algo"),
+    ([0, 0, 0], "must be 4 values"),
+])
+def test_the_ops_refuse_settings_that_do_not_convert_to_int(settings, match, clean_error_word):
+    # The op's float[] settings are checked before their cast to int (NaN, inf and huge values
+    # convert with undefined behaviour), on every rank's call, before anything is enqueued.
+    need = ops.tp_workspace_size(_AG, 128, 64, 256, torch.bfloat16, torch.bfloat16, WORLD)
+    ws = _workspaces(need)
+    ptrs = [w.data_ptr() for w in ws]
+    a = torch.randn(128, 64, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(256, 64, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(ValueError, match=match):
+        ops.tp_all_gather_gemm(a, b, None, 1.0, 0.0, torch.bfloat16, None, None, False, 0, WORLD, ptrs, need,
+                               30.0, False, settings)
+    with pytest.raises(ValueError, match=match):
+        ops.tp_gemm_reduce_scatter(a, b, None, 1.0, 0.0, torch.bfloat16, None, None, False, 0, WORLD, ptrs,
+                                   need, 30.0, settings)
+    with pytest.raises(ValueError, match="rank 5 is out of range"):
+        ops.tp_all_gather_gemm(a, b, None, 1.0, 0.0, torch.bfloat16, None, None, False, 5, WORLD, ptrs, need,
+                               30.0, False, [0, 0, 0, 0])
+    assert ops.tp_error(clean_error_word) == 0
