@@ -30,6 +30,11 @@ dg_status check_tp(const dg_tp_desc* d, Peers* peers) {
   DG_REQUIRE(!std::isnan(set.rs_split_gflops), "settings.rs_split_gflops must be a number, got NaN");
   DG_REQUIRE(d->agree_only == 0 || d->agree_only == DG_TP_AGREE_ONLY || d->agree_only == DG_TP_AGREE_ELSEWHERE,
              "agree_only must be 0, DG_TP_AGREE_ONLY or DG_TP_AGREE_ELSEWHERE, got ", d->agree_only);
+  // The plans write rows of out contiguously, at its row_stride: any other layout would put
+  // elements outside the view (col_stride 0 writes N-1 past it).
+  DG_REQUIRE(d->gemm.d.col_stride == 1 && d->gemm.d.row_stride >= d->gemm.d.cols,
+             "gemm.d (out) must be row-major: col_stride 1 and row_stride >= cols = ", d->gemm.d.cols,
+             ", got strides (", d->gemm.d.row_stride, ", ", d->gemm.d.col_stride, ")");
   for (int r = 0; r < d->world; ++r) {
     DG_REQUIRE(d->peer_workspaces[r] != nullptr &&
                    (reinterpret_cast<uintptr_t>(d->peer_workspaces[r]) & 255u) == 0,

@@ -8,6 +8,7 @@
 #include <climits>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <thread>
 #include <vector>
@@ -17,6 +18,7 @@
 #include "common/per_device.h"
 #include "common/stream_pool.h"
 #include "distgemm/distgemm.h"
+#include "tp/tp_settings.h"
 
 using namespace dgtest;
 
@@ -752,6 +754,65 @@ TEST(TpCall, RefusesAnUnknownAgreementMode) {
     EXPECT_TRUE(refused(dg_all_gather_gemm(&d, nullptr), "agree_only")) << mode;
     EXPECT_TRUE(refused(dg_gemm_reduce_scatter(&d, nullptr), "agree_only")) << mode;
   }
+}
+
+// out is written row by row at its row_stride: a column stride other than 1 (0 wrote N-1
+// elements past the view) or rows that overlap are refused by name.
+TEST(TpCall, RefusesAnOutputThatIsNotRowMajor) {
+  dg_tp_desc d = tp_desc(2, 128, 256, 64);
+  void* workspaces[2] = {reinterpret_cast<void*>(uintptr_t{1} << 20), reinterpret_cast<void*>(uintptr_t{2} << 20)};
+  d.peer_workspaces = workspaces;
+  d.gemm.d.rows = 256;  // world * m for the all-gather
+  for (int64_t col_stride : {int64_t{0}, int64_t{2}, int64_t{-1}, int64_t{256}}) {
+    d.gemm.d.col_stride = col_stride;
+    EXPECT_TRUE(refused(dg_all_gather_gemm(&d, nullptr), "col_stride 1")) << col_stride;
+    EXPECT_TRUE(refused(dg_gemm_reduce_scatter(&d, nullptr), "col_stride 1")) << col_stride;
+  }
+  d.gemm.d.col_stride = 1;
+  d.gemm.d.row_stride = 255;
+  EXPECT_TRUE(refused(dg_all_gather_gemm(&d, nullptr), "row_stride >= cols = 256"));
+  d.gemm.d.row_stride = 256;
+  d.agree_only = DG_TP_AGREE_ONLY;  // the agreement alone takes the same descriptor
+  d.gemm.d.col_stride = 0;
+  EXPECT_TRUE(refused(dg_all_gather_gemm(&d, nullptr), "gemm.d (out) must be row-major"));
+}
+
+// The PyTorch op's float[] settings: every value is checked before its cast to int (NaN,
+// infinities and values past int's range convert with undefined behaviour).
+TEST(TpSettings, FloatsAreCheckedBeforeTheirCastToInt) {
+  using distgemm::tp::settings_from_doubles;
+  const double nan = std::numeric_limits<double>::quiet_NaN(), inf = std::numeric_limits<double>::infinity();
+  dg_tp_settings s{};
+  std::string why;
+  const double good[4] = {2, 3, 1, 12.5};
+  ASSERT_TRUE(settings_from_doubles(good, 4, &s, &why)) << why;
+  EXPECT_EQ(s.algo, DG_TP_ALGO_DECOMPOSED);
+  EXPECT_EQ(s.pieces, 3);
+  EXPECT_EQ(s.tapered, 1);
+  EXPECT_EQ(s.rs_split_gflops, 12.5);
+  const double defaults[4] = {0, 0, 0, -1};
+  EXPECT_TRUE(settings_from_doubles(defaults, 4, &s, &why)) << why;
+
+  struct Case {
+    int index;
+    double value;
+    const char* name;
+  };
+  const Case cases[] = {{0, nan, "algo"},    {0, inf, "algo"},     {0, 1e300, "algo"},  {0, -1, "algo"},
+                        {0, 3, "algo"},      {0, 1.5, "algo"},     {1, nan, "pieces"},  {1, -inf, "pieces"},
+                        {1, 4.5, "pieces"},  {1, 5, "pieces"},     {1, 3e9, "pieces"},  {1, -3e9, "pieces"},
+                        {2, nan, "tapered"}, {2, 2, "tapered"},    {2, inf, "tapered"}, {3, nan, "rs_split_gflops"},
+                        {3, inf, "rs_split_gflops"}, {3, -inf, "rs_split_gflops"}};
+  for (const Case& c : cases) {
+    double v[4] = {0, 0, 0, 0};
+    v[c.index] = c.value;
+    why.clear();
+    EXPECT_FALSE(settings_from_doubles(v, 4, &s, &why)) << c.name << " = " << c.value;
+    EXPECT_NE(why.find(std::string("tp setting ") + c.name), std::string::npos) << why;
+  }
+  EXPECT_FALSE(settings_from_doubles(good, 3, &s, &why));
+  EXPECT_NE(why.find("must be 4 values"), std::string::npos) << why;
+  EXPECT_FALSE(settings_from_doubles(nullptr, 4, &s, &why));
 }
 
 TEST(TpWorkspace, ValidSizesGrowWithTheShape) {
