@@ -6,8 +6,15 @@
 #endif
 #include "distgemm/distgemm.h"
 
+#include <cstring>
+
 namespace {
-thread_local std::string last_error;
+// A fixed thread-local buffer, not a std::string: the pointer dg_last_error returns stays valid
+// for the thread's lifetime (a later failure overwrites the text, never frees it; a string's
+// reallocation freed what callers still held), and it has no destructor, so a failure reported
+// while the thread's other thread_local objects are destroyed writes into live memory.
+constexpr size_t kMaxMessage = 4096;
+thread_local char last_error[kMaxMessage] = "";
 }
 
 namespace distgemm {
@@ -16,13 +23,23 @@ namespace distgemm {
 // stays as it is) so that distgemm's other libraries (distgemm_nccl) report through the same
 // dg_last_error.
 DG_API dg_status fail(dg_status status, const std::string& message) {
-  last_error = message;
+  static constexpr char kCut[] = " ...";
+  size_t n = message.size();
+  if (n < kMaxMessage) {
+    std::memcpy(last_error, message.data(), n);
+  } else {  // keep the head, which names the argument
+    n = kMaxMessage - sizeof kCut;
+    std::memcpy(last_error, message.data(), n);
+    std::memcpy(last_error + n, kCut, sizeof kCut - 1);
+    n += sizeof kCut - 1;
+  }
+  last_error[n] = '\0';
   return status;
 }
 
 }  // namespace distgemm
 
-extern "C" const char* dg_last_error(void) { return last_error.c_str(); }
+extern "C" const char* dg_last_error(void) { return last_error; }
 
 extern "C" const char* dg_status_name(dg_status status) {
   switch (status) {

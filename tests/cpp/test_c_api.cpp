@@ -16,6 +16,7 @@
 #include "c_api_helpers.h"
 #include "common/error_state.h"
 #include "common/per_device.h"
+#include "common/status.h"
 #include "common/stream_pool.h"
 #include "distgemm/distgemm.h"
 #include "tp/tp_settings.h"
@@ -64,6 +65,29 @@ TEST(Status, LastErrorIsThreadLocal) {
   std::thread([&] { other = dg_last_error(); }).join();
   EXPECT_EQ(other, "");
   EXPECT_NE(std::string(dg_last_error()), "");
+}
+
+// A pointer from dg_last_error stays readable after later failures on the thread (a longer
+// message reallocated the string it pointed into: heap-use-after-free under ASan); it then reads
+// the latest message.
+TEST(Status, AnEarlierMessagePointerStaysValidAfterALongerMessage) {
+  ASSERT_TRUE(refused(dg_gemm_check(nullptr, 90), "desc must not be NULL"));
+  const char* first = dg_last_error();
+  const std::string long_message(300, 'x');
+  EXPECT_EQ(distgemm::fail(DG_ERROR_INVALID_ARGUMENT, "argument " + long_message), DG_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(std::string(first), "argument " + long_message);  // read through the earlier pointer
+  EXPECT_EQ(first, dg_last_error());
+  ASSERT_TRUE(refused(dg_gemm_check(nullptr, 90), "desc must not be NULL"));
+  EXPECT_STREQ(first, "desc must not be NULL");
+}
+
+TEST(Status, AnOverlongMessageKeepsItsHead) {
+  const std::string message = "argument x: " + std::string(100000, 'y');
+  distgemm::fail(DG_ERROR_INVALID_ARGUMENT, message);
+  const std::string got = dg_last_error();
+  EXPECT_LT(got.size(), size_t{4096});
+  EXPECT_EQ(got.rfind("argument x: yyy", 0), 0u);
+  EXPECT_EQ(got.substr(got.size() - 4), " ...");
 }
 
 // ---------------------------------------------------------------- dense GEMM checks
