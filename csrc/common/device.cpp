@@ -42,4 +42,22 @@ const DeviceInfo& device_info(int device) {
   return info ? *info : no_device;
 }
 
+dg_status portable_kernel_device(const char* what, DeviceInfo* info) {
+  const DeviceInfo& dev = device_info(current_device());
+  if (dev.arch <= 0)
+    return fail(DG_ERROR_NOT_SUPPORTED, cat("no usable CUDA device (device arch ", dev.arch, "): distgemm's ", what,
+                                            " runs on sm_90 and sm_100"));
+  bool compiled = false;
+#if defined(DISTGEMM_WITH_SM90)
+  compiled = compiled || dev.arch == 90;
+#endif
+#if defined(DISTGEMM_WITH_SM100)
+  compiled = compiled || (dev.arch >= 100 && dev.arch < 110);
+#endif
+  if (!compiled)
+    return fail(DG_ERROR_NOT_SUPPORTED, cat("distgemm's ", what, " kernels are not built for sm_", dev.arch));
+  *info = dev;
+  return DG_SUCCESS;
+}
+
 }  // namespace distgemm

@@ -1,6 +1,8 @@
 // Cached per-device properties; the core asks for them on every launch.
 #pragma once
 
+#include "distgemm/types.h"
+
 namespace distgemm {
 
 struct DeviceInfo {
@@ -14,5 +16,9 @@ struct DeviceInfo {
 const DeviceInfo& device_info(int device = -1);
 // The current device, with its primary context made current on this thread; -1 on failure.
 int current_device();
+// The current device's properties when this build compiled the plain-CUDA kernels (FP8
+// quantization, the MoE activations) for its arch; otherwise DG_ERROR_NOT_SUPPORTED, the
+// thread's last error naming `what`.
+dg_status portable_kernel_device(const char* what, DeviceInfo* info);
 
 }  // namespace distgemm

@@ -10,131 +10,13 @@
 // Memory-bound: 16-byte loads of the input where the pointers and row pitch allow, 8- or
 // 16-byte stores of the FP8 data, one pass over the input (two for the rows that do not fit in
 // registers and for the per-tensor amax).
-#include <cuda_fp16.h>
-#include <cuda_fp8.h>
-
 #include <algorithm>
 #include <cstdint>
 
-#include "quant/fp8_quantize.h"
+#include "quant/fp8_device.cuh"
 
 namespace distgemm::quant {
 namespace {
-
-constexpr int kThreads = 256;
-constexpr unsigned kFullMask = 0xffffffffu;
-
-// Input element types, loaded by their bits.
-struct Bf16 {
-  using Storage = uint16_t;
-  static __device__ __forceinline__ float to_float(uint16_t b) { return __uint_as_float(uint32_t(b) << 16); }
-};
-struct F16 {
-  using Storage = uint16_t;
-  static __device__ __forceinline__ float to_float(uint16_t b) { return __half2float(__ushort_as_half(b)); }
-};
-struct F32 {
-  using Storage = float;
-  static __device__ __forceinline__ float to_float(float v) { return v; }
-};
-
-template <__nv_fp8_interpretation_t I>
-struct Fp8Max;
-template <>
-struct Fp8Max<__NV_E4M3> {
-  static constexpr float value = 448.f;
-};
-template <>
-struct Fp8Max<__NV_E5M2> {
-  static constexpr float value = 57344.f;
-};
-
-__device__ __forceinline__ int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
-__device__ __forceinline__ int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
-
-// |v| as bits, ordered as unsigned integers (NaN of either sign above +inf).
-__device__ __forceinline__ uint32_t abs_bits(float v) { return __float_as_uint(v) & 0x7fffffffu; }
-
-// The scale of a block of amax `amax_bits`: amax / fp8_max, or 1 where that is 0 (an all-zero
-// block, or an amax so small that the quotient underflows). NaN and inf stay.
-template <__nv_fp8_interpretation_t I>
-__device__ __forceinline__ float scale_of(uint32_t amax_bits) {
-  const float s = __uint_as_float(amax_bits) / Fp8Max<I>::value;
-  return s == 0.f ? 1.f : s;
-}
-
-template <__nv_fp8_interpretation_t I>
-__device__ __forceinline__ uint8_t to_fp8(float v, float scale) {
-  return __nv_cvt_float_to_fp8(v / scale, __NV_SATFINITE, I);
-}
-
-// Four values / scale as FP8, the first in the lowest byte.
-template <__nv_fp8_interpretation_t I>
-__device__ __forceinline__ uint32_t to_fp8x4(float a, float b, float c, float d, float scale) {
-  const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a / scale, b / scale), __NV_SATFINITE, I);
-  const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(c / scale, d / scale), __NV_SATFINITE, I);
-  return lo | (hi << 16);
-}
-
-// Elements [c, c + 8) of a row of `cols` elements as float, zeros past the row's end. vec: the
-// row starts 16-byte aligned and c is a multiple of 8, so a full group loads as 16-byte vectors.
-template <class In>
-__device__ __forceinline__ void load8(const typename In::Storage* __restrict__ row, int64_t c,
-                                      int64_t cols, bool vec, float (&v)[8]) {
-  if (vec && c + 8 <= cols) {
-    if constexpr (sizeof(typename In::Storage) == 2) {
-      const uint4 raw = __ldg(reinterpret_cast<const uint4*>(row + c));
-      const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        v[2 * i] = In::to_float(static_cast<uint16_t>(w[i] & 0xffffu));
-        v[2 * i + 1] = In::to_float(static_cast<uint16_t>(w[i] >> 16));
-      }
-    } else {
-      const float4 a = __ldg(reinterpret_cast<const float4*>(row + c));
-      const float4 b = __ldg(reinterpret_cast<const float4*>(row + c + 4));
-      v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
-      v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < 8; ++i) v[i] = c + i < cols ? In::to_float(row[c + i]) : 0.f;
-  }
-}
-
-// Elements [c, c + 8) of an FP8 row of `cols` bytes: v / scale, those before the row's end.
-// vec: the row starts 8-byte aligned and c is a multiple of 8.
-template <__nv_fp8_interpretation_t I>
-__device__ __forceinline__ void store8(uint8_t* __restrict__ row, int64_t c, int64_t cols, bool vec,
-                                       const float (&v)[8], float scale) {
-  if (vec && c + 8 <= cols) {
-    uint2 w;
-    w.x = to_fp8x4<I>(v[0], v[1], v[2], v[3], scale);
-    w.y = to_fp8x4<I>(v[4], v[5], v[6], v[7], scale);
-    *reinterpret_cast<uint2*>(row + c) = w;
-  } else {
-#pragma unroll
-    for (int i = 0; i < 8; ++i)
-      if (c + i < cols) row[c + i] = to_fp8<I>(v[i], scale);
-  }
-}
-
-__device__ __forceinline__ uint32_t max8(uint32_t m, const float (&v)[8]) {
-#pragma unroll
-  for (int i = 0; i < 8; ++i) m = max(m, abs_bits(v[i]));
-  return m;
-}
-
-// The max of m over the CTA (kThreads threads, every one of which calls it).
-__device__ __forceinline__ uint32_t block_max(uint32_t m, uint32_t* red) {
-  m = __reduce_max_sync(kFullMask, m);
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  if (lane == 0) red[warp] = m;
-  __syncthreads();
-  m = __reduce_max_sync(kFullMask, lane < kThreads / 32 ? red[lane] : 0u);
-  __syncthreads();  // red is rewritten by the next call
-  return m;
-}
 
 // ---------------------------------------------------------------- per tensor
 
@@ -298,59 +180,6 @@ __global__ void __launch_bounds__(kThreads)
 // ---------------------------------------------------------------- 1 x 128, transposed
 
 constexpr int kTileCols = 64;  // columns of x per tile: rows of out
-
-// ends[g] = min(rows, max(0, offs[0], ..., offs[g])): the groups' clamped, non-decreasing ends
-// (a decreasing offset gives an empty group). One CTA of 1024 threads, a max-scan per 1024.
-__global__ void __launch_bounds__(1024)
-    group_ends_kernel(const int32_t* __restrict__ offs, int64_t groups, int64_t rows, int32_t* __restrict__ ends) {
-  __shared__ int32_t warp_scan[32];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int32_t limit = static_cast<int32_t>(rows);  // rows < 2^31 with offs
-  int32_t carry = 0;
-  for (int64_t base = 0; base < groups; base += 1024) {
-    const int64_t g = base + threadIdx.x;
-    int32_t v = g < groups ? min(max(offs[g], 0), limit) : 0;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int32_t u = __shfl_up_sync(kFullMask, v, o);
-      if (lane >= o) v = max(v, u);
-    }
-    if (lane == 31) warp_scan[warp] = v;
-    __syncthreads();
-    if (warp == 0) {
-      int32_t w = warp_scan[lane];
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const int32_t u = __shfl_up_sync(kFullMask, w, o);
-        if (lane >= o) w = max(w, u);
-      }
-      warp_scan[lane] = w;
-    }
-    __syncthreads();
-    if (warp > 0) v = max(v, warp_scan[warp - 1]);
-    v = max(v, carry);
-    if (g < groups) ends[g] = v;
-    carry = max(carry, warp_scan[31]);
-    __syncthreads();  // warp_scan is rewritten by the next chunk
-  }
-}
-
-// The group whose padded blocks hold block p: the largest g with first_block(g) <= p, where
-// first_block(g) = g + ends[g - 1] / 128 (0 for g = 0) strictly increases with g. A 32-way
-// search by one warp (every lane calls it and gets the answer).
-__device__ __forceinline__ int64_t find_group(const int32_t* __restrict__ ends, int64_t groups, int64_t p) {
-  const int lane = threadIdx.x & 31;
-  int64_t lo = 0, hi = groups;  // first_block(lo) <= p; the answer is in [lo, hi)
-  while (hi - lo > 1) {
-    const int64_t step = (hi - lo + 31) / 32;
-    const int64_t g = lo + lane * step;
-    const bool below = g < hi && g + (g == 0 ? 0 : ends[g - 1]) / kBlock <= p;
-    const unsigned ballot = __ballot_sync(kFullMask, below);  // lanes 0..k: lane 0 (g = lo) always
-    lo += int64_t(31 - __clz(ballot)) * step;
-    hi = min64(hi, lo + step);
-  }
-  return lo;
-}
 
 // A CTA per block p of 128 rows of out's (padded) token dimension and a column tile of x: the
 // tile x[first, first + count) x [c0, c0 + 64) goes through shared memory, so x is read and out

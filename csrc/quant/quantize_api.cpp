@@ -139,18 +139,6 @@ dg_status lower(const dg_quantize_desc* desc, QuantizeProblem* p) {
   return DG_SUCCESS;
 }
 
-// The portable kernels run on the archs this build compiled (code=sm_90 / sm_100).
-bool compiled_for(int arch) {
-#if defined(DISTGEMM_WITH_SM90)
-  if (arch == 90) return true;
-#endif
-#if defined(DISTGEMM_WITH_SM100)
-  if (arch >= 100 && arch < 110) return true;
-#endif
-  (void)arch;
-  return false;
-}
-
 }  // namespace
 }  // namespace distgemm::quant
 
@@ -169,14 +157,8 @@ extern "C" dg_status dg_quantize_fp8_sizes(const dg_quantize_desc* desc, dg_quan
 extern "C" dg_status dg_quantize_fp8(const dg_quantize_desc* desc, cudaStream_t stream) {
   QuantizeProblem p;
   DG_RETURN_IF_ERROR(lower(desc, &p));
-  const int device = current_device();
-  const DeviceInfo& dev = device_info(device);
-  if (dev.arch <= 0)
-    return fail(DG_ERROR_NOT_SUPPORTED, cat("no usable CUDA device (device arch ", dev.arch,
-                                            "): distgemm's FP8 quantization runs on sm_90 and sm_100"));
-  if (!compiled_for(dev.arch))
-    return fail(DG_ERROR_NOT_SUPPORTED,
-                cat("distgemm's FP8 quantization kernels are not built for sm_", dev.arch));
+  DeviceInfo dev;
+  DG_RETURN_IF_ERROR(portable_kernel_device("FP8 quantization", &dev));
   p.sm_count = dev.sm_count;
   const cudaError_t err = launch_quantize_fp8(p, stream);
   if (err != cudaSuccess)

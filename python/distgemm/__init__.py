@@ -6,7 +6,7 @@ from .grouped import grouped_mm, grouped_mm_wgrad
 from .quantize import quantize_fp8
 from .tp import all_gather_matmul, check_errors, dist_matmul, matmul_reduce_scatter, recover
 from . import tp
-from . import nn
+from . import moe, nn
 
 __all__ = [
     "gemm", "grouped_mm", "grouped_mm_wgrad", "quantize_fp8", "all_gather_matmul", "matmul_reduce_scatter",

@@ -9,13 +9,7 @@ import torch
 from torch import nn
 
 from .grouped import grouped_mm, grouped_mm_wgrad
-from .quantize import quantize_fp8
-
-
-def _expert_of_rows(offs: torch.Tensor, tokens: int) -> torch.Tensor:
-    """Index of the expert owning each row, on the device (no host sync)."""
-    rows = torch.arange(tokens, device=offs.device, dtype=offs.dtype)
-    return torch.searchsorted(offs, rows, right=True).clamp_(max=offs.numel() - 1)
+from .moe import ACTIVATIONS, FP8_RECIPES, _expert_of_rows, _forms, _weight_grad, grouped_mlp, quantize_weight
 
 
 class _GroupedLinearMainGrad(torch.autograd.Function):
@@ -41,75 +35,55 @@ class _GroupedLinearMainGrad(torch.autograd.Function):
         return dx, None, None
 
 
-FP8_RECIPES = ("block", "row")
-
-
-class _FP8Weight:
-    """A weight's FP8 copies, requantized when the weight changes (its version counter):
-    (G, N, K) for the forward and, for the dgrad, the same values stored (G, K, N)."""
+class _FP8WeightCopies:
+    """A weight's FP8 copies (forward, and stored transposed for the dgrad). Made anew on every
+    call unless the caller says the weight has not changed since the last first micro-batch
+    (``is_first_microbatch=False``, TransformerEngine's contract); always made anew under
+    CUDA-graph capture, so that a replay quantizes the weight as it is then. A version counter
+    cannot tell: an update through ``weight.data`` leaves it as it was."""
 
     def __init__(self, recipe: str):
         self.recipe, self.key, self.copies = recipe, None, None
 
-    def get(self, weight: torch.Tensor):
-        key = (weight.data_ptr(), weight._version, weight.shape)
-        if key != self.key:
-            w = weight.detach()
-            if self.recipe == "block":
-                # 128 x 128 blocks: the transposed copy holds the same blocks, the same scales.
-                w8, sw = quantize_fp8(w, (128, 128))
-                self.copies = (w8, sw, w8.transpose(1, 2).contiguous(), sw)
-            else:
-                g, n, k = w.shape
-                w8, sw = quantize_fp8(w.reshape(g * n, k), "row")
-                wt8, swt = quantize_fp8(w.transpose(1, 2).reshape(g * k, n), "row")
-                self.copies = (w8.view(g, n, k), sw.view(g, n), wt8.view(g, k, n), swt.view(g, k))
-            self.key = key
-        return self.copies
-
-
-def _quantize_rows(t: torch.Tensor, recipe: str, dtype: torch.dtype = torch.float8_e4m3fn):
-    return quantize_fp8(t, (1, 128) if recipe == "block" else "row", dtype=dtype)
+    def get(self, weight: torch.Tensor, is_first_microbatch: Optional[bool]):
+        key = (weight.data_ptr(), tuple(weight.shape), weight.dtype)
+        capturing = weight.is_cuda and torch.cuda.is_current_stream_capturing()
+        if is_first_microbatch is False and not capturing and self.copies is not None and self.key == key:
+            return self.copies
+        copies = quantize_weight(weight, self.recipe)
+        # Kept only for the micro-batches that reuse them: otherwise they die with the step.
+        self.key, self.copies = (key, copies) if is_first_microbatch is not None and not capturing else (None, None)
+        return copies
 
 
 class _GroupedLinearFP8(torch.autograd.Function):
-    """FP8 forward, dgrad and wgrad of GroupedLinear: inputs and output gradients quantized
-    on the fly (1 x 128 tiles, or rows), weights from the cached FP8 copies, the wgrad from
-    both quantized per 128 tokens of each expert into FP32 (weight.main_grad with fused
-    accumulation). `grad_dtype`: what the output gradients are quantized to (e4m3, or e5m2 for
-    its range)."""
+    """FP8 forward, dgrad and wgrad of GroupedLinear: x and the output gradient each quantized
+    in one pass into the rows the next GEMM reads and the padded transpose the wgrad reads (the
+    block recipe; the row recipe's full-row scales take a second read), the weight's copies
+    from _FP8WeightCopies; the backward keeps x's FP8 transpose, not x."""
 
     @staticmethod
-    def forward(ctx, x, weight, offs, cache, fuse_wgrad, grad_dtype):
-        w8, sw, _, _ = cache.get(weight)
-        x8, sx = _quantize_rows(x, cache.recipe)
-        ctx.save_for_backward(x, weight, offs)
-        ctx.cache, ctx.fuse_wgrad, ctx.grad_dtype = cache, fuse_wgrad, grad_dtype
+    def forward(ctx, x, weight, offs, w8, sw, wt8, swt, recipe, fuse_wgrad, grad_dtype):
+        need_w = ctx.needs_input_grad[1]
+        _, x8, sx, xt8, sxt = _forms(x.contiguous(), "identity", recipe, offs, rows=True, transposed=need_w,
+                                     dtype=torch.float8_e4m3fn)
+        ctx.save_for_backward(weight, offs, xt8, sxt, wt8, swt)
+        ctx.recipe, ctx.fuse_wgrad, ctx.grad_dtype = recipe, fuse_wgrad, grad_dtype
         return grouped_mm(x8, w8, offs, scale_x=sx, scale_w=sw)
 
     @staticmethod
     def backward(ctx, grad):
-        x, weight, offs = ctx.saved_tensors
-        grad = grad.contiguous().to(x.dtype)
+        weight, offs, xt8, sxt, wt8, swt = ctx.saved_tensors
+        need_dx, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        _, g8, sg, gt8, sgt = _forms(grad.contiguous().to(torch.bfloat16), "identity", ctx.recipe, offs,
+                                     rows=need_dx, transposed=need_w, dtype=ctx.grad_dtype)
         dx = dw = None
-        if ctx.needs_input_grad[0]:
-            _, _, wt8, swt = ctx.cache.get(weight)
-            g8, sg = _quantize_rows(grad, ctx.cache.recipe, ctx.grad_dtype)
+        if need_dx:
             # dx_g = dy_g @ w_g: the K-major operand is the transposed copy (G, K, N).
             dx = grouped_mm(g8, wt8.transpose(1, 2), offs, scale_x=sg, scale_w=swt, trans_w=False)
-        if ctx.needs_input_grad[1]:
-            dy_t, sdy = quantize_fp8(grad, (1, 128), dtype=ctx.grad_dtype, transpose=True, offs=offs)
-            x_t, sx = quantize_fp8(x, (1, 128), transpose=True, offs=offs)
-            if ctx.fuse_wgrad:
-                grouped_mm_wgrad(dy_t, x_t, offs, scale_dy=sdy, scale_x=sx, out=weight.main_grad,
-                                 accumulate=True)
-                if hasattr(weight, "grad_added_to_main_grad"):
-                    weight.grad_added_to_main_grad = True
-                    make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
-                    dw = make(weight.shape, dtype=weight.dtype, device=weight.device)
-            else:
-                dw = grouped_mm_wgrad(dy_t, x_t, offs, scale_dy=sdy, scale_x=sx).to(weight.dtype)
-        return dx, dw, None, None, None, None
+        if need_w:
+            dw = _weight_grad(weight, ctx.fuse_wgrad, gt8, xt8, offs, scale_dy=sgt, scale_x=sxt)
+        return (dx, dw) + (None,) * 8
 
 
 class GroupedLinear(nn.Module):
@@ -143,7 +117,7 @@ class GroupedLinear(nn.Module):
             raise ValueError("GroupedLinear: fp8_grad_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, "
                              f"got {fp8_grad_dtype}")
         self.fp8, self.fp8_grad_dtype = fp8, fp8_grad_dtype
-        self._fp8_weight = _FP8Weight(fp8) if fp8 else None
+        self._fp8_weight = _FP8WeightCopies(fp8) if fp8 else None
         self.num_experts, self.in_features, self.out_features = num_experts, in_features, out_features
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
         self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features, dtype=dtype,
@@ -158,13 +132,18 @@ class GroupedLinear(nn.Module):
         if self.bias is not None:
             nn.init.uniform_(self.bias, -bound, bound)
 
-    def forward(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, offs: torch.Tensor,
+                is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
+        """``is_first_microbatch`` (FP8 only; TransformerEngine's contract): None re-quantizes
+        the weight on every call; True re-quantizes and keeps the copies; False reuses them (the
+        caller promises the weight has not changed since the last True)."""
         fuse = self.fuse_wgrad_accumulation and torch.is_grad_enabled() and self.weight.requires_grad
         if fuse and getattr(self.weight, "main_grad", None) is None:
             raise RuntimeError("GroupedLinear(fuse_wgrad_accumulation=True) needs weight.main_grad: "
                                "an FP32 tensor of the weight's shape")
         if self.fp8:
-            y = _GroupedLinearFP8.apply(x, self.weight, offs, self._fp8_weight, fuse, self.fp8_grad_dtype)
+            w8, sw, wt8, swt = self._fp8_weight.get(self.weight, is_first_microbatch)
+            y = _GroupedLinearFP8.apply(x, self.weight, offs, w8, sw, wt8, swt, self.fp8, fuse, self.fp8_grad_dtype)
         elif fuse:
             y = _GroupedLinearMainGrad.apply(x, self.weight, offs)
         else:
@@ -176,6 +155,72 @@ class GroupedLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, in_features={self.in_features}, "
                 f"out_features={self.out_features}, bias={self.bias is not None}, "
+                f"fuse_wgrad_accumulation={self.fuse_wgrad_accumulation}, fp8={self.fp8}"
+                + (f", fp8_grad_dtype={self.fp8_grad_dtype}" if self.fp8 else ""))
+
+
+class GroupedMLP(nn.Module):
+    """Every expert's MLP of a Mixture-of-Experts layer, fc1 -> activation -> fc2, in one
+    grouped GEMM per projection and pass (:func:`distgemm.moe.grouped_mlp`).
+
+    forward(x, offs): x (T, hidden) grouped by expert, offs (num_experts,) int32 cumulative
+    row ends on x's device (read on the GPU only: CUDA-graph capture replays with new routing);
+    returns (T, hidden). ``activation="swiglu"`` (``fc1_weight`` (G, 2 * ffn, hidden): gate and
+    up in one weight and one GEMM) or ``"gelu"`` (G, ffn, hidden); ``fc2_weight`` (G, hidden,
+    ffn). ``fp8="block"`` or ``"row"`` runs the six GEMMs in FP8 (sm_90) with the quantization
+    folded into the passes that read each tensor anyway; the weights' FP8 copies are made per
+    call, or kept across micro-batches with ``is_first_microbatch`` (see GroupedLinear).
+    ``fuse_wgrad_accumulation=True`` adds the weight gradients into ``weight.main_grad`` (FP32).
+    """
+
+    def __init__(self, num_experts: int, hidden: int, ffn: int, activation: str = "swiglu",
+                 bias: bool = False, dtype: torch.dtype = torch.bfloat16, device=None,
+                 fuse_wgrad_accumulation: bool = False, fp8: Optional[str] = None,
+                 fp8_grad_dtype: torch.dtype = torch.float8_e4m3fn):
+        super().__init__()
+        for name, v in (("num_experts", num_experts), ("hidden", hidden), ("ffn", ffn)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"GroupedMLP: {name} must be an int >= 1, got {v!r}")
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"GroupedMLP: activation must be one of {ACTIVATIONS}, got {activation!r}")
+        if fp8 is not None and fp8 not in FP8_RECIPES:
+            raise ValueError(f"GroupedMLP: fp8 must be None or one of {FP8_RECIPES}, got {fp8!r}")
+        if fp8_grad_dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+            raise ValueError("GroupedMLP: fp8_grad_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, "
+                             f"got {fp8_grad_dtype}")
+        if dtype != torch.bfloat16:
+            raise ValueError(f"GroupedMLP: dtype must be torch.bfloat16, got {dtype}")
+        self.num_experts, self.hidden, self.ffn, self.activation = num_experts, hidden, ffn, activation
+        self.fp8, self.fp8_grad_dtype, self.fuse_wgrad_accumulation = fp8, fp8_grad_dtype, fuse_wgrad_accumulation
+        width = 2 * ffn if activation == "swiglu" else ffn
+        self.fc1_weight = nn.Parameter(torch.empty(num_experts, width, hidden, dtype=dtype, device=device))
+        self.fc2_weight = nn.Parameter(torch.empty(num_experts, hidden, ffn, dtype=dtype, device=device))
+        self.fc1_bias = nn.Parameter(torch.empty(num_experts, width, dtype=dtype, device=device)) if bias else None
+        self.fc2_bias = nn.Parameter(torch.empty(num_experts, hidden, dtype=dtype, device=device)) if bias else None
+        self._fp8_copies = (_FP8WeightCopies(fp8), _FP8WeightCopies(fp8)) if fp8 else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for w, b, fan_in in ((self.fc1_weight, self.fc1_bias, self.hidden), (self.fc2_weight, self.fc2_bias, self.ffn)):
+            bound = 1.0 / math.sqrt(fan_in)
+            nn.init.uniform_(w, -bound, bound)
+            if b is not None:
+                nn.init.uniform_(b, -bound, bound)
+
+    def forward(self, x: torch.Tensor, offs: torch.Tensor,
+                is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
+        copies = None
+        if self.fp8:
+            copies = (self._fp8_copies[0].get(self.fc1_weight, is_first_microbatch),
+                      self._fp8_copies[1].get(self.fc2_weight, is_first_microbatch))
+        return grouped_mlp(x, offs, self.fc1_weight, self.fc2_weight, activation=self.activation,
+                           fc1_bias=self.fc1_bias, fc2_bias=self.fc2_bias, fp8=self.fp8,
+                           fp8_grad_dtype=self.fp8_grad_dtype,
+                           fuse_wgrad_accumulation=self.fuse_wgrad_accumulation, fp8_weights=copies)
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, hidden={self.hidden}, ffn={self.ffn}, "
+                f"activation={self.activation!r}, bias={self.fc1_bias is not None}, "
                 f"fuse_wgrad_accumulation={self.fuse_wgrad_accumulation}, fp8={self.fp8}"
                 + (f", fp8_grad_dtype={self.fp8_grad_dtype}" if self.fp8 else ""))
 

@@ -333,6 +333,71 @@ DG_API dg_status dg_quantize_fp8_sizes(const dg_quantize_desc* desc, dg_quantize
 /* Every check, then the kernels on `stream` (no host sync, no allocation; graph-capturable). */
 DG_API dg_status dg_quantize_fp8(const dg_quantize_desc* desc, cudaStream_t stream);
 
+/* ---------------------------------------------------------------- MoE expert MLP */
+
+/* The activation dg_moe_act applies (y from x, and dy in the backward ops). C = inner. */
+typedef enum dg_moe_act {
+  DG_MOE_IDENTITY = 0,        /* x (T, C): y = x (a GEMM operand's every FP8 copy in one read) */
+  DG_MOE_SWIGLU = 1,          /* x (T, 2C) = [gate | up]: y (T, C) = silu(gate) * up */
+  DG_MOE_GELU = 2,            /* x (T, C): y = gelu(x) = x * Phi(x) (the erf form) */
+  DG_MOE_SWIGLU_BACKWARD = 3, /* x (T, 2C) the forward's input, dy (T, C):
+                                 y (T, 2C) = [dy * up * silu'(gate) | dy * silu(gate)] */
+  DG_MOE_GELU_BACKWARD = 4,   /* x (T, C) the forward's input, dy (T, C): y = dy * gelu'(x) */
+} dg_moe_act;
+
+/* An expert MLP's activation (or its derivative) applied to a GEMM's output in FP32 and
+ * rounded to bf16, then written in every form the next GEMMs read, from one read of x (and dy):
+ *   y:      bf16 (T, Y) row-major, Y = 2C for DG_MOE_SWIGLU_BACKWARD, else C;
+ *   y_fp8:  FP8 (T, Y) with y_scale (ceil(Y / 128), T): one scale per 1 x 128, the layout of
+ *           dg_quantize_fp8 with DG_QUANT_1X128 (the FP8 grouped GEMM's x);
+ *   yt_fp8: FP8 (Y, Tp) with yt_scale (Tp / 128, Y): y transposed and padded per group, the
+ *           layout of dg_quantize_fp8 with DG_QUANT_1X128, transpose and offs (the FP8 grouped
+ *           wgrad's operands); Tp = 128 * (ceil(T / 128) + num_groups).
+ * Each FP8 copy is bit-identical to dg_quantize_fp8 of the bf16 y. Any subset of the three
+ * (at least one); NULL leaves a form out. DG_MOE_SWIGLU_BACKWARD with y_fp8 needs C % 128 == 0
+ * (a 1 x 128 block never spans the gate and up halves). */
+typedef struct dg_moe_act_desc {
+  dg_moe_act act;
+  const void* x;          /* bf16, row-major, contiguous; 16-byte alignment gives vector loads */
+  const void* dy;         /* bf16 (T, C) for the backward ops, NULL otherwise */
+  int64_t tokens;         /* T >= 0, < 2^31 with yt_fp8 */
+  int64_t inner;          /* C >= 0 */
+  void* y;
+  void* y_fp8;
+  float* y_scale;
+  void* yt_fp8;
+  float* yt_scale;
+  const int32_t* offs;    /* with yt_fp8: num_groups >= 1 int32 cumulative group ends on the device
+                             (never read on the host), as in dg_grouped_desc */
+  int64_t num_groups;     /* 0 without yt_fp8 */
+  dg_dtype fp8_dtype;     /* DG_E4M3 or DG_E5M2 */
+  void* workspace;        /* 4-byte aligned, dg_moe_act_workspace_size bytes (4 * num_groups) */
+  size_t workspace_bytes;
+} dg_moe_act_desc;
+
+/* Checks desc's shape fields (no pointer is read) and gives the workspace it needs. */
+DG_API dg_status dg_moe_act_workspace_size(const dg_moe_act_desc* desc, size_t* bytes);
+/* Every check, then the kernels on `stream` (no host sync, no allocation; graph-capturable). */
+DG_API dg_status dg_moe_act(const dg_moe_act_desc* desc, cudaStream_t stream);
+
+/* A batch of weights w (groups, rows, cols) quantized per 128 x 128 block in one read: out
+ * (groups, rows, cols) and out_t (groups, cols, rows) = its transpose (the dgrad's K-major
+ * operand), both with scale (groups, ceil(rows / 128), ceil(cols / 128)); either may be NULL.
+ * The same bits as dg_quantize_fp8 with DG_QUANT_128X128 (and that, transposed). */
+typedef struct dg_quantize_weight_desc {
+  const void* w;          /* row-major, contiguous */
+  dg_dtype w_dtype;       /* DG_BF16, DG_F16 or DG_F32 */
+  int64_t groups;
+  int64_t rows;
+  int64_t cols;
+  void* out;
+  void* out_t;
+  float* scale;
+  dg_dtype out_dtype;     /* DG_E4M3 or DG_E5M2 */
+} dg_quantize_weight_desc;
+
+DG_API dg_status dg_quantize_fp8_weight(const dg_quantize_weight_desc* desc, cudaStream_t stream);
+
 #ifdef __cplusplus
 }
 #endif

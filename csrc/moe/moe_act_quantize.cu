@@ -1,0 +1,366 @@
+// The MoE expert MLP's memory-bound kernels (plain CUDA, every arch the build compiles).
+//
+// act_kernel: a CTA per block of 128 rows (padded per expert when the transposed copy is
+// written, so that no block mixes two experts) and 128 columns of the activation. It reads its
+// inputs once, computes the activation (or its derivative) in FP32, rounds it to bf16 (the
+// value an unfused layer would hold) and writes, each when asked: the bf16 rows; the FP8 rows
+// with one scale per 1 x 128 (a tile row is one block: the amax is a 16-lane reduction); the
+// FP8 transpose with one scale per 128 tokens of an expert, through shared memory. Scales and
+// FP8 values follow quant/fp8_device.cuh, so each copy is bit-identical to quantize_fp8 of the
+// bf16 activation.
+//
+// weight_kernel: a CTA per 128 x 128 block of a weight: one amax, the FP8 block written as it
+// is and, through shared memory, transposed.
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "moe/moe_act_quantize.h"
+#include "quant/fp8_device.cuh"
+
+namespace distgemm::moe {
+namespace {
+
+using quant::abs_bits;
+using quant::Bf16;
+using quant::F16;
+using quant::F32;
+using quant::kBlock;
+using quant::kFullMask;
+using quant::kThreads;
+using quant::load8;
+using quant::max64;
+using quant::min64;
+using quant::scale_of;
+using quant::store8;
+using quant::to_fp8;
+using quant::to_fp8x4;
+
+__device__ __forceinline__ float sigmoid(float v) { return 1.f / (1.f + expf(-v)); }
+
+__device__ __forceinline__ float gelu(float v) { return 0.5f * v * (1.f + erff(v * 0.70710678118654752f)); }
+
+__device__ __forceinline__ float gelu_grad(float v) {
+  const float cdf = 0.5f * (1.f + erff(v * 0.70710678118654752f));
+  return cdf + v * 0.39894228040143268f * expf(-0.5f * v * v);
+}
+
+__device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
+
+// The activation's values at columns [c, c + 8) of row `r` (zeros past `inner`): plane 0, and
+// for the SwiGLU backward plane 1 (the up half's gradient), each rounded to bf16.
+template <int Act>
+__device__ __forceinline__ void compute8(const uint16_t* __restrict__ x, int64_t x_cols,
+                                         const uint16_t* __restrict__ dy, int64_t inner, int64_t r, int64_t c,
+                                         bool vec, float (&v0)[8], float (&v1)[8]) {
+  const uint16_t* xr = x + r * x_cols;
+  float a[8];
+  load8<Bf16>(xr, c, inner, vec, a);
+  if constexpr (Act == kIdentity) {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) v0[e] = a[e];
+  } else if constexpr (Act == kGelu) {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) v0[e] = round_bf16(gelu(a[e]));
+  } else if constexpr (Act == kSwiglu) {
+    float u[8];
+    load8<Bf16>(xr + inner, c, inner, vec, u);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) v0[e] = round_bf16(a[e] * sigmoid(a[e]) * u[e]);
+  } else {
+    float d[8];
+    load8<Bf16>(dy + r * inner, c, inner, vec, d);
+    if constexpr (Act == kGeluBackward) {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) v0[e] = round_bf16(d[e] * gelu_grad(a[e]));
+    } else {
+      float u[8];
+      load8<Bf16>(xr + inner, c, inner, vec, u);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        const float s = sigmoid(a[e]);
+        v0[e] = round_bf16(d[e] * u[e] * s * (1.f + a[e] * (1.f - s)));
+        v1[e] = round_bf16(d[e] * a[e] * s);
+      }
+    }
+  }
+}
+
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  const __nv_bfloat162 b = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&b);
+}
+
+template <int Act, __nv_fp8_interpretation_t I>
+__global__ void __launch_bounds__(kThreads) act_kernel(ActProblem p, bool vec_in, bool vec_y, bool vec_y8,
+                                                       bool vec_t) {
+  constexpr int kPlanes = Act == kSwigluBackward ? 2 : 1;
+  extern __shared__ __align__(16) uint16_t tile[];  // [kPlanes][128][128] bf16 bits
+  __shared__ uint32_t red[2][kBlock];
+  __shared__ int64_t span[2];
+  const auto* x = static_cast<const uint16_t*>(p.x);
+  const auto* dy = static_cast<const uint16_t*>(p.dy);
+  const int64_t pblock = blockIdx.x;
+  const int64_t c0 = int64_t(blockIdx.y) * kBlock;
+
+  if (threadIdx.x < 32) {
+    int64_t first, count;
+    if (p.ends == nullptr) {
+      first = pblock * kBlock;
+      count = min64(kBlock, p.tokens - first);
+    } else {
+      const int64_t g = quant::find_group(p.ends, p.groups, pblock);
+      const int64_t start = g == 0 ? 0 : p.ends[g - 1];
+      first = start + (pblock - (g + start / kBlock)) * kBlock;
+      count = min64(kBlock, max64(0, p.ends[g] - first));
+    }
+    if (threadIdx.x == 0) {
+      span[0] = first;
+      span[1] = count;
+    }
+  }
+  __syncthreads();
+  const int64_t first = span[0];
+  const int count = static_cast<int>(span[1]);
+
+  // Rows: a half-warp per row, 8 columns a lane, 8 rows a thread.
+  const int sub = threadIdx.x & 15;
+  const int64_t c = c0 + sub * 8;
+#pragma unroll 2
+  for (int k = 0; k < kBlock / (kThreads / 16); ++k) {
+    const int i = (threadIdx.x >> 4) + (kThreads / 16) * k;
+    const bool active = i < count;
+    const int64_t r = first + i;
+    float v[2][8];
+    if (active) {
+      compute8<Act>(x, p.x_cols, dy, p.inner, r, c, vec_in, v[0], v[1]);
+    } else {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) v[0][e] = v[1][e] = 0.f;
+    }
+#pragma unroll
+    for (int q = 0; q < kPlanes; ++q) {
+      if (c >= p.inner) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) v[q][e] = 0.f;
+      }
+      const int64_t yc = q * p.inner + c;  // the column of y
+      if (p.y_fp8 != nullptr) {
+        uint32_t m = quant::max8(0u, v[q]);
+#pragma unroll
+        for (int o = 8; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(kFullMask, m, o));  // the row's 128
+        if (active) {
+          const float s = scale_of<I>(m);
+          // Partial vectors at the activation's end: only the columns before it are written.
+          uint8_t* row = static_cast<uint8_t*>(p.y_fp8) + r * p.y_cols + q * p.inner;
+          store8<I>(row, c, p.inner, vec_y8, v[q], s);
+          if (sub == 0) p.y_scale[(yc / kBlock) * p.tokens + r] = s;
+        }
+      }
+      if (p.y != nullptr && active && c < p.inner) {
+        uint16_t* row = static_cast<uint16_t*>(p.y) + r * p.y_cols + q * p.inner;
+        if (vec_y && c + 8 <= p.inner) {
+          *reinterpret_cast<uint4*>(row + c) =
+              make_uint4(pack_bf16x2(v[q][0], v[q][1]), pack_bf16x2(v[q][2], v[q][3]),
+                         pack_bf16x2(v[q][4], v[q][5]), pack_bf16x2(v[q][6], v[q][7]));
+        } else {
+          for (int e = 0; e < 8 && c + e < p.inner; ++e) {
+            const __nv_bfloat16 b = __float2bfloat16_rn(v[q][e]);
+            row[c + e] = *reinterpret_cast<const uint16_t*>(&b);
+          }
+        }
+      }
+      if (p.yt_fp8 != nullptr) {
+        uint16_t* t = tile + (q * kBlock + i) * kBlock + sub * 8;
+        *reinterpret_cast<uint4*>(t) = make_uint4(pack_bf16x2(v[q][0], v[q][1]), pack_bf16x2(v[q][2], v[q][3]),
+                                                  pack_bf16x2(v[q][4], v[q][5]), pack_bf16x2(v[q][6], v[q][7]));
+      }
+    }
+  }
+  if (p.yt_fp8 == nullptr) return;  // uniform across the CTA
+  __syncthreads();
+
+  // The transpose: a thread per (column, half of the 128 rows), 64 FP8 bytes of one row of yt.
+  const int j = threadIdx.x & (kBlock - 1);
+  const int h = threadIdx.x >> 7;
+  constexpr int kRows = kBlock / 2;
+#pragma unroll 1
+  for (int q = 0; q < kPlanes; ++q) {
+    const uint16_t* col = tile + (q * kBlock + h * kRows) * kBlock + j;
+    uint32_t m = 0;
+#pragma unroll 16
+    for (int r = 0; r < kRows; ++r) m = max(m, abs_bits(Bf16::to_float(col[r * kBlock])));
+    red[h][j] = m;
+    __syncthreads();
+    m = max(red[0][j], red[1][j]);
+    const float s = scale_of<I>(m);
+    const int64_t ac = c0 + j;
+    if (ac < p.inner) {
+      const int64_t yc = q * p.inner + ac;
+      if (h == 0) p.yt_scale[pblock * p.y_cols + yc] = s;
+      uint8_t* o = static_cast<uint8_t*>(p.yt_fp8) + yc * p.yt_ld + pblock * kBlock + h * kRows;
+      if (vec_t) {
+#pragma unroll
+        for (int k = 0; k < kRows / 16; ++k) {
+          uint32_t w[4];
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int r = 16 * k + 4 * e;
+            w[e] = to_fp8x4<I>(Bf16::to_float(col[r * kBlock]), Bf16::to_float(col[(r + 1) * kBlock]),
+                               Bf16::to_float(col[(r + 2) * kBlock]), Bf16::to_float(col[(r + 3) * kBlock]), s);
+          }
+          reinterpret_cast<uint4*>(o)[k] = make_uint4(w[0], w[1], w[2], w[3]);
+        }
+      } else {
+        for (int r = 0; r < kRows; ++r) o[r] = to_fp8<I>(Bf16::to_float(col[r * kBlock]), s);
+      }
+    }
+    __syncthreads();  // red is rewritten by the next plane
+  }
+}
+
+// ---------------------------------------------------------------- weights
+
+constexpr int kTilePitch = kBlock + 4;  // bytes per row of the transposed FP8 block
+
+// Thread t holds rows t / 16 + 16 k (k < 8) at columns 8 (t % 16) + [0, 8) of block (g, rb, cb).
+template <class In, __nv_fp8_interpretation_t I>
+__global__ void __launch_bounds__(kThreads)
+    weight_kernel(const typename In::Storage* __restrict__ w, int64_t groups, int64_t rows, int64_t cols,
+                  bool vec, uint8_t* __restrict__ out, uint8_t* __restrict__ out_t, bool vec_t,
+                  float* __restrict__ scale) {
+  __shared__ uint32_t red[kThreads / 32];
+  __shared__ __align__(16) uint8_t tile[kBlock * kTilePitch];  // [column][row]
+  const int64_t row_blocks = (rows + kBlock - 1) / kBlock;
+  const int64_t col_blocks = (cols + kBlock - 1) / kBlock;
+  const int64_t blocks = groups * row_blocks * col_blocks;
+  const int col = (threadIdx.x & 15) * 8;
+  const int row = threadIdx.x >> 4;
+  for (int64_t blk = blockIdx.x; blk < blocks; blk += gridDim.x) {
+    const int64_t cb = blk % col_blocks;
+    const int64_t rest = blk / col_blocks;
+    const int64_t rb = rest % row_blocks;
+    const int64_t g = rest / row_blocks;
+    const auto* wg = w + g * rows * cols;
+    const int64_t c = cb * kBlock + col;
+    float v[8][8];
+    uint32_t m = 0;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const int64_t r = rb * kBlock + row + 16 * k;
+      if (r < rows) {
+        load8<In>(wg + r * cols, c, cols, vec, v[k]);
+      } else {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) v[k][e] = 0.f;
+      }
+      m = quant::max8(m, v[k]);
+    }
+    const float s = scale_of<I>(quant::block_max(m, red));
+    if (threadIdx.x == 0) scale[blk] = s;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const int64_t r = rb * kBlock + row + 16 * k;
+      if (out != nullptr && r < rows) store8<I>(out + g * rows * cols + r * cols, c, cols, vec, v[k], s);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) tile[(col + e) * kTilePitch + row + 16 * k] = to_fp8<I>(v[k][e], s);
+    }
+    if (out_t == nullptr) continue;  // uniform
+    __syncthreads();
+    // Row (cb * 128 + t / 2) of the transpose, its half t % 2: 64 bytes.
+    const int tr = threadIdx.x >> 1;
+    const int half = threadIdx.x & 1;
+    const int64_t orow = cb * kBlock + tr;
+    const int64_t ocol = rb * kBlock + half * 64;
+    if (orow < cols) {
+      uint8_t* o = out_t + g * rows * cols + orow * rows + ocol;
+      const uint8_t* src = tile + tr * kTilePitch + half * 64;
+      if (vec_t && ocol + 64 <= rows) {
+#pragma unroll
+        for (int k = 0; k < 16; ++k) reinterpret_cast<uint32_t*>(o)[k] = reinterpret_cast<const uint32_t*>(src)[k];
+      } else {
+        for (int e = 0; e < 64 && ocol + e < rows; ++e) o[e] = src[e];
+      }
+    }
+    __syncthreads();  // the tile is rewritten by the next block
+  }
+}
+
+// ---------------------------------------------------------------- launch
+
+template <int Act, __nv_fp8_interpretation_t I>
+cudaError_t launch_act_typed(const ActProblem& p, cudaStream_t stream) {
+  constexpr int kPlanes = Act == kSwigluBackward ? 2 : 1;
+  const size_t smem = p.yt_fp8 != nullptr ? size_t(kPlanes) * kBlock * kBlock * sizeof(uint16_t) : 0;
+  if (smem > 48 * 1024) {
+    const cudaError_t err =
+        cudaFuncSetAttribute(act_kernel<Act, I>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+    if (err != cudaSuccess) return err;
+  }
+  auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
+  // Vector loads need every row and both halves of a SwiGLU input 16-byte aligned.
+  const bool vec_in = aligned(p.x) && p.x_cols % 8 == 0 && p.inner % 8 == 0 && (p.dy == nullptr || aligned(p.dy));
+  const bool vec_y = p.y != nullptr && aligned(p.y) && p.y_cols % 8 == 0 && p.inner % 8 == 0;
+  const bool vec_y8 = p.y_fp8 != nullptr && aligned(p.y_fp8) && p.y_cols % 8 == 0 && p.inner % 8 == 0;
+  const bool vec_t = p.yt_fp8 != nullptr && aligned(p.yt_fp8) && p.yt_ld % 16 == 0;
+  const dim3 grid(static_cast<unsigned>(p.row_blocks), static_cast<unsigned>((p.inner + kBlock - 1) / kBlock));
+  act_kernel<Act, I><<<grid, kThreads, smem, stream>>>(p, vec_in, vec_y, vec_y8, vec_t);
+  return cudaGetLastError();
+}
+
+template <__nv_fp8_interpretation_t I>
+cudaError_t launch_act_fp8(const ActProblem& p, cudaStream_t stream) {
+  switch (p.act) {
+    case kIdentity: return launch_act_typed<kIdentity, I>(p, stream);
+    case kSwiglu: return launch_act_typed<kSwiglu, I>(p, stream);
+    case kGelu: return launch_act_typed<kGelu, I>(p, stream);
+    case kSwigluBackward: return launch_act_typed<kSwigluBackward, I>(p, stream);
+    case kGeluBackward: return launch_act_typed<kGeluBackward, I>(p, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+template <class In, __nv_fp8_interpretation_t I>
+cudaError_t launch_weight_typed(const WeightProblem& p, cudaStream_t stream) {
+  const int64_t blocks = p.groups * ((p.rows + kBlock - 1) / kBlock) * ((p.cols + kBlock - 1) / kBlock);
+  if (blocks == 0) return cudaSuccess;
+  const int64_t sms = p.sm_count > 0 ? p.sm_count : 132;
+  auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
+  const bool vec = aligned(p.w) && (p.out == nullptr || aligned(p.out)) && p.cols % 8 == 0;
+  const bool vec_t = p.out_t != nullptr && aligned(p.out_t) && p.rows % 4 == 0;
+  const auto grid = static_cast<unsigned>(std::min<int64_t>(blocks, sms * 8));
+  weight_kernel<In, I><<<grid, kThreads, 0, stream>>>(static_cast<const typename In::Storage*>(p.w), p.groups,
+                                                      p.rows, p.cols, vec, static_cast<uint8_t*>(p.out),
+                                                      static_cast<uint8_t*>(p.out_t), vec_t, p.scale);
+  return cudaGetLastError();
+}
+
+template <class In>
+cudaError_t launch_weight_for_input(const WeightProblem& p, cudaStream_t stream) {
+  return p.fp8_dtype == DG_E5M2 ? launch_weight_typed<In, __NV_E5M2>(p, stream)
+                                : launch_weight_typed<In, __NV_E4M3>(p, stream);
+}
+
+}  // namespace
+
+cudaError_t launch_act(const ActProblem& p, cudaStream_t stream) {
+  if (p.row_blocks == 0 || p.inner == 0) return cudaSuccess;
+  if (p.ends != nullptr) {
+    quant::group_ends_kernel<<<1, 1024, 0, stream>>>(p.offs, p.groups, p.tokens, p.ends);
+    const cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+  }
+  return p.fp8_dtype == DG_E5M2 ? launch_act_fp8<__NV_E5M2>(p, stream) : launch_act_fp8<__NV_E4M3>(p, stream);
+}
+
+cudaError_t launch_weight_quantize(const WeightProblem& p, cudaStream_t stream) {
+  switch (p.w_dtype) {
+    case DG_BF16: return launch_weight_for_input<Bf16>(p, stream);
+    case DG_F16: return launch_weight_for_input<F16>(p, stream);
+    case DG_F32: return launch_weight_for_input<F32>(p, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace distgemm::moe

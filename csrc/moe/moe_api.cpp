@@ -1,0 +1,177 @@
+// dg_moe_act and dg_quantize_fp8_weight: argument checks and the launch. Host-only.
+#include <cstdint>
+
+#include "common/buffer_check.h"
+#include "common/checked_math.h"
+#include "common/device.h"
+#include "common/dtype.h"
+#include "common/status.h"
+#include "distgemm/distgemm.h"
+#include "moe/moe_act_quantize.h"
+
+namespace distgemm::moe {
+namespace {
+
+constexpr int64_t kBlock = 128;
+constexpr int64_t kInt32Limit = int64_t(1) << 31;
+
+int64_t blocks_of(int64_t n) { return n / kBlock + (n % kBlock != 0); }
+
+bool is_backward(int act) { return act == kSwigluBackward || act == kGeluBackward; }
+bool is_swiglu(int act) { return act == kSwiglu || act == kSwigluBackward; }
+
+const char* act_name(int act) {
+  switch (act) {
+    case kIdentity: return "DG_MOE_IDENTITY";
+    case kSwiglu: return "DG_MOE_SWIGLU";
+    case kGelu: return "DG_MOE_GELU";
+    case kSwigluBackward: return "DG_MOE_SWIGLU_BACKWARD";
+    case kGeluBackward: return "DG_MOE_GELU_BACKWARD";
+  }
+  return "unknown";
+}
+
+// The shape fields of d (no pointer is read) into p's sizes.
+dg_status check_act_shape(const dg_moe_act_desc& d, ActProblem* p) {
+  const int act = raw_enum(d.act);
+  DG_REQUIRE(act >= kIdentity && act <= kGeluBackward,
+             "act must be DG_MOE_IDENTITY, DG_MOE_SWIGLU, DG_MOE_GELU, DG_MOE_SWIGLU_BACKWARD or "
+             "DG_MOE_GELU_BACKWARD, got ", act);
+  DG_REQUIRE(d.tokens >= 0 && d.inner >= 0, "tokens and inner must be non-negative, got ", d.tokens, " and ",
+             d.inner);
+  DG_REQUIRE(d.y != nullptr || d.y_fp8 != nullptr || d.yt_fp8 != nullptr,
+             "no output: set at least one of y, y_fp8 and yt_fp8");
+  const bool fp8 = d.y_fp8 != nullptr || d.yt_fp8 != nullptr;
+  const int out = raw_enum(d.fp8_dtype);
+  DG_REQUIRE(!fp8 || out == DG_E4M3 || out == DG_E5M2, "fp8_dtype must be DG_E4M3 or DG_E5M2, got ", out);
+  DG_REQUIRE(is_backward(act) || d.dy == nullptr, "dy applies to the backward activations only, not ",
+             act_name(act));
+  p->act = act;
+  p->planes = act == kSwigluBackward ? 2 : 1;
+  p->tokens = d.tokens;
+  p->inner = d.inner;
+  DG_REQUIRE(d.inner < (int64_t(1) << 40), "inner must be below 2^40, got ", d.inner);
+  p->x_cols = is_swiglu(act) ? 2 * d.inner : d.inner;
+  p->y_cols = p->planes * d.inner;
+  DG_REQUIRE(blocks_of(d.inner) <= 65535, "inner of ", d.inner, " columns is more than 65535 blocks of 128");
+  DG_REQUIRE(act != kSwigluBackward || d.y_fp8 == nullptr || d.inner % kBlock == 0,
+             "DG_MOE_SWIGLU_BACKWARD with y_fp8 needs inner to be a multiple of 128 (a 1 x 128 block "
+             "must not span the gate and up halves), got ", d.inner);
+  if (d.yt_fp8 != nullptr) {
+    DG_REQUIRE(d.num_groups >= 1 && d.num_groups < kInt32Limit,
+               "yt_fp8 (the per-group padded transpose) needs num_groups in [1, 2^31), got ", d.num_groups);
+    DG_REQUIRE(d.tokens < kInt32Limit, "yt_fp8 needs fewer than 2^31 tokens (int32 group ends), got ",
+               d.tokens);
+    p->groups = d.num_groups;
+    p->row_blocks = blocks_of(d.tokens) + d.num_groups;
+    p->yt_ld = p->row_blocks * kBlock;
+  } else {
+    DG_REQUIRE(d.num_groups == 0, "num_groups applies to yt_fp8 only, got ", d.num_groups);
+    p->row_blocks = blocks_of(d.tokens);
+  }
+  DG_REQUIRE(p->row_blocks < kInt32Limit, "tokens of ", d.tokens, " are more than 2^31 - 1 blocks of 128");
+  return DG_SUCCESS;
+}
+
+dg_status lower_act(const dg_moe_act_desc* desc, ActProblem* p) {
+  DG_REQUIRE(desc != nullptr, "desc must not be NULL");
+  const dg_moe_act_desc& d = *desc;
+  DG_RETURN_IF_ERROR(check_act_shape(d, p));
+  DG_RETURN_IF_ERROR(check_extent(d.x, "x", {d.tokens, p->x_cols}, 2, 2));
+  if (is_backward(p->act)) DG_RETURN_IF_ERROR(check_extent(d.dy, "dy", {d.tokens, d.inner}, 2, 2));
+  if (d.y != nullptr) DG_RETURN_IF_ERROR(check_extent(d.y, "y", {d.tokens, p->y_cols}, 2, 2));
+  if (d.y_fp8 != nullptr) {
+    DG_RETURN_IF_ERROR(check_extent(d.y_fp8, "y_fp8", {d.tokens, p->y_cols}, 1, 1));
+    DG_RETURN_IF_ERROR(check_extent(d.y_scale, "y_scale", {blocks_of(p->y_cols), d.tokens}, 4, 4));
+  }
+  size_t need = 0;
+  if (d.yt_fp8 != nullptr) {
+    DG_RETURN_IF_ERROR(check_extent(d.yt_fp8, "yt_fp8", {p->y_cols, p->yt_ld}, 1, 1));
+    DG_RETURN_IF_ERROR(check_extent(d.yt_scale, "yt_scale", {p->row_blocks, p->y_cols}, 4, 4));
+    DG_RETURN_IF_ERROR(check_extent(d.offs, "offs", {d.num_groups}, 4, 4));
+    need = static_cast<size_t>(d.num_groups) * sizeof(int32_t);
+    DG_REQUIRE(d.workspace_bytes >= need, "workspace of ", d.workspace_bytes, " bytes is smaller than the ",
+               need, " needed");
+    DG_RETURN_IF_ERROR(check_extent(d.workspace, "workspace", {static_cast<int64_t>(need)}, 1, 4));
+  }
+  p->x = d.x;
+  p->dy = d.dy;
+  p->y = d.y;
+  p->y_fp8 = d.y_fp8;
+  p->y_scale = d.y_scale;
+  p->yt_fp8 = d.yt_fp8;
+  p->yt_scale = d.yt_scale;
+  p->offs = d.offs;
+  p->ends = need ? static_cast<int32_t*>(d.workspace) : nullptr;
+  p->fp8_dtype = d.fp8_dtype;
+  return DG_SUCCESS;
+}
+
+dg_status lower_weight(const dg_quantize_weight_desc* desc, WeightProblem* p) {
+  DG_REQUIRE(desc != nullptr, "desc must not be NULL");
+  const dg_quantize_weight_desc& d = *desc;
+  const int in = raw_enum(d.w_dtype), out = raw_enum(d.out_dtype);
+  DG_REQUIRE(in == DG_BF16 || in == DG_F16 || in == DG_F32, "w must be bfloat16, float16 or float32, got dtype ",
+             in);
+  DG_REQUIRE(out == DG_E4M3 || out == DG_E5M2, "out dtype must be DG_E4M3 or DG_E5M2, got ", out);
+  DG_REQUIRE(d.groups >= 0 && d.rows >= 0 && d.cols >= 0, "w must have non-negative (groups, rows, cols), got (",
+             d.groups, ", ", d.rows, ", ", d.cols, ")");
+  DG_REQUIRE(d.out != nullptr || d.out_t != nullptr, "no output: set out, out_t or both");
+  int64_t elems = 0, scales = 0;
+  DG_REQUIRE(checked_product({d.groups, d.rows, d.cols}, &elems), "w of (", d.groups, ", ", d.rows, ", ", d.cols,
+             ") elements overflows int64");
+  DG_REQUIRE(checked_product({d.groups, blocks_of(d.rows), blocks_of(d.cols)}, &scales), "w's scales overflow int64");
+  const int bytes = dtype_bytes(d.w_dtype);
+  DG_RETURN_IF_ERROR(check_extent(d.w, "w", {elems}, bytes, static_cast<unsigned>(bytes)));
+  if (d.out != nullptr) DG_RETURN_IF_ERROR(check_extent(d.out, "out", {elems}, 1, 1));
+  if (d.out_t != nullptr) DG_RETURN_IF_ERROR(check_extent(d.out_t, "out_t", {elems}, 1, 1));
+  DG_RETURN_IF_ERROR(check_extent(d.scale, "scale", {scales}, 4, 4));
+  p->w = d.w;
+  p->w_dtype = d.w_dtype;
+  p->groups = d.groups;
+  p->rows = d.rows;
+  p->cols = d.cols;
+  p->out = d.out;
+  p->out_t = d.out_t;
+  p->scale = d.scale;
+  p->fp8_dtype = d.out_dtype;
+  return DG_SUCCESS;
+}
+
+}  // namespace
+}  // namespace distgemm::moe
+
+using namespace distgemm;
+using namespace distgemm::moe;
+
+extern "C" dg_status dg_moe_act_workspace_size(const dg_moe_act_desc* desc, size_t* bytes) {
+  DG_REQUIRE(desc != nullptr, "desc must not be NULL");
+  DG_REQUIRE(bytes != nullptr, "bytes must not be NULL");
+  ActProblem p;
+  DG_RETURN_IF_ERROR(check_act_shape(*desc, &p));
+  *bytes = desc->yt_fp8 != nullptr ? static_cast<size_t>(desc->num_groups) * sizeof(int32_t) : 0;
+  return DG_SUCCESS;
+}
+
+extern "C" dg_status dg_moe_act(const dg_moe_act_desc* desc, cudaStream_t stream) {
+  ActProblem p;
+  DG_RETURN_IF_ERROR(lower_act(desc, &p));
+  DeviceInfo dev;
+  DG_RETURN_IF_ERROR(portable_kernel_device("MoE activation", &dev));
+  p.sm_count = dev.sm_count;
+  const cudaError_t err = launch_act(p, stream);
+  if (err != cudaSuccess) return fail(DG_ERROR_CUDA, cat("MoE activation launch: ", cudaGetErrorString(err)));
+  return DG_SUCCESS;
+}
+
+extern "C" dg_status dg_quantize_fp8_weight(const dg_quantize_weight_desc* desc, cudaStream_t stream) {
+  WeightProblem p;
+  DG_RETURN_IF_ERROR(lower_weight(desc, &p));
+  DeviceInfo dev;
+  DG_RETURN_IF_ERROR(portable_kernel_device("FP8 weight quantization", &dev));
+  p.sm_count = dev.sm_count;
+  const cudaError_t err = launch_weight_quantize(p, stream);
+  if (err != cudaSuccess)
+    return fail(DG_ERROR_CUDA, cat("FP8 weight quantization launch: ", cudaGetErrorString(err)));
+  return DG_SUCCESS;
+}

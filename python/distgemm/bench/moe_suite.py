@@ -1,0 +1,209 @@
+"""MoE expert-MLP suite: one training step of the expert MLP (fc1 -> activation -> fc2 per
+expert; forward, backward, and the optimizer's in-place weight update, so that FP8 weight
+copies are made anew every step) on 32,768 routed tokens, balanced and skewed (Pareto) routing.
+
+Layers (ratio = peer step time / ours, > 1: ours faster):
+
+- ``distgemm bf16``: :class:`distgemm.nn.GroupedMLP` in bf16; ``distgemm block`` / ``row``: the
+  same module with ``fp8="block"`` (1 x 128 activations, 128 x 128 weights) / ``fp8="row"``.
+  Weight gradients accumulate into FP32 ``main_grad`` (zeroed inside the timed step, as a
+  framework does once per optimizer step).
+- ``torch bf16``: the same layer written with ``torch._grouped_mm`` and autograd, its grads set
+  to None every step (the issue's peer). ``loop bf16``: a per-expert loop of ``torch.matmul``
+  (host-known group sizes), forward only figures and the step.
+
+Each row prints the step time of each layer, the ratios, the FP8 layers' step against torch
+bf16, peak memory of one step (allocated bytes above the parameters), and a per-kernel table of
+where the FP8 step's GPU time goes (torch.profiler, one step), grouped into GEMMs,
+quantization / activation passes, copies and casts, and the rest. Results:
+bench/results/<gpu>_moe.json + .png.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Dict, List, Tuple
+
+import torch
+
+from .common import entry, geomean, gpu_slug, plot_ratios, print_row, round_robin_ms, write_results
+
+TOKENS = 32768
+# (experts, hidden, ffn): DeepSeek-V3-like, Qwen3-like, fine-grained, Mixtral-like.
+LAYERS = ((8, 7168, 2048), (32, 4096, 1536), (64, 2048, 768), (16, 5120, 1408))
+QUICK_LAYERS = ((8, 7168, 2048), (64, 2048, 768))
+
+
+def routing_counts(experts: int, tokens: int, skewed: bool, seed: int = 0) -> List[int]:
+    """Tokens per expert: equal, or a Pareto spread (shape 1.5; a few experts get many)."""
+    if not skewed:
+        base = [tokens // experts] * experts
+        base[0] += tokens - sum(base)
+        return base
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.empty(experts).exponential_(generator=gen).mul_(2.0 / 3.0).exp_()  # Pareto(1.5) = exp(Exp / 1.5)
+    c = (w / w.sum() * tokens).floor().long()
+    c[int(torch.argmax(w))] += tokens - int(c.sum())
+    return c.tolist()
+
+
+class _TorchLayer(torch.nn.Module):
+    """The same expert MLP on torch._grouped_mm (bf16, autograd)."""
+
+    def __init__(self, w1, w2, activation):
+        super().__init__()
+        self.w1 = torch.nn.Parameter(w1.detach().clone())
+        self.w2 = torch.nn.Parameter(w2.detach().clone())
+        self.activation, self.ffn = activation, w2.shape[2]
+
+    def forward(self, x, offs):
+        h = torch._grouped_mm(x, self.w1.transpose(1, 2), offs=offs)
+        if self.activation == "swiglu":
+            a = torch.nn.functional.silu(h[:, :self.ffn]) * h[:, self.ffn:]
+        else:
+            a = torch.nn.functional.gelu(h)
+        return torch._grouped_mm(a, self.w2.transpose(1, 2), offs=offs)
+
+
+class _LoopLayer(_TorchLayer):
+    """A per-expert loop of torch.matmul (the group sizes known on the host)."""
+
+    def __init__(self, w1, w2, activation, counts):
+        super().__init__(w1, w2, activation)
+        self.counts = counts
+
+    def forward(self, x, offs):
+        outs, start = [], 0
+        for g, n in enumerate(self.counts):
+            xg = x[start:start + n]
+            h = xg @ self.w1[g].T
+            a = (torch.nn.functional.silu(h[:, :self.ffn]) * h[:, self.ffn:] if self.activation == "swiglu"
+                 else torch.nn.functional.gelu(h))
+            outs.append(a @ self.w2[g].T)
+            start += n
+        return torch.cat(outs)
+
+
+def _step(layer, x, offs, dy, params, main_grads) -> Callable[[], None]:
+    def run():
+        for g in main_grads:
+            g.zero_()
+        for p in params:
+            p.grad = None
+        layer(x, offs).backward(dy)
+        with torch.no_grad():
+            for p in params:
+                p.mul_(1.0 - 1e-4)  # an optimizer's in-place update: FP8 copies must be made anew
+    return run
+
+
+def _peak_mb(fn: Callable[[], None]) -> float:
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return round((torch.cuda.max_memory_allocated() - base) / 2 ** 20, 1)
+
+
+KERNEL_CLASSES = (("gemm", ("gemm", "gmm", "cutlass", "nvjet", "sm90", "device_kernel", "xmma")),
+                  ("quantize / activation", ("act_kernel", "quantize", "weight_kernel", "group_ends", "amax")),
+                  ("copy / cast", ("copy", "cast", "transpose", "convert")),
+                  ("memset / fill", ("fill", "memset", "zero")))
+
+
+def kernel_table(fn: Callable[[], None]) -> Tuple[List[dict], Dict[str, float]]:
+    """One step under torch.profiler: each kernel's GPU time (us), and the time per class."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    kernels: Dict[str, List[float]] = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time_total > 0:
+            kernels.setdefault(ev.name, []).append(ev.device_time_total)
+    rows = sorted(({"kernel": k[:120], "calls": len(v), "us": round(sum(v), 1)} for k, v in kernels.items()),
+                  key=lambda r: -r["us"])
+    classes: Dict[str, float] = {}
+    for r in rows:
+        name = r["kernel"].lower()
+        cls = next((c for c, keys in KERNEL_CLASSES if any(k in name for k in keys)), "other")
+        classes[cls] = round(classes.get(cls, 0.0) + r["us"], 1)
+    return rows, classes
+
+
+def run(out_dir: str, quick: bool, activations=("swiglu", "gelu")) -> Dict[str, object]:
+    from distgemm.nn import GroupedMLP
+
+    dev = torch.device("cuda")
+    rows = []
+    print("\n== moe suite: expert MLP training step (fwd + bwd + in-place update), 32768 tokens")
+    for activation in activations:
+        for experts, hidden, ffn in (QUICK_LAYERS if quick else LAYERS):
+            for skewed in (False, True):
+                counts = routing_counts(experts, TOKENS, skewed)
+                offs = torch.tensor(counts, device=dev).cumsum(0).to(torch.int32)
+                torch.manual_seed(0)
+                x = torch.randn(TOKENS, hidden, device=dev).bfloat16()
+                dy = torch.randn(TOKENS, hidden, device=dev).bfloat16()
+                layers, steps = {}, {}
+                for name, fp8 in (("distgemm bf16", None), ("distgemm block", "block"), ("distgemm row", "row")):
+                    m = GroupedMLP(experts, hidden, ffn, activation=activation, device=dev, fp8=fp8,
+                                   fuse_wgrad_accumulation=True)
+                    grads = []
+                    for w in (m.fc1_weight, m.fc2_weight):
+                        w.main_grad = torch.zeros(w.shape, device=dev)
+                        grads.append(w.main_grad)
+                    layers[name] = m
+                    steps[name] = _step(m, x, offs, dy, list(m.parameters()), grads)
+                ref = layers["distgemm bf16"]
+                tl = _TorchLayer(ref.fc1_weight, ref.fc2_weight, activation)
+                steps["torch bf16"] = _step(tl, x, offs, dy, list(tl.parameters()), [])
+                if not quick:
+                    ll = _LoopLayer(ref.fc1_weight, ref.fc2_weight, activation, counts)
+                    steps["loop bf16"] = _step(ll, x, offs, dy, list(ll.parameters()), [])
+                flops = 2 * TOKENS * hidden * ffn * (3 if activation == "swiglu" else 2) * 3
+                for fn in steps.values():  # warm-up (autotuning of the grouped GEMMs happens here)
+                    fn()
+                    fn()
+                times = round_robin_ms(steps, reps=5 if quick else 10)
+                label = f"{activation} {experts}x{TOKENS // experts} H{hidden} F{ffn} {'pareto' if skewed else 'balanced'}"
+                row = {"activation": activation, "experts": experts, "hidden": hidden, "ffn": ffn,
+                       "routing": "pareto" if skewed else "balanced", "counts_max": max(counts),
+                       "counts_zero": sum(c == 0 for c in counts)}
+                for name, ms in times.items():
+                    row[name] = entry(ms, flops)
+                for name in steps:
+                    row[name]["peak_mb"] = _peak_mb(steps[name])
+                for name in ("distgemm bf16", "distgemm block", "distgemm row"):
+                    row[name]["vs_torch_bf16"] = round(times["torch bf16"] / times[name], 3)
+                cols = {n.replace("distgemm ", ""): f"{t:.2f}ms" for n, t in times.items()}
+                cols.update({f"{n.split()[-1]}/torch": f"{row[n]['vs_torch_bf16']:.2f}x"
+                             for n in ("distgemm bf16", "distgemm block", "distgemm row")})
+                cols["mem block/torch"] = f"{row['distgemm block']['peak_mb'] / max(row['torch bf16']['peak_mb'], 1):.2f}x"
+                print_row(label, cols)
+                if not skewed:
+                    for name in ("distgemm block", "distgemm bf16"):
+                        table, classes = kernel_table(steps[name])
+                        total = sum(classes.values())
+                        row[name]["kernels"] = table[:25]
+                        row[name]["kernel_classes_us"] = classes
+                        print(f"    {name} GPU time by class ({total / 1e3:.2f} ms): " + ", ".join(
+                            f"{c} {us / 1e3:.2f} ms ({100 * us / total:.0f}%)" for c, us in classes.items()))
+                        for k in table[:8]:
+                            print(f"      {k['us'] / 1e3:8.3f} ms  {k['calls']:3d}x  {k['kernel'][:90]}")
+                rows.append(row)
+                del layers, steps
+                torch.cuda.empty_cache()
+    geo = {name: round(geomean([r[name]["vs_torch_bf16"] for r in rows]), 4)
+           for name in ("distgemm bf16", "distgemm block", "distgemm row")}
+    slug = gpu_slug(1)
+    path = write_results(out_dir, slug, "moe", rows, geo)
+    labels = [f"{r['activation'][:2]} {r['experts']}e H{r['hidden']} {r['routing'][:3]}" for r in rows]
+    plot_ratios(path.replace(".json", ".png"), "expert MLP step: torch bf16 time / ours", labels,
+                {n: [r[n]["vs_torch_bf16"] for r in rows] for n in geo}, "speed-up vs torch bf16 layer")
+    print(f"  geomean vs torch bf16: {geo}; {path}")
+    return {f"moe {k}": v for k, v in geo.items()}

@@ -1,0 +1,372 @@
+"""The MoE expert MLP: fc1 -> activation -> fc2 for every expert, forward and backward, in
+bf16 or FP8, with the quantization folded into the passes the layer makes anyway.
+
+- :func:`activation`: an activation (SwiGLU, GELU, or the identity) or its derivative applied
+  in FP32 and rounded to bf16, then written in every form the next GEMMs read from one read of
+  the input: bf16 rows, FP8 rows with one scale per 1 x 128 (the FP8 grouped GEMM's x), and
+  the FP8 transpose padded per expert with one scale per 128 tokens (the FP8 wgrad's
+  operands). Each FP8 copy is bit-identical to :func:`distgemm.quantize_fp8` of the bf16 values.
+- :func:`quantize_weight`: an expert weight's FP8 copy and its transposed copy (the dgrad's
+  K-major operand) from one read.
+- :func:`grouped_mlp`: the layer, functional (parameters owned by the caller);
+  :class:`distgemm.nn.GroupedMLP` is the module over it.
+
+SwiGLU takes fc1's output as ``[gate | up]`` (the first ``ffn`` columns are the gate, as in
+Megatron-LM's fused gate/up weight): ``silu(gate) * up``. GELU is the erf form
+(``torch.nn.functional.gelu``'s default).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Tuple
+
+import torch
+
+from ._library import has_kernels, ops
+from .grouped import grouped_mm, grouped_mm_wgrad
+from .quantize import FP8_MAX, quantize_fp8
+
+ACTIVATIONS = ("swiglu", "gelu")
+FP8_RECIPES = ("block", "row")
+BLOCK = 128
+# dg_moe_act's values.
+IDENTITY, SWIGLU, GELU, SWIGLU_BACKWARD, GELU_BACKWARD = range(5)
+_FORWARD = {"identity": IDENTITY, "swiglu": SWIGLU, "gelu": GELU}
+_BACKWARD = {"swiglu": SWIGLU_BACKWARD, "gelu": GELU_BACKWARD}
+
+
+class ActivationOut(NamedTuple):
+    """What :func:`activation` wrote; a form not asked for is None."""
+    y: Optional[torch.Tensor]          # bf16 (T, Y)
+    y_fp8: Optional[torch.Tensor]      # FP8 (T, Y)
+    y_scale: Optional[torch.Tensor]    # (T, ceil(Y/128)), strides (1, T)
+    yt_fp8: Optional[torch.Tensor]     # FP8 (Y, Tp), transposed and padded per expert
+    yt_scale: Optional[torch.Tensor]   # (Y, Tp/128), strides (1, Y)
+
+
+def _act_code(op: str, kind, backward: bool) -> int:
+    table = _BACKWARD if backward else _FORWARD
+    if kind not in table:
+        raise ValueError(f"{op}: activation must be one of {tuple(table)}{' (with dy)' if backward else ''}, "
+                         f"got {kind!r}")
+    return table[kind]
+
+
+def _reference_values(x: torch.Tensor, code: int, dy: Optional[torch.Tensor], inner: int) -> torch.Tensor:
+    """The activation in float32, rounded to bf16 (what the kernel computes)."""
+    xf = x.float()
+    if code == IDENTITY:
+        return x.to(torch.bfloat16)
+    if code == GELU:
+        return torch.nn.functional.gelu(xf).to(torch.bfloat16)
+    gate, up = (xf[:, :inner], xf[:, inner:]) if code in (SWIGLU, SWIGLU_BACKWARD) else (xf, None)
+    if code == SWIGLU:
+        return (gate * torch.sigmoid(gate) * up).to(torch.bfloat16)
+    d = dy.float()
+    if code == GELU_BACKWARD:
+        cdf = 0.5 * (1.0 + torch.erf(gate * 0.7071067811865476))
+        pdf = torch.exp(-0.5 * gate * gate) * 0.3989422804014327
+        return (d * (cdf + gate * pdf)).to(torch.bfloat16)
+    s = torch.sigmoid(gate)
+    return torch.cat([d * up * s * (1.0 + gate * (1.0 - s)), d * gate * s], dim=1).to(torch.bfloat16)
+
+
+def _check_activation_args(op, x, code, dy, offs, inner, transposed, fp8_dtype):
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype != torch.bfloat16:
+        raise ValueError(f"{op}: x must be a 2-D bfloat16 tensor, got "
+                         f"{getattr(x, 'dtype', type(x).__name__)} of shape {tuple(getattr(x, 'shape', ()))}")
+    if code in (SWIGLU, SWIGLU_BACKWARD) and x.shape[1] % 2:
+        raise ValueError(f"{op}: SwiGLU takes x = [gate | up] with an even number of columns, got {x.shape[1]}")
+    if dy is not None and (not isinstance(dy, torch.Tensor) or dy.dtype != torch.bfloat16
+                           or tuple(dy.shape) != (x.shape[0], inner) or dy.device != x.device):
+        raise ValueError(f"{op}: dy must be a bfloat16 tensor of shape {(x.shape[0], inner)} on {x.device}, got "
+                         f"{getattr(dy, 'dtype', None)} {tuple(getattr(dy, 'shape', ()))}")
+    if transposed:
+        if not isinstance(offs, torch.Tensor) or offs.dtype != torch.int32 or offs.dim() != 1 or offs.numel() < 1:
+            raise ValueError(f"{op}: fp8_transposed needs offs, a 1-D int32 tensor of cumulative expert ends")
+        if offs.device != x.device:
+            raise ValueError(f"{op}: offs is on {offs.device} but x is on {x.device}")
+    if fp8_dtype not in FP8_MAX:
+        raise ValueError(f"{op}: fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {fp8_dtype}")
+
+
+def activation(x: torch.Tensor, kind: str = "identity", *, dy: Optional[torch.Tensor] = None,
+               offs: Optional[torch.Tensor] = None, bf16: bool = True, fp8_rows: bool = False,
+               fp8_transposed: bool = False, fp8_dtype: torch.dtype = torch.float8_e4m3fn) -> ActivationOut:
+    """``kind`` ("identity", "swiglu", "gelu") of x (T, C; (T, 2C) for SwiGLU), or with ``dy``
+    (T, C) its derivative's product with dy ((T, 2C) for SwiGLU: the gate's and up's
+    gradients), in the forms asked for (see the module docstring). ``offs`` (int32 cumulative
+    expert ends on x's device) is needed by ``fp8_transposed``. Not differentiable."""
+    op = "distgemm.moe.activation"
+    code = _act_code(op, kind, dy is not None)
+    inner = x.shape[1] // 2 if code in (SWIGLU, SWIGLU_BACKWARD) else x.shape[1]
+    _check_activation_args(op, x, code, dy, offs, inner, fp8_transposed, fp8_dtype)
+    if not (bf16 or fp8_rows or fp8_transposed):
+        raise ValueError(f"{op}: ask for at least one of bf16, fp8_rows and fp8_transposed")
+    # A 1 x 128 block must not span the gate and up halves of the SwiGLU backward's rows.
+    split_rows = code == SWIGLU_BACKWARD and fp8_rows and inner % BLOCK != 0
+    if x.is_cuda and has_kernels(x.device):
+        y, y8, sy, yt8, syt = ops.moe_act(x, dy, code, inner, offs if fp8_transposed else None,
+                                          bf16 or split_rows, fp8_rows and not split_rows, fp8_transposed, fp8_dtype)
+        out = [y if bf16 or split_rows else None, y8 if fp8_rows else None, sy if fp8_rows else None,
+               yt8 if fp8_transposed else None, syt if fp8_transposed else None]
+        if split_rows:
+            out[1], out[2] = quantize_fp8(y, (1, BLOCK), dtype=fp8_dtype)
+            out[0] = y if bf16 else None
+        return ActivationOut(*out)
+    y = _reference_values(x.detach(), code, None if dy is None else dy.detach(), inner)
+    y8 = sy = yt8 = syt = None
+    if fp8_rows:
+        y8, sy = quantize_fp8(y, (1, BLOCK), dtype=fp8_dtype)
+    if fp8_transposed:
+        yt8, syt = quantize_fp8(y, (1, BLOCK), dtype=fp8_dtype, transpose=True, offs=offs)
+    return ActivationOut(y if bf16 else None, y8, sy, yt8, syt)
+
+
+def quantize_weight(w: torch.Tensor, recipe: str = "block", *, transposed: bool = True,
+                    dtype: torch.dtype = torch.float8_e4m3fn):
+    """An expert weight w (G, N, K) in FP8 for the forward and, stored (G, K, N), for the dgrad:
+    ``(w_fp8, scale, wt_fp8, scale_t)``. ``"block"``: one scale per 128 x 128 block, shared by
+    both copies ((G, ceil(N/128), ceil(K/128))), one read of w; ``"row"``: one per output
+    channel, (G, N) and (G, K). ``transposed=False`` leaves the dgrad's copy out (None)."""
+    op = "distgemm.moe.quantize_weight"
+    if not isinstance(w, torch.Tensor) or w.dim() != 3:
+        raise ValueError(f"{op}: w must be a 3-D (G, N, K) tensor, got {tuple(getattr(w, 'shape', ()))}")
+    if recipe not in FP8_RECIPES:
+        raise ValueError(f"{op}: recipe must be one of {FP8_RECIPES}, got {recipe!r}")
+    w = w.detach()
+    g, n, k = w.shape
+    if recipe == "block":
+        if w.is_cuda and has_kernels(w.device):
+            w8, wt8, sw = ops.quantize_fp8_weight(w, dtype, True, transposed)
+            return w8, sw, (wt8 if transposed else None), (sw if transposed else None)
+        w8, sw = quantize_fp8(w, (BLOCK, BLOCK), dtype=dtype)
+        return w8, sw, (w8.transpose(1, 2).contiguous() if transposed else None), (sw if transposed else None)
+    w8, sw = quantize_fp8(w.reshape(g * n, k), "row", dtype=dtype)
+    if not transposed:
+        return w8.view(g, n, k), sw.view(g, n), None, None
+    wt8, swt = quantize_fp8(w.transpose(1, 2).reshape(g * k, n), "row", dtype=dtype)
+    return w8.view(g, n, k), sw.view(g, n), wt8.view(g, k, n), swt.view(g, k)
+
+
+# ---------------------------------------------------------------- the layer
+
+
+def _expert_of_rows(offs: torch.Tensor, tokens: int) -> torch.Tensor:
+    """Index of the expert owning each row, on the device (no host sync)."""
+    rows = torch.arange(tokens, device=offs.device, dtype=offs.dtype)
+    return torch.searchsorted(offs, rows, right=True).clamp_(max=offs.numel() - 1)
+
+
+def _add_bias(y: torch.Tensor, bias: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    return (y.float() + bias.float()[experts]).to(y.dtype)
+
+
+def _bias_grad(grad: torch.Tensor, experts: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """Each expert's rows of grad summed in FP32."""
+    out = torch.zeros(bias.shape, dtype=torch.float32, device=grad.device)
+    return out.index_add_(0, experts, grad.float()).to(bias.dtype)
+
+
+def _weight_grad(weight, fuse_wgrad, dy, x, offs, **fp8_scales):
+    """dy^T x per expert: into weight.main_grad with fused accumulation (Megatron-LM's
+    convention for what is returned then), else as the weight's gradient."""
+    if fuse_wgrad:
+        grouped_mm_wgrad(dy, x, offs, out=weight.main_grad, accumulate=True, **fp8_scales)
+        if hasattr(weight, "grad_added_to_main_grad"):
+            weight.grad_added_to_main_grad = True
+            make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
+            return make(weight.shape, dtype=weight.dtype, device=weight.device)
+        return None
+    return grouped_mm_wgrad(dy, x, offs, **fp8_scales).to(weight.dtype)
+
+
+def _forms(x, kind, recipe, offs, *, rows, transposed, dtype, dy=None, bf16=False):
+    """What the layer's GEMMs read of an operand (or of the activation of one), in one pass
+    where the recipe allows: (bf16 values or None, FP8 rows, their scales, FP8 padded
+    transpose, its scales); the row recipe's full-row scales take a second read."""
+    block = recipe == "block"
+    identity = kind == "identity"
+    want_bf16 = bf16 or (rows and not block and not identity)
+    out = ActivationOut(None, None, None, None, None)
+    if want_bf16 or (rows and block) or transposed:
+        out = activation(x, kind, dy=dy, offs=offs, bf16=want_bf16, fp8_rows=rows and block,
+                         fp8_transposed=transposed, fp8_dtype=dtype)
+    values = x if identity else out.y
+    r8, rs = out.y_fp8, out.y_scale
+    if rows and not block:
+        r8, rs = quantize_fp8(values, "row", dtype=dtype)
+    return (values if bf16 else None), r8, rs, out.yt_fp8, out.yt_scale
+
+
+class _GroupedMLP(torch.autograd.Function):
+    """fc1 -> activation -> fc2 per expert. FP8: the weights' copies come in quantized; x, the
+    activation, the output gradient and the activation's gradient are each quantized in the
+    pass that reads them anyway (rows for the next GEMM, the padded transpose for the wgrad),
+    and the backward keeps FP8 copies, not bf16 ones, of what the wgrads read."""
+
+    @staticmethod
+    def forward(ctx, x, offs, w1, w2, b1, b2, w1_fp8, w1_scale, w1t_fp8, w1t_scale, w2_fp8, w2_scale,
+                w2t_fp8, w2t_scale, kind, recipe, grad_dtype, fuse_wgrad):
+        x = x.contiguous()
+        tokens = x.shape[0]
+        need_dx, need_w1, need_w2 = ctx.needs_input_grad[0], ctx.needs_input_grad[2], ctx.needs_input_grad[3]
+        need_b1 = b1 is not None and ctx.needs_input_grad[4]
+        experts = _expert_of_rows(offs, tokens) if (b1 is not None or b2 is not None) else None
+        if recipe is None:
+            h = grouped_mm(x, w1, offs)
+            if b1 is not None:
+                h = _add_bias(h, b1, experts)
+            a = activation(h, kind).y
+            y = grouped_mm(a, w2, offs)
+            saved = (x, h, a)
+        else:
+            e4m3 = torch.float8_e4m3fn
+            _, x8, sx, xt8, sxt = _forms(x, "identity", recipe, offs, rows=True, transposed=need_w1, dtype=e4m3)
+            h = grouped_mm(x8, w1_fp8, offs, scale_x=sx, scale_w=w1_scale)
+            if b1 is not None:
+                h = _add_bias(h, b1, experts)
+            _, a8, sa, at8, sat = _forms(h, kind, recipe, offs, rows=True, transposed=need_w2, dtype=e4m3)
+            y = grouped_mm(a8, w2_fp8, offs, scale_x=sa, scale_w=w2_scale)
+            saved = (xt8, sxt, h, at8, sat, w1t_fp8, w1t_scale, w2t_fp8, w2t_scale)
+        if b2 is not None:
+            y = _add_bias(y, b2, experts)
+        ctx.save_for_backward(offs, w1, w2, b1, b2, experts, *saved)
+        ctx.kind, ctx.recipe, ctx.grad_dtype, ctx.fuse_wgrad = kind, recipe, grad_dtype, fuse_wgrad
+        ctx.need = (need_dx, need_w1, need_w2, need_b1)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        offs, w1, w2, b1, b2, experts, *saved = ctx.saved_tensors
+        need_dx, need_w1, need_w2, need_b1 = ctx.need
+        need_da = need_dx or need_w1 or need_b1
+        need_db2 = b2 is not None and ctx.needs_input_grad[5]
+        dy = grad.contiguous().to(torch.bfloat16)
+        dx = dw1 = dw2 = db1 = db2 = dh = None
+        if need_db2:
+            db2 = _bias_grad(dy, experts, b2)
+        if ctx.recipe is None:
+            x, h, a = saved
+            if need_w2:
+                dw2 = _weight_grad(w2, ctx.fuse_wgrad, dy, a, offs)
+            if need_da:
+                da = grouped_mm(dy, w2, offs, trans_w=False)
+                dh = activation(h, ctx.kind, dy=da).y
+            if need_dx:
+                dx = grouped_mm(dh, w1, offs, trans_w=False)
+            if need_w1:
+                dw1 = _weight_grad(w1, ctx.fuse_wgrad, dh, x, offs)
+        else:
+            xt8, sxt, h, at8, sat, w1t8, sw1t, w2t8, sw2t = saved
+            recipe, gd = ctx.recipe, ctx.grad_dtype
+            _, dy8, sdy, dyt8, sdyt = _forms(dy, "identity", recipe, offs, rows=need_da, transposed=need_w2, dtype=gd)
+            if need_w2:
+                dw2 = _weight_grad(w2, ctx.fuse_wgrad, dyt8, at8, offs, scale_dy=sdyt, scale_x=sat)
+            if need_da:
+                # da_g = dy_g @ w2_g: the K-major operand is the transposed copy (G, ffn, hidden).
+                da = grouped_mm(dy8, w2t8.transpose(1, 2), offs, scale_x=sdy, scale_w=sw2t, trans_w=False)
+                dh, dh8, sdh, dht8, sdht = _forms(h, ctx.kind, recipe, offs, rows=need_dx, transposed=need_w1,
+                                                  dtype=gd, dy=da, bf16=need_b1)
+            if need_dx:
+                dx = grouped_mm(dh8, w1t8.transpose(1, 2), offs, scale_x=sdh, scale_w=sw1t, trans_w=False)
+            if need_w1:
+                dw1 = _weight_grad(w1, ctx.fuse_wgrad, dht8, xt8, offs, scale_dy=sdht, scale_x=sxt)
+        if need_b1:
+            db1 = _bias_grad(dh, experts, b1)
+        return (dx, None, dw1, dw2, db1, db2) + (None,) * 12
+
+
+def _check_layer(op, x, offs, w1, w2, b1, b2, kind, fp8, grad_dtype):
+    if kind not in ACTIVATIONS:
+        raise ValueError(f"{op}: activation must be one of {ACTIVATIONS}, got {kind!r}")
+    if fp8 is not None and fp8 not in FP8_RECIPES:
+        raise ValueError(f"{op}: fp8 must be None or one of {FP8_RECIPES}, got {fp8!r}")
+    if grad_dtype not in FP8_MAX:
+        raise ValueError(f"{op}: fp8_grad_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {grad_dtype}")
+    for name, t in (("x", x), ("offs", offs), ("fc1_weight", w1), ("fc2_weight", w2)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if x.dim() != 2 or x.dtype != torch.bfloat16:
+        raise ValueError(f"{op}: x must be a 2-D bfloat16 (T, hidden) tensor, got {x.dtype} of shape {tuple(x.shape)}")
+    if w1.dim() != 3 or w2.dim() != 3 or w1.dtype != torch.bfloat16 or w2.dtype != torch.bfloat16:
+        raise ValueError(f"{op}: fc1_weight and fc2_weight must be 3-D bfloat16, got {w1.dtype} "
+                         f"{tuple(w1.shape)} and {w2.dtype} {tuple(w2.shape)}")
+    g, hidden = w2.shape[0], w2.shape[1]
+    ffn = w2.shape[2]
+    width = 2 * ffn if kind == "swiglu" else ffn
+    if tuple(w1.shape) != (g, width, hidden):
+        raise ValueError(f"{op}: fc1_weight must be (G, {'2 * ffn' if kind == 'swiglu' else 'ffn'}, hidden) = "
+                         f"{(g, width, hidden)} for fc2_weight {tuple(w2.shape)} ({kind}), got {tuple(w1.shape)}")
+    if x.shape[1] != hidden:
+        raise ValueError(f"{op}: x must have hidden = {hidden} columns (fc2_weight {tuple(w2.shape)}), got {x.shape[1]}")
+    if offs.dtype != torch.int32 or offs.dim() != 1 or offs.numel() != g:
+        raise ValueError(f"{op}: offs must be a 1-D int32 tensor of {g} cumulative expert ends, got {offs.dtype} "
+                         f"of shape {tuple(offs.shape)}")
+    for name, t in (("offs", offs), ("fc1_weight", w1), ("fc2_weight", w2)):
+        if t.device != x.device:
+            raise ValueError(f"{op}: {name} is on {t.device} but x is on {x.device}")
+    for name, b, n in (("fc1_bias", b1, width), ("fc2_bias", b2, hidden)):
+        if b is not None and (not isinstance(b, torch.Tensor) or tuple(b.shape) != (g, n) or b.device != x.device):
+            raise ValueError(f"{op}: {name} must be a ({g}, {n}) tensor on {x.device}, got "
+                             f"{tuple(getattr(b, 'shape', ()))}")
+
+
+def grouped_mlp(x: torch.Tensor, offs: torch.Tensor, fc1_weight: torch.Tensor, fc2_weight: torch.Tensor, *,
+                activation: str = "swiglu", fc1_bias: Optional[torch.Tensor] = None,
+                fc2_bias: Optional[torch.Tensor] = None, fp8: Optional[str] = None,
+                fp8_grad_dtype: torch.dtype = torch.float8_e4m3fn, fuse_wgrad_accumulation: bool = False,
+                fp8_weights: Optional[Tuple[tuple, tuple]] = None) -> torch.Tensor:
+    """Every expert's MLP on its rows of x (T, hidden), grouped by expert with ``offs`` (int32
+    cumulative expert ends on x's device, read on the GPU only):
+    ``y_g = act(x_g @ fc1_weight[g].T + fc1_bias[g]) @ fc2_weight[g].T + fc2_bias[g]``.
+
+    fc1_weight (G, 2 * ffn, hidden) for SwiGLU (gate rows first, then up), (G, ffn, hidden) for
+    GELU; fc2_weight (G, hidden, ffn). ``fp8="block"`` (1 x 128 activations and gradients,
+    128 x 128 weights, DeepSeek-V3) or ``"row"`` runs the six GEMMs in FP8 (sm_90);
+    ``fp8_weights`` (each of fc1's and fc2's :func:`quantize_weight` result) reuses copies the
+    caller made, otherwise they are made here from the weights. With
+    ``fuse_wgrad_accumulation`` the weight gradients are added into ``weight.main_grad`` (FP32)."""
+    op = "distgemm.moe.grouped_mlp"
+    _check_layer(op, x, offs, fc1_weight, fc2_weight, fc1_bias, fc2_bias, activation, fp8, fp8_grad_dtype)
+    if fuse_wgrad_accumulation and torch.is_grad_enabled():
+        for name, w in (("fc1_weight", fc1_weight), ("fc2_weight", fc2_weight)):
+            if w.requires_grad and getattr(w, "main_grad", None) is None:
+                raise RuntimeError(f"{op}: fuse_wgrad_accumulation=True needs {name}.main_grad: an FP32 tensor "
+                                   "of the weight's shape")
+    copies = (None,) * 8
+    if fp8 is not None:
+        w1c, w2c = fp8_weights if fp8_weights is not None else (quantize_weight(fc1_weight, fp8),
+                                                                quantize_weight(fc2_weight, fp8))
+        copies = (*w1c, *w2c)
+    return _GroupedMLP.apply(x, offs, fc1_weight, fc2_weight, fc1_bias, fc2_bias, *copies, activation, fp8,
+                             fp8_grad_dtype, fuse_wgrad_accumulation)
+
+
+# ---------------------------------------------------------------- op registration
+
+
+@torch.library.register_fake("distgemm::moe_act")
+def _moe_act_fake(x, dy, act, inner, offs, want_y, want_fp8, want_t, fp8_dtype):
+    tokens = x.shape[0]
+    y_cols = 2 * inner if act == SWIGLU_BACKWARD else inner
+    f32 = dict(dtype=torch.float32, device=x.device)
+    blocks = (y_cols + BLOCK - 1) // BLOCK
+    y = x.new_empty((tokens, y_cols) if want_y else (0,))
+    y8 = x.new_empty((tokens, y_cols) if want_fp8 else (0,), dtype=fp8_dtype)
+    sy = torch.empty_strided((tokens, blocks), (1, tokens), **f32) if want_fp8 else torch.empty((0,), **f32)
+    if want_t:
+        row_blocks = (tokens + BLOCK - 1) // BLOCK + offs.shape[0]
+        yt8 = x.new_empty((y_cols, BLOCK * row_blocks), dtype=fp8_dtype)
+        syt = torch.empty_strided((y_cols, row_blocks), (1, y_cols), **f32)
+    else:
+        yt8, syt = x.new_empty((0,), dtype=fp8_dtype), torch.empty((0,), **f32)
+    return y, y8, sy, yt8, syt
+
+
+@torch.library.register_fake("distgemm::quantize_fp8_weight")
+def _quantize_fp8_weight_fake(w, dtype, want_out, want_t):
+    g, r, c = w.shape
+    scale = torch.empty((g, (r + BLOCK - 1) // BLOCK, (c + BLOCK - 1) // BLOCK), dtype=torch.float32, device=w.device)
+    return (w.new_empty((g, r, c) if want_out else (0,), dtype=dtype),
+            w.new_empty((g, c, r) if want_t else (0,), dtype=dtype), scale)
