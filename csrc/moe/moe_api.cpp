@@ -1,4 +1,4 @@
-// dg_moe_act and dg_quantize_fp8_weight: argument checks and the launch. Host-only.
+// dg_moe_activation and dg_quantize_fp8_weight: argument checks and the launch. Host-only.
 #include <cstdint>
 
 #include "common/buffer_check.h"
@@ -144,7 +144,7 @@ dg_status lower_weight(const dg_quantize_weight_desc* desc, WeightProblem* p) {
 using namespace distgemm;
 using namespace distgemm::moe;
 
-extern "C" dg_status dg_moe_act_workspace_size(const dg_moe_act_desc* desc, size_t* bytes) {
+extern "C" dg_status dg_moe_activation_workspace_size(const dg_moe_act_desc* desc, size_t* bytes) {
   DG_REQUIRE(desc != nullptr, "desc must not be NULL");
   DG_REQUIRE(bytes != nullptr, "bytes must not be NULL");
   ActProblem p;
@@ -153,7 +153,7 @@ extern "C" dg_status dg_moe_act_workspace_size(const dg_moe_act_desc* desc, size
   return DG_SUCCESS;
 }
 
-extern "C" dg_status dg_moe_act(const dg_moe_act_desc* desc, cudaStream_t stream) {
+extern "C" dg_status dg_moe_activation(const dg_moe_act_desc* desc, cudaStream_t stream) {
   ActProblem p;
   DG_RETURN_IF_ERROR(lower_act(desc, &p));
   DeviceInfo dev;

@@ -79,11 +79,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_act(
     desc.yt_scale = syt.data_ptr<float>();
   }
   size_t bytes = 0;
-  check(dg_moe_act_workspace_size(&desc, &bytes), kOp);
+  check(dg_moe_activation_workspace_size(&desc, &bytes), kOp);
   at::Tensor ws = workspace(bytes, x.device());
   desc.workspace = bytes ? ws.data_ptr() : nullptr;
   desc.workspace_bytes = bytes;
-  check(dg_moe_act(&desc, current_stream()), kOp);
+  check(dg_moe_activation(&desc, current_stream()), kOp);
   return {y, y8, sy, yt8, syt};
 }
 

@@ -335,7 +335,7 @@ DG_API dg_status dg_quantize_fp8(const dg_quantize_desc* desc, cudaStream_t stre
 
 /* ---------------------------------------------------------------- MoE expert MLP */
 
-/* The activation dg_moe_act applies (y from x, and dy in the backward ops). C = inner. */
+/* The activation dg_moe_activation applies (y from x, and dy in the backward ops). C = inner. */
 typedef enum dg_moe_act {
   DG_MOE_IDENTITY = 0,        /* x (T, C): y = x (a GEMM operand's every FP8 copy in one read) */
   DG_MOE_SWIGLU = 1,          /* x (T, 2C) = [gate | up]: y (T, C) = silu(gate) * up */
@@ -371,14 +371,14 @@ typedef struct dg_moe_act_desc {
                              (never read on the host), as in dg_grouped_desc */
   int64_t num_groups;     /* 0 without yt_fp8 */
   dg_dtype fp8_dtype;     /* DG_E4M3 or DG_E5M2 */
-  void* workspace;        /* 4-byte aligned, dg_moe_act_workspace_size bytes (4 * num_groups) */
+  void* workspace;        /* 4-byte aligned, dg_moe_activation_workspace_size bytes (4 * num_groups) */
   size_t workspace_bytes;
 } dg_moe_act_desc;
 
 /* Checks desc's shape fields (no pointer is read) and gives the workspace it needs. */
-DG_API dg_status dg_moe_act_workspace_size(const dg_moe_act_desc* desc, size_t* bytes);
+DG_API dg_status dg_moe_activation_workspace_size(const dg_moe_act_desc* desc, size_t* bytes);
 /* Every check, then the kernels on `stream` (no host sync, no allocation; graph-capturable). */
-DG_API dg_status dg_moe_act(const dg_moe_act_desc* desc, cudaStream_t stream);
+DG_API dg_status dg_moe_activation(const dg_moe_act_desc* desc, cudaStream_t stream);
 
 /* A batch of weights w (groups, rows, cols) quantized per 128 x 128 block in one read: out
  * (groups, rows, cols) and out_t (groups, cols, rows) = its transpose (the dgrad's K-major
