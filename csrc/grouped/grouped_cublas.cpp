@@ -6,7 +6,9 @@
 
 #include <algorithm>
 #include <array>
+#include <cstdint>
 
+#include "common/checked_math.h"
 #include "common/device.h"
 #include "common/dtype.h"
 #include "common/per_device.h"
@@ -56,6 +58,17 @@ extern "C" dg_status dg_grouped_gemm_cublas(const dg_grouped_desc* desc, const i
   GroupedProblem p;
   DG_RETURN_IF_ERROR(lower(desc, &p));
   DG_REQUIRE(host_offs != nullptr, "host_offs must not be NULL");
+  // cublasGemmEx here applies no scales and reads FP8 in none of the layouts the FP8 grouped
+  // GEMMs take (the padded wgrad operands): refused, never a silently unscaled product.
+  const int in = raw_enum(desc->in_dtype);
+  if ((in != DG_BF16 && in != DG_F16) || raw_enum(desc->scale_mode) != DG_SCALE_NONE)
+    return fail(DG_ERROR_NOT_SUPPORTED,
+                cat("dg_grouped_gemm_cublas takes bfloat16/float16 inputs without scales, got in_dtype ",
+                    dtype_name(desc->in_dtype), " (scale_mode ", raw_enum(desc->scale_mode),
+                    "); run FP8 grouped GEMMs with dg_grouped_gemm"));
+  DG_REQUIRE(p.n <= INT32_MAX && p.k <= INT32_MAX && p.tokens <= INT32_MAX,
+             "dg_grouped_gemm_cublas: N, K and T must fit cuBLAS's int sizes, got N ", p.n, ", K ", p.k,
+             ", T ", p.tokens);
   const int device = current_device();
   StreamPool* pool = stream_pool(device);
   if (!pool) return DG_ERROR_CUDA;
@@ -72,8 +85,11 @@ extern "C" dg_status dg_grouped_gemm_cublas(const dg_grouped_desc* desc, const i
   const int n = static_cast<int>(p.n), k = static_cast<int>(p.k);
 
   DG_RETURN_IF_ERROR(fork_streams(*pool, stream, kStreams));
+  // From here every path joins the side streams back into `stream`, failures included: a
+  // caller's stream must never run ahead of GEMMs still queued on them.
+  dg_status status = DG_SUCCESS;
   auto clamp_row = [&](int64_t r) { return std::min<int64_t>(std::max<int64_t>(r, 0), p.tokens); };
-  for (int g = 0; g < p.groups; ++g) {
+  for (int g = 0; g < p.groups && status == DG_SUCCESS; ++g) {
     // Same bounds as the device-side argument builder.
     const int64_t start = g == 0 ? 0 : clamp_row(host_offs[g - 1]);
     const int64_t end = std::max(start, clamp_row(host_offs[g]));
@@ -83,8 +99,12 @@ extern "C" dg_status dg_grouped_gemm_cublas(const dg_grouped_desc* desc, const i
     if (p.kind == DG_GROUPED_WGRAD) {
       char* out_g = out + static_cast<int64_t>(g) * n * k * out_bytes;
       if (rows == 0) {
-        if (!p.accumulate)
-          DG_CUDA_RETURN(cudaMemsetAsync(out_g, 0, size_t(n) * k * out_bytes, pool->streams[s]));
+        if (!p.accumulate) {
+          const cudaError_t err = cudaMemsetAsync(out_g, 0, size_t(n) * k * out_bytes, pool->streams[s]);
+          if (err != cudaSuccess)
+            status = fail(DG_ERROR_CUDA, cat("cudaMemsetAsync of group ", g, "'s output failed: ",
+                                             cudaGetErrorString(err)));
+        }
       } else {
         // out_g^T (K x N, column-major) = x_g^T (K x rows) @ dy_g (rows x N)
         st = cublasGemmEx(handles[s], CUBLAS_OP_N, CUBLAS_OP_T, k, n, rows, &alpha,
@@ -101,7 +121,8 @@ extern "C" dg_status dg_grouped_gemm_cublas(const dg_grouped_desc* desc, const i
                         CUBLAS_GEMM_DEFAULT);
     }
     if (st != CUBLAS_STATUS_SUCCESS)
-      return fail(DG_ERROR_CUDA, cat("cublasGemmEx failed for group ", g, ": ", cublasGetStatusString(st)));
+      status = fail(DG_ERROR_CUDA, cat("cublasGemmEx failed for group ", g, ": ", cublasGetStatusString(st)));
   }
-  return join_streams(*pool, stream, kStreams);
+  const dg_status joined = join_streams(*pool, stream, kStreams);
+  return status != DG_SUCCESS ? status : joined;
 }

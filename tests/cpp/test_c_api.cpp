@@ -557,6 +557,32 @@ TEST(GroupedQueries, EntryPointsCheckFirst) {
   }
 }
 
+// The cuBLAS loop applies no scales and reads none of the FP8 layouts: FP8 descriptors (valid for
+// dg_grouped_gemm) are refused by name instead of multiplied unscaled.
+TEST(GroupedCublas, RefusesFp8Descriptors) {
+  const int32_t host_offs[8] = {100, 200, 300, 400, 500, 600, 700, 1000};
+  dg_grouped_desc d = fp8_forward(8, 1000, 256, 384);
+  ASSERT_TRUE(accepted(grouped_check(d)));
+  for (dg_dtype in : {DG_E4M3, DG_E5M2}) {
+    d.in_dtype = in;
+    EXPECT_EQ(dg_grouped_gemm_cublas(&d, host_offs, nullptr), DG_ERROR_NOT_SUPPORTED);
+    EXPECT_NE(std::string(dg_last_error()).find("dg_grouped_gemm_cublas takes bfloat16/float16 inputs without scales"),
+              std::string::npos) << dg_last_error();
+    EXPECT_NE(std::string(dg_last_error()).find("dg_grouped_gemm"), std::string::npos);
+  }
+  d = grouped_desc(DG_GROUPED_WGRAD, 4, 0, 256, 384, DG_E4M3, DG_F32);
+  d.scale_mode = DG_SCALE_BLOCK;
+  d.a_shape = shape2(256, 128 * 12);
+  d.b_shape = shape2(384, 128 * 12);
+  d.scale_a = static_cast<const float*>(fake_ptr(8));
+  d.scale_b = static_cast<const float*>(fake_ptr(9));
+  d.scale_a_shape = shape2(12, 256);
+  d.scale_b_shape = shape2(12, 384);
+  ASSERT_TRUE(accepted(grouped_check(d)));
+  EXPECT_EQ(dg_grouped_gemm_cublas(&d, host_offs, nullptr), DG_ERROR_NOT_SUPPORTED);
+  EXPECT_NE(std::string(dg_last_error()).find("float8_e4m3fn"), std::string::npos) << dg_last_error();
+}
+
 // ---------------------------------------------------------------- FP8 quantization
 
 dg_quantize_sizes quantize_sizes(const dg_quantize_desc& d) {
