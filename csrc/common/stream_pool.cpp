@@ -26,6 +26,7 @@ dg_status create_pool(int device, StreamPool* p) {
     err = cudaStreamCreateWithPriority(&p->streams[i], cudaStreamNonBlocking, greatest);
     if (err == cudaSuccess) err = cudaEventCreateWithFlags(&p->joined[i], cudaEventDisableTiming);
   }
+  if (err == cudaSuccess) p->lock = new std::mutex();  // kept with the pool, for the process
   if (err != cudaSuccess) {
     release(*p);
     return fail(DG_ERROR_CUDA, cat("creating the side streams of device ", device,
@@ -42,12 +43,14 @@ StreamPool* stream_pool(int device) {
 }
 
 dg_status fork_streams(StreamPool& pool, cudaStream_t stream, int count) {
+  const std::lock_guard<std::mutex> hold(*pool.lock);
   DG_CUDA_RETURN(cudaEventRecord(pool.fork, stream));
   for (int i = 0; i < count; ++i) DG_CUDA_RETURN(cudaStreamWaitEvent(pool.streams[i], pool.fork, 0));
   return DG_SUCCESS;
 }
 
 dg_status join_streams(StreamPool& pool, cudaStream_t stream, int count) {
+  const std::lock_guard<std::mutex> hold(*pool.lock);
   for (int i = 0; i < count; ++i) {
     DG_CUDA_RETURN(cudaEventRecord(pool.joined[i], pool.streams[i]));
     DG_CUDA_RETURN(cudaStreamWaitEvent(stream, pool.joined[i], 0));

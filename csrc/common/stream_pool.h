@@ -4,6 +4,8 @@
 
 #include <cuda_runtime_api.h>
 
+#include <mutex>
+
 #include "distgemm/distgemm.h"
 
 namespace distgemm {
@@ -14,6 +16,11 @@ struct StreamPool {
   cudaStream_t streams[kPoolStreams] = {};  // highest priority: their small kernels go first
   cudaEvent_t joined[kPoolStreams] = {};
   cudaEvent_t fork = nullptr;
+  // Held from an event's record to the waits on it: two host threads forking (or joining) on
+  // one device would otherwise re-record the shared event between the other's record and wait,
+  // and a side stream would wait for the wrong stream's work (a GEMM reading inputs not yet
+  // written). The pool is per device and lives for the process, as does its mutex.
+  std::mutex* lock = nullptr;
 };
 
 // The pool of `device`, created on first use and kept for the process; nullptr on failure

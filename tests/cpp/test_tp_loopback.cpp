@@ -10,12 +10,16 @@
 
 #include "gpu_test_helpers.h"
 
+#include <atomic>
 #include <cmath>
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <cstdint>
+#include <mutex>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 using namespace dgtest;
@@ -551,6 +555,97 @@ TEST(TpLoopback, RankRunningElsewhereIsNamed) {
     EXPECT_NE(std::string(dg_last_error()).find("elsewhere"), std::string::npos) << dg_last_error();
     ASSERT_EQ(dg_tp_clear_error(0), DG_SUCCESS) << dg_last_error();
   }
+}
+
+// Two host threads, one per rank, calling at once on one device: both forks and joins go through
+// the device's shared side stream and its fork event. Each iteration a rank's shard is written on
+// its stream (behind a large copy, so that it lands late) right before the call; the gathered
+// copy must hold every rank's new shard. When one thread recorded the shared fork event between
+// the other's record and wait, that rank's pushes waited for the wrong stream and sent the shard
+// before it was written (a stress test: the interleaving is a matter of timing).
+TEST(TpLoopback, TwoThreadsCallingAtOnceEachPushTheirOwnNewShard) {
+  REQUIRE_SM90();
+  const int64_t m = 256, k = 128, n = 128;
+  const int iterations = 300;
+  const size_t delay_bytes = size_t{128} << 20;
+  Buffer a[kWorld], b(n * k * 2), out[kWorld], gathered[kWorld], delay_src(delay_bytes), delay_dst[kWorld];
+  upload_bf16(b, random_values(n * k, 9, 0.1f));
+  for (int r = 0; r < kWorld; ++r) {
+    new (&a[r]) Buffer(m * k * 2);
+    new (&out[r]) Buffer(kWorld * m * n * 2);
+    new (&gathered[r]) Buffer(kWorld * m * k * 2);
+    new (&delay_dst[r]) Buffer(delay_bytes);
+  }
+  dg_tp_desc probe{};
+  probe.gemm.a = matrix(a[0].ptr, DG_BF16, m, k);
+  probe.gemm.d = matrix(nullptr, DG_BF16, kWorld * m, n);
+  probe.world = kWorld;
+  size_t need = 0;
+  ASSERT_EQ(dg_tp_workspace_size(DG_TP_ALL_GATHER_GEMM, &probe, &need), DG_SUCCESS) << dg_last_error();
+  auto make_desc = [&](const LoopbackGroup& group, int r) {
+    dg_gemm_desc g{};
+    g.a = matrix(a[r].ptr, DG_BF16, m, k);
+    g.b = matrix(b.ptr, DG_BF16, n, k);
+    g.d = matrix(out[r].ptr, DG_BF16, kWorld * m, n);
+    g.alpha = 1.f;
+    g.config = -1;
+    dg_tp_desc d = group.desc(r, g, {DG_TP_ALGO_DECOMPOSED, 1, 0, 0.0});
+    d.gathered_out = gathered[r].ptr;
+    return d;
+  };
+  load_each_rank_alone(need, dg_all_gather_gemm, make_desc);
+  LoopbackGroup group(need);
+  auto pattern = [](int i, int r) { return 1 + (2 * i + r) % 250; };
+
+  std::mutex mu;
+  std::condition_variable cv;
+  int arrived = 0, generation = 0;
+  auto barrier = [&] {
+    std::unique_lock<std::mutex> lock(mu);
+    const int gen = generation;
+    if (++arrived == kWorld) {
+      arrived = 0;
+      ++generation;
+      cv.notify_all();
+    } else {
+      cv.wait(lock, [&] { return generation != gen; });
+    }
+  };
+  std::atomic<int> stale{0}, failures{0};
+  std::string first_problem;
+  auto rank_thread = [&](int r) {
+    cudaSetDevice(0);
+    std::vector<uint16_t> host(kWorld * m * k);
+    for (int i = 0; i < iterations; ++i) {
+      barrier();  // both threads start the iteration together
+      cudaStream_t s = group.streams[r];
+      bool ok = cudaMemcpyAsync(delay_dst[r].ptr, delay_src.ptr, delay_bytes, cudaMemcpyDeviceToDevice, s) ==
+                    cudaSuccess &&
+                cudaMemsetAsync(a[r].ptr, pattern(i, r), m * k * 2, s) == cudaSuccess;
+      const dg_tp_desc d = make_desc(group, r);
+      ok = ok && dg_all_gather_gemm(&d, s) == DG_SUCCESS && cudaStreamSynchronize(s) == cudaSuccess &&
+           cudaMemcpy(host.data(), gathered[r].ptr, host.size() * 2, cudaMemcpyDeviceToHost) == cudaSuccess;
+      if (!ok) {
+        std::lock_guard<std::mutex> lock(mu);
+        if (failures++ == 0) first_problem = std::string("rank ") + std::to_string(r) + ": " + dg_last_error();
+      }
+      for (int q = 0; ok && q < kWorld; ++q) {
+        const uint16_t want = static_cast<uint16_t>(pattern(i, q) * 0x0101);
+        for (int64_t e = 0; e < m * k; ++e)
+          if (host[q * m * k + e] != want) {
+            ++stale;
+            break;
+          }
+      }
+      barrier();  // neither rank rewrites its shard while the other still reads the last one
+    }
+  };
+  std::thread t0(rank_thread, 0), t1(rank_thread, 1);
+  t0.join();
+  t1.join();
+  ASSERT_EQ(failures.load(), 0) << first_problem;
+  EXPECT_EQ(stale.load(), 0) << "gathered shards that were pushed before they were written";
+  EXPECT_EQ(dg_tp_error(0), 0);
 }
 
 }  // namespace
