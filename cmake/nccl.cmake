@@ -89,15 +89,18 @@ endif()
 set_target_properties(distgemm_nccl PROPERTIES
   EXPORT_NAME nccl
   INSTALL_RPATH "${_dg_nccl_rpath}")
-if(NOT SKBUILD)
-  set_target_properties(distgemm_nccl PROPERTIES
-    VERSION ${PROJECT_VERSION} SOVERSION ${PROJECT_VERSION_MAJOR}.${PROJECT_VERSION_MINOR})
+# The SONAME libdistgemm_nccl.so.<soversion>, as distgemm_core's (install.cmake says how the
+# wheel holds it).
+if(SKBUILD)
+  set_target_properties(distgemm_nccl PROPERTIES SOVERSION ${DG_SOVERSION})
+else()
+  set_target_properties(distgemm_nccl PROPERTIES VERSION ${PROJECT_VERSION} SOVERSION ${DG_SOVERSION})
 endif()
 
-# DG_LIB_DIR, DG_INCLUDE_DIR, DG_CMAKE_DIR: set by install.cmake (the headers, nccl.h among
-# them, are installed there too).
+# DG_LIB_DIR, DG_INCLUDE_DIR, DG_CMAKE_DIR, DG_NAMELINK: set by install.cmake (the headers,
+# nccl.h among them, are installed there too).
 install(TARGETS distgemm_nccl EXPORT distgemmTargets
-        LIBRARY DESTINATION ${DG_LIB_DIR}
+        LIBRARY DESTINATION ${DG_LIB_DIR} ${DG_NAMELINK}
         INCLUDES DESTINATION ${DG_INCLUDE_DIR})
 # distgemmConfig.cmake includes this file (when present) before the targets: it defines
 # distgemm::nccl_runtime from the paths found here, or finds NCCL again where they moved.
