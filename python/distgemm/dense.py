@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import numbers
 from typing import Callable, Optional, Tuple
 
 import torch
@@ -87,6 +88,29 @@ def check_operands(op: str, a, b, c, out_dtype, scale_a, scale_b) -> torch.dtype
     return out_dtype
 
 
+def check_scalars(op: str, **values) -> Tuple[float, ...]:
+    """alpha / beta as floats, or a TypeError naming the one that is not a real number."""
+    out = []
+    for name, v in values.items():
+        if isinstance(v, (torch.SymFloat, torch.SymInt)):  # traced under torch.compile
+            out.append(v)
+            continue
+        if isinstance(v, bool) or not isinstance(v, numbers.Real):
+            raise TypeError(f"{op}: {name} must be a real number (int or float), got "
+                            f"{type(v).__name__} {v!r}")
+        out.append(float(v))
+    return tuple(out)
+
+
+def require_fp8_scales(op: str, a, scale_a, scale_b) -> None:
+    """float8 inputs need both scales: the quantizer's, never an assumed 1."""
+    if a.dtype in FLOAT8 and (scale_a is None or scale_b is None):
+        missing = " and ".join(n for n, s in (("scale_a", scale_a), ("scale_b", scale_b)) if s is None)
+        raise ValueError(f"{op}: float8 inputs need scale_a and scale_b (FP32, one value per tensor, "
+                         f"per row, or per 128-block); {missing} not given (pass torch.ones(1) for "
+                         "unscaled data)")
+
+
 def _blocks(n: int) -> int:
     return (n + 127) // 128
 
@@ -134,7 +158,9 @@ def gemm(
             return run(a, b, c)
     autograd = needs_autograd(a, b, c)
     looked_up = plain and not autograd
+    alpha, beta = check_scalars("distgemm.gemm", alpha=alpha, beta=beta)
     out_dtype = check_operands("distgemm.gemm", a, b, c, out_dtype, scale_a, scale_b)
+    require_fp8_scales("distgemm.gemm", a, scale_a, scale_b)
     if is_block_scaled(a, b, scale_a, scale_b):
         return _block_scaled_gemm(a, b, alpha, scale_a, scale_b)
     if autograd:

@@ -17,7 +17,7 @@ import torch
 from . import autotune, grouped_autotune
 from ._library import aligned16, device_arch, is_aligned16, env_flag, has_kernels, needs_autograd, ops, warn_once
 from ._repeat_calls import RepeatCalls
-from ._routing import group_bounds
+from ._routing import check_offs_tensor, check_offs_values, group_bounds
 from .grouped_fp8 import FLOAT8, grouped_mm_fp8, grouped_mm_wgrad_fp8
 
 _BACKENDS = ("auto", "cutlass", "cublas", "torch")
@@ -31,18 +31,12 @@ def _shape(t):
 
 def _check_offs(op: str, offs, groups: int, tokens: int, device) -> torch.Tensor:
     """offs checked, and contiguous (a strided view is copied: G values)."""
-    if not isinstance(offs, torch.Tensor) or offs.dtype != torch.int32 or offs.dim() != 1:
-        raise ValueError(f"{op}: offs must be a 1-D int32 tensor of cumulative group ends")
+    check_offs_tensor(op, offs)
     if offs.device != device:
         raise ValueError(f"{op}: offs is on {offs.device} but the inputs are on {device}")
     if offs.numel() != groups:
         raise ValueError(f"{op}: offs must hold one end per group ({groups}), got {offs.numel()}")
-    if env_flag("DISTGEMM_DEBUG"):  # reads offs on the host: debug mode only
-        ends = offs.tolist()
-        if any(e < 0 for e in ends) or any(b < a for a, b in zip(ends, ends[1:])):
-            raise ValueError(f"{op}: offs must be non-negative and non-decreasing, got {ends}")
-        if ends and ends[-1] > tokens:
-            raise ValueError(f"{op}: offs[-1] = {ends[-1]} is past the {tokens} rows of the input")
+    check_offs_values(op, offs, tokens)
     return offs.contiguous()
 
 
@@ -328,8 +322,7 @@ def grouped_mm_wgrad(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, *,
     _check_inputs(op, [("dy", dy, 2), ("x", x, 2)])
     if dy.shape[0] != x.shape[0]:
         raise ValueError(f"{op}: dy and x must have the same number of rows, got {_shape(dy)} and {_shape(x)}")
-    if not isinstance(offs, torch.Tensor) or offs.dim() != 1:
-        raise ValueError(f"{op}: offs must be a 1-D int32 tensor of cumulative group ends")
+    check_offs_tensor(op, offs)
     groups, n, k = offs.numel(), dy.shape[1], x.shape[1]
     offs = _check_offs(op, offs, groups, x.shape[0], x.device)
     if groups == 0:
@@ -402,12 +395,14 @@ def _grouped_mm_wgrad_out_fake(dy, x, offs, out, accumulate, backend=0, config=-
 
 @torch.library.register_kernel("distgemm::grouped_mm", "cpu")
 def _grouped_mm_cpu(x, w, offs, out_dtype, trans_w, backend=0, config=-1):
+    check_offs_values("distgemm::grouped_mm", offs, x.shape[0])
     out = torch.zeros((x.shape[0], w.shape[1] if trans_w else w.shape[2]), dtype=out_dtype)
     return reference_grouped_mm(x, w, offs, out, False, trans_w)
 
 
 @torch.library.register_kernel("distgemm::grouped_mm_wgrad", "cpu")
 def _grouped_mm_wgrad_cpu(dy, x, offs, out_dtype, backend=0, config=-1):
+    check_offs_values("distgemm::grouped_mm_wgrad", offs, x.shape[0])
     out = torch.empty((offs.shape[0], dy.shape[1], x.shape[1]), dtype=out_dtype)
     return reference_grouped_mm_wgrad(dy, x, offs, out, False)
 

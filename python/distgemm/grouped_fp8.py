@@ -26,7 +26,7 @@ import torch
 
 from . import grouped_autotune
 from ._library import aligned16, device_arch, has_kernels, ops
-from ._routing import group_bounds
+from ._routing import check_offs_tensor, check_offs_values, group_bounds
 
 FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 SCALE_ROW, SCALE_BLOCK = 1, 2
@@ -61,8 +61,7 @@ def _check_common(op, x, offs, pairs):
         _require_tensor(op, name, t)
         if t.device != x.device:
             raise ValueError(f"{op}: {name} is on {t.device} but {pairs[0][0]} is on {x.device}")
-    if not isinstance(offs, torch.Tensor) or offs.dtype != torch.int32 or offs.dim() != 1:
-        raise ValueError(f"{op}: offs must be a 1-D int32 tensor of cumulative group ends")
+    check_offs_tensor(op, offs)
     if offs.device != x.device:
         raise ValueError(f"{op}: offs is on {offs.device} but the inputs are on {x.device}")
 
@@ -168,6 +167,7 @@ def grouped_mm_fp8(x, w, offs, *, scale_x, scale_w, out=None, accumulate=False,
         raise ValueError(f"{op}: out must be a contiguous {out_dtype} tensor of shape "
                          f"{(x.shape[0], n)} on {x.device}, got {out.dtype} {_shape(out)}")
     mode, sx, sw = _scales(op, x, w_nk, scale_x, scale_w, trans_w)
+    check_offs_values(op, offs, x.shape[0])
     del use_fast_accum  # partial sums are always promoted once per 128 of K (no slower)
     if not _use_kernel(x.device):
         if out is None:
@@ -231,6 +231,11 @@ def grouped_mm_wgrad_fp8(dy_t, x_t, offs, *, scale_dy, scale_x, out=None, accumu
             raise ValueError(f"{op}: {name} must be ({rows}, Tp/128) = {(rows, tp // BLOCK)}, got {_shape(s)}")
     if out_dtype != torch.float32:
         raise ValueError(f"{op}: FP8 wgrad writes float32, got out_dtype {out_dtype}")
+    # Operands quantized without offs (a (K, T) layout) fit here whenever T >= 128 G; their
+    # tokens then run past what the padded layout holds. On the GPU the kernel says so (NaN).
+    check_offs_values(op, offs, tp - BLOCK * groups,
+                      f"tokens the padded layout of dy and x holds (Tp - 128 G = {tp} - {BLOCK * groups}; "
+                      "quantize them with quantize_fp8(..., transpose=True, offs=offs))")
     if accumulate and out is None:
         raise ValueError(f"{op}: accumulate=True needs out")
     if out is not None and (_shape(out) != (groups, n, k) or out.dtype != torch.float32

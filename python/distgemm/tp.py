@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 
 from ._library import aligned16, device_arch, has_kernels, needs_autograd, ops, warn_once
-from .dense import (FLOAT8, _block_scaled_gemm, _flat, check_operands, gemm_unchecked, grad_of_c,
-                    is_block_scaled, kernel_out_dtype, kernel_ready)
+from .dense import (FLOAT8, _block_scaled_gemm, _flat, check_operands, check_scalars, gemm_unchecked, grad_of_c,
+                    is_block_scaled, kernel_out_dtype, kernel_ready, require_fp8_scales)
 
 # distgemm never uses NVLink multicast: symmetric memory must not create multicast objects.
 os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
@@ -523,6 +523,7 @@ def _kernel_c(c, beta, out_dtype):
 
 def _check_tp(op, a, b, c, out_dtype, scale_a, scale_b, c_rows: int):
     out_dtype = check_operands(op, a, b, None, out_dtype, scale_a, scale_b)
+    require_fp8_scales(op, a, scale_a, scale_b)
     n = b.shape[0]
     if c is not None:
         if not isinstance(c, torch.Tensor) or not c.is_floating_point() or c.device != a.device:
@@ -705,6 +706,7 @@ def all_gather_matmul(a: torch.Tensor, b: torch.Tensor, *, group=None, c: Option
     scale_b as in :func:`distgemm.gemm`. Differentiable for bfloat16/float16.
     """
     op = _OP_NAMES[_AG]
+    alpha, beta = check_scalars(op, alpha=alpha, beta=beta)
     group = _resolve(group)
     out_dtype = _check_tp(op, a, b, c, out_dtype, scale_a, scale_b, a.shape[0] * _state(group).size)
     if needs_autograd(a, b, c):
@@ -729,6 +731,7 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, *, group=None, c: Op
     c: this rank's (M/P, N) output rows or a bias (N,). Returns (M/P, N).
     """
     op = _OP_NAMES[_RS]
+    alpha, beta = check_scalars(op, alpha=alpha, beta=beta)
     group = _resolve(group)
     world = _state(group).size
     if isinstance(a, torch.Tensor) and a.dim() == 2 and a.shape[0] % world:

@@ -1,6 +1,7 @@
 """distgemm.gemm on CPU tensors: the reference path, argument checks, autograd wiring,
 torch.compile tracing, and the core's tile heuristic (host code, no GPU)."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -69,6 +70,14 @@ def test_k_zero_gives_beta_c():
         (dict(a=torch.zeros(4, 8, dtype=torch.float8_e4m3fn), b=torch.zeros(6, 8, dtype=torch.float8_e4m3fn),
               out_dtype=torch.float8_e4m3fn), ValueError, "out_dtype must be bfloat16, float16 or float32"),
         (dict(b=torch.zeros(6, 8, dtype=torch.bfloat16, device="meta")), ValueError, "b is on meta but a is on cpu"),
+        (dict(alpha="2"), TypeError, "alpha must be a real number .*got str '2'"),
+        (dict(alpha=None), TypeError, "alpha must be a real number .*got NoneType"),
+        (dict(beta=[1.0]), TypeError, "beta must be a real number .*got list"),
+        (dict(alpha=True), TypeError, "alpha must be a real number .*got bool"),
+        (dict(a=torch.zeros(4, 8, dtype=torch.float8_e4m3fn), b=torch.zeros(6, 8, dtype=torch.float8_e4m3fn)),
+         ValueError, "float8 inputs need scale_a and scale_b.*scale_a and scale_b not given"),
+        (dict(a=torch.zeros(4, 8, dtype=torch.float8_e4m3fn), b=torch.zeros(6, 8, dtype=torch.float8_e4m3fn),
+              scale_a=torch.ones(1)), ValueError, "float8 inputs need scale_a and scale_b.*; scale_b not given"),
     ],
 )
 def test_bad_arguments(kwargs, error, match):
@@ -78,6 +87,13 @@ def test_bad_arguments(kwargs, error, match):
     a, b, c = args.pop("a"), args.pop("b"), args.pop("c")
     with pytest.raises(error, match=match):
         distgemm.gemm(a, b, c, **args)
+
+
+def test_alpha_and_beta_take_any_real_number():
+    a, b = randn(4, 8, dtype=torch.bfloat16, device="cpu"), randn(6, 8, dtype=torch.bfloat16, device="cpu")
+    c = randn(4, 6, dtype=torch.bfloat16, device="cpu")
+    out = distgemm.gemm(a, b, c, alpha=2, beta=np.float32(0.5))
+    assert_close(out, manual(a, b, c, 2.0, 0.5))
 
 
 @pytest.mark.parametrize("c_kind", ["full", "bias"])

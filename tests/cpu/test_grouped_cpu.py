@@ -75,7 +75,9 @@ def test_out_and_accumulate_leave_tail_rows_untouched():
 @pytest.mark.parametrize(
     "mutate, error, match",
     [
-        (lambda a: a.update(offs=a["offs"].long()), ValueError, "offs must be a 1-D int32 tensor"),
+        (lambda a: a.update(offs=a["offs"].long()), ValueError,
+         r"offs must be a 1-D int32 tensor of cumulative group ends, got torch.int64 of shape \(3,\)"),
+        (lambda a: a.update(offs=[5, 10, 20]), TypeError, "offs must be a 1-D int32 tensor .*got list"),
         (lambda a: a.update(offs=a["offs"][:2]), ValueError, r"offs must hold one end per group \(3\)"),
         (lambda a: a.update(w=torch.zeros(3, 8, 12).bfloat16()), ValueError, r"w must have shape \(G, N, K\) with K = x.shape\[1\] = 16"),
         (lambda a: a.update(w=torch.zeros(3, 8, 16).half()), ValueError, "w must have x's dtype"),
@@ -99,19 +101,39 @@ def test_bad_arguments(mutate, error, match):
                             accumulate=args["accumulate"], out_dtype=args["out_dtype"])
 
 
-@pytest.mark.parametrize("offs, match", [([5, 3, 20], "non-decreasing"), ([5, 10, 21], "past the 20 rows"),
-                                         ([-1, 10, 20], "non-negative")])
-def test_debug_mode_checks_offsets(monkeypatch, offs, match):
-    monkeypatch.setenv("DISTGEMM_DEBUG", "1")
+BAD_OFFS = [([5, 3, 20], "offs must be non-negative and non-decreasing, got \\[5, 3, 20\\]"),
+            ([5, 10, 21], r"offs\[-1\] = 21 is past the 20 rows"),
+            ([-1, 10, 20], "offs must be non-negative")]
+
+
+@pytest.mark.parametrize("offs, match", BAD_OFFS)
+@pytest.mark.parametrize("debug", ["0", "1"])
+def test_bad_offsets_on_cpu_raise_with_or_without_debug(monkeypatch, offs, match, debug):
+    # On CPU tensors the host reads offs anyway, so the check costs nothing and always runs.
+    monkeypatch.setenv("DISTGEMM_DEBUG", debug)
     x, w = torch.zeros(20, 16).bfloat16(), torch.zeros(3, 8, 16).bfloat16()
     with pytest.raises(ValueError, match=match):
         distgemm.grouped_mm(x, w, torch.tensor(offs, dtype=torch.int32))
+    dy = torch.zeros(20, 8).bfloat16()
+    with pytest.raises(ValueError, match=match):
+        distgemm.grouped_mm_wgrad(dy, x, torch.tensor(offs, dtype=torch.int32))
 
 
-def test_bad_offsets_without_debug_stay_in_bounds():
+@pytest.mark.parametrize("offs, match", BAD_OFFS)
+def test_the_registered_cpu_ops_check_offsets_too(offs, match):
+    x, w = torch.zeros(20, 16).bfloat16(), torch.zeros(3, 8, 16).bfloat16()
+    with pytest.raises(ValueError, match=match):
+        torch.ops.distgemm.grouped_mm(x, w, torch.tensor(offs, dtype=torch.int32), torch.bfloat16, True)
+    with pytest.raises(ValueError, match=match):
+        torch.ops.distgemm.grouped_mm_wgrad(torch.zeros(20, 8).bfloat16(), x,
+                                            torch.tensor(offs, dtype=torch.int32), torch.float32)
+
+
+def test_offsets_that_end_early_are_valid():
     x, w = torch.randn(20, 16).bfloat16(), torch.randn(3, 8, 16).bfloat16()
-    out = distgemm.grouped_mm(x, w, torch.tensor([5, 3, 99], dtype=torch.int32))
-    assert out.shape == (20, 8)  # clamped: group 1 empty, group 2 = rows 3..20
+    offs = torch.tensor([5, 5, 12], dtype=torch.int32)  # an empty group, rows 12.. unused
+    out = distgemm.grouped_mm(x, w, offs)
+    assert_close(out[:12], loop_forward(x, w, offs)[:12])
 
 
 def test_backend_env(monkeypatch):

@@ -169,6 +169,33 @@ def test_wgrad_errors_name_the_layout():
                                   out_dtype=torch.bfloat16)
 
 
+def test_wgrad_refuses_operands_quantized_without_offs():
+    # T a multiple of 128 and T >= 128 G: the unpadded (N, T) layout passes every shape check,
+    # but its tokens run past what a padded layout of that width holds (Tp - 128 G).
+    counts, n, k = [300, 212], 16, 32
+    offs, t = offs_of(counts), sum(counts)
+    dy, x = torch.randn(t, n), torch.randn(t, k)
+    dy_t, s_dy = distgemm.quantize_fp8(dy, (1, 128), transpose=True)
+    x_t, s_x = distgemm.quantize_fp8(x, (1, 128), transpose=True)
+    assert dy_t.shape == (n, t)
+    with pytest.raises(ValueError, match=r"offs\[-1\] = 512 is past the 256 tokens the padded layout .*"
+                                         r"quantize_fp8\(\.\.\., transpose=True, offs=offs\)"):
+        distgemm.grouped_mm_wgrad(dy_t, x_t, offs, scale_dy=s_dy, scale_x=s_x)
+    dy_t, s_dy = distgemm.quantize_fp8(dy, (1, 128), transpose=True, offs=offs)
+    x_t, s_x = distgemm.quantize_fp8(x, (1, 128), transpose=True, offs=offs)
+    out = distgemm.grouped_mm_wgrad(dy_t, x_t, offs, scale_dy=s_dy, scale_x=s_x)
+    ref = torch.stack([dy[:300].T @ x[:300], dy[300:].T @ x[300:]])
+    torch.testing.assert_close(out, ref, rtol=0.15, atol=2.0)
+
+
+@pytest.mark.parametrize("offs", [[300, 200], [-4, 512], [300, 513]])
+def test_fp8_forward_checks_cpu_offsets(offs):
+    x, w = fp8(512, 128), fp8(2, 16, 128)
+    sx, sw = torch.ones(512), torch.ones(2, 16)
+    with pytest.raises(ValueError, match="offs"):
+        distgemm.grouped_mm(x, w, torch.tensor(offs, dtype=torch.int32), scale_x=sx, scale_w=sw)
+
+
 def test_dense_gemm_with_block_scales():
     m, n, k = 5, 130, 260
     a, b = fp8(m, k), fp8(n, k)
