@@ -14,6 +14,7 @@
 #include "common/tile_heuristic.h"
 #include "distgemm/distgemm.h"
 #include "grouped/grouped_problem.h"
+#include "grouped/fp8_wgrad_layout_check.h"
 #include "grouped/grouped_lower.h"
 
 namespace distgemm::grouped {
@@ -370,7 +371,16 @@ extern "C" dg_status dg_grouped_gemm(const dg_grouped_desc* desc, void* workspac
   p.device = device;
   p.workspace = workspace;
   p.workspace_bytes = workspace_bytes;
-  return inst->run(p, stream);
+  DG_RETURN_IF_ERROR(inst->run(p, stream));
+  if (p.kind == DG_GROUPED_WGRAD && p.token_pitch > 0) {
+    // FP8 wgrad: operands quantized without offs fit the shape checks whenever T is a multiple
+    // of 128 and T >= 128 G, and then hold more tokens than the padded layout can (offs, read
+    // on the device): the output turns NaN rather than the wrong columns' sums.
+    const int64_t count = static_cast<int64_t>(p.groups) * p.n * p.k;
+    DG_CUDA_RETURN(launch_fp8_wgrad_layout_check(p.offs, p.groups, p.tokens, static_cast<float*>(p.d), count,
+                                                 p.sm_count, stream));
+  }
+  return DG_SUCCESS;
 }
 
 extern "C" int dg_grouped_gemm_config_count(const dg_grouped_desc* desc, int device_arch) {

@@ -329,6 +329,47 @@ def test_wgrad_block_scales_into_fp32_main_grad(routing, accumulate, dy_dtype):
 
 
 @pytest.mark.parametrize("accumulate", [False, True])
+@pytest.mark.parametrize("through", ["api", "op"])
+def test_wgrad_operands_quantized_without_offs_give_nan(accumulate, through, monkeypatch):
+    # quantize_fp8(..., transpose=True) without offs gives (N, T): with T a multiple of 128 and
+    # T >= 128 G it passes every shape check, and the kernel would sum the wrong columns (0.85
+    # relative error measured, no NaN). The device reads offs[G-1] > Tp - 128 G and fills out
+    # with NaN; the same operands quantized with offs are right.
+    monkeypatch.delenv("DISTGEMM_DEBUG", raising=False)
+    counts, n, k = [300, 212, 500, 12], 256, 256
+    offs, t = make_offs(counts), sum(counts)
+    assert t % 128 == 0 and t >= 128 * len(counts)
+    dy = torch.randn(t, n, device=DEV)
+    x = torch.randn(t, k, device=DEV)
+    dy_t, s_dy = distgemm.quantize_fp8(dy, (1, 128), transpose=True)
+    x_t, s_x = distgemm.quantize_fp8(x, (1, 128), transpose=True)
+    assert dy_t.shape == (n, t)
+    main_grad = torch.randn(len(counts), n, k, device=DEV)
+    if through == "api":
+        out = distgemm.grouped_mm_wgrad(dy_t, x_t, offs, scale_dy=s_dy, scale_x=s_x,
+                                        out=main_grad if accumulate else None, accumulate=accumulate)
+    else:
+        out = main_grad
+        ops.grouped_mm_wgrad_fp8_out(dy_t, x_t, offs, s_dy.t().contiguous(), s_x.t().contiguous(), out,
+                                     accumulate, -1)
+    torch.cuda.synchronize()
+    assert torch.isnan(out).all(), f"{int((~torch.isnan(out)).sum())} of {out.numel()} elements not NaN"
+
+    dy_t, s_dy = distgemm.quantize_fp8(dy, (1, 128), transpose=True, offs=offs)
+    x_t, s_x = distgemm.quantize_fp8(x, (1, 128), transpose=True, offs=offs)
+    out = distgemm.grouped_mm_wgrad(dy_t, x_t, offs, scale_dy=s_dy, scale_x=s_x)
+    ref = torch.stack([dy[a:b].T @ x[a:b] for a, b in zip([0] + offs.tolist()[:-1], offs.tolist())])
+    assert torch.isfinite(out).all()
+    assert float((out - ref).norm() / ref.norm()) < 0.1
+    # DISTGEMM_DEBUG reads offs on the host and names the problem instead.
+    monkeypatch.setenv("DISTGEMM_DEBUG", "1")
+    dy_t, s_dy = distgemm.quantize_fp8(dy, (1, 128), transpose=True)
+    x_t, s_x = distgemm.quantize_fp8(x, (1, 128), transpose=True)
+    with pytest.raises(ValueError, match=r"offs\[-1\] = 1024 is past the 512 tokens the padded layout"):
+        distgemm.grouped_mm_wgrad(dy_t, x_t, offs, scale_dy=s_dy, scale_x=s_x)
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
 @pytest.mark.parametrize("dy_dtype", [E4M3, torch.float8_e5m2])
 def test_every_compiled_wgrad_config_matches(accumulate, dy_dtype):
     # 384 x 640: odd counts of 128- and 256-wide tiles; an empty expert; a group of 1 token;
