@@ -232,6 +232,61 @@ def check_mismatched_shapes(rank, world):
     assert_close(out, ref(torch.cat([a] * world), b))
 
 
+def check_recover_after_a_timed_out_exchange(rank, world):
+    """A set-up exchange that timed out on one rank (its peers never reached it: they failed
+    before) leaves that rank's exchange count ahead of theirs; recover() still pairs every rank
+    (the store's count of recover() calls names the generation), promptly, and twice in a row."""
+    from distgemm import tp
+
+    dev = device_for(rank)
+    group = dist.group.WORLD
+    state = tp._state(group)
+    os.environ["DISTGEMM_TIMEOUT_S"] = "2"
+    try:
+        if rank == 0:
+            try:
+                state.exchange("size", "1")
+            except TimeoutError:
+                pass
+            else:
+                raise AssertionError("an exchange no peer joined did not time out")
+        for _ in range(2):
+            start = time.monotonic()
+            distgemm.recover(group)  # bounded by 3 x 2 s: counts that differ would run it out
+            assert time.monotonic() - start < 5.0, f"recover took {time.monotonic() - start:.1f} s"
+        a = full((16, 64), torch.bfloat16, dev, 450 + rank)
+        b = full((32, 64), torch.bfloat16, dev, 460)
+        out = distgemm.all_gather_matmul(a, b)
+        a_all = torch.cat([full((16, 64), torch.bfloat16, dev, 450 + r) for r in range(world)])
+        assert_close(out, ref(a_all, b))
+        assert state.exchange("after", str(rank)) == [str(r) for r in range(world)]
+    finally:
+        del os.environ["DISTGEMM_TIMEOUT_S"]
+
+
+def check_gathered_gradient_on_some_ranks_only(rank, world):
+    """all_gather_matmul(..., return_gathered=True) under autograd where only rank 0's loss uses
+    the gathered copy: the backward's reduce-scatter of its gradient runs on every rank (zeros
+    from the others), so the ranks stay paired and a's gradient is the reference's."""
+    dev = device_for(rank)
+    m, k, n = 16, 64, 32
+    a_all = torch.cat([full((m, k), torch.bfloat16, dev, 470 + r) for r in range(world)])
+    b = full((n, k), torch.bfloat16, dev, 480 + rank, 0.1)
+    a = a_all[rank * m:(rank + 1) * m].clone().requires_grad_()
+    out, gathered = distgemm.all_gather_matmul(a, b, return_gathered=True)
+    loss = out.float().sum() + (gathered.float().pow(2).sum() if rank == 0 else 0.0)
+    loss.backward()
+    # reference: d/da_r of sum_q sum(a_all @ b_q^T) + sum(a_all^2) on rank 0's side
+    b_sum = torch.zeros(n, k, dtype=torch.float64, device=dev)
+    for q in range(world):
+        b_sum += full((n, k), torch.bfloat16, dev, 480 + q, 0.1).double()
+    grad_all = torch.ones(m * world, n, dtype=torch.float64, device=dev) @ b_sum + 2 * a_all.double()
+    assert_close(a.grad, grad_all[rank * m:(rank + 1) * m])
+    # the ranks are still paired: a plain call afterwards agrees
+    out = distgemm.all_gather_matmul(a.detach(), b)
+    assert_close(out, ref(a_all, b))
+
+
 def check_collectives_path_on_every_rank(rank, world):
     """Operands the fused kernels cannot take (K or N not a multiple of 16 bytes) on every rank:
     the collectives path, right, also on a group whose ranks run the fused path (there the

@@ -131,6 +131,7 @@ class _GroupState:
         self.workspace: Optional[_Workspace] = None
         self.retired: list = []       # workspaces captured by CUDA graphs
         self.exchanges = 0
+        self.generation = 0           # of recover(): every rank's exchanges restart counting there
         self.lock = threading.Lock()  # one call at a time enqueues on the workspace
         self.last_stream = None
 
@@ -140,7 +141,7 @@ class _GroupState:
         and recovery)."""
         self.exchanges += 1
         store = dist.distributed_c10d._get_default_store()
-        prefix = f"distgemm/{self.name}/{self.use}/{self.exchanges}/{tag}"  # never reused
+        prefix = f"distgemm/{self.name}/{self.use}/g{self.generation}/{self.exchanges}/{tag}"  # never reused
         store.set(f"{prefix}/{self.rank}", value)
         keys = [f"{prefix}/{r}" for r in range(self.size)]
         limit = timeouts * timeout_s()
@@ -342,6 +343,13 @@ def recover(group=None) -> None:
     the group's workspaces; the next call sets the group up afresh."""
     group = _resolve(group)
     state = _state(group)
+    # The ranks' exchange counts may differ here (a rank whose set-up exchange timed out counted
+    # it; its peers may never have reached it): the store's count of recover() arrivals names a
+    # generation every rank agrees on, and the exchanges restart counting within it.
+    store = dist.distributed_c10d._get_default_store()
+    arrivals = store.add(f"distgemm/{state.name}/{state.use}/recover-arrivals", 1)
+    state.generation = (arrivals - 1) // state.size + 1
+    state.exchanges = 0
     # The ranks come from a failed call at different times: one may have seen the error at once,
     # another only when its own wait timed out (up to a timeout later).
     state.exchange("recover", "1", timeouts=3.0)
@@ -651,6 +659,7 @@ class _AllGatherMatmul(torch.autograd.Function):
         ctx.alpha, ctx.beta, ctx.group = alpha, beta, group
         ctx.c_meta = None if c is None else (c.shape, c.dtype)
         ctx.a_dtype = a.dtype
+        ctx.return_gathered = return_gathered
         return (out, gathered) if return_gathered else (out, None)
 
     @staticmethod
@@ -661,7 +670,12 @@ class _AllGatherMatmul(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_a = _matmul_reduce_scatter(g, b.T, None, ctx.alpha, 0.0, ctx.a_dtype, None, None, False,
                                             ctx.group)
-            if grad_gathered is not None:
+            if ctx.return_gathered:
+                # A collective: every rank runs it, whether or not its own gathered copy got a
+                # gradient (one that did not adds zeros), so that no rank's reduce-scatter pairs
+                # with a peer's next collective.
+                if grad_gathered is None:
+                    grad_gathered = torch.zeros_like(gathered)
                 grad_a = grad_a + _reduce_scatter(grad_gathered.float(), ctx.group).to(ctx.a_dtype)
         if ctx.needs_input_grad[1]:
             grad_b = torch.matmul(g.T, gathered) * ctx.alpha

@@ -16,6 +16,14 @@ def test_mismatched_shapes_are_reported():
     run_ranks(tp_checks.check_mismatched_shapes, 2, "gloo")
 
 
+def test_recover_after_a_set_up_exchange_timed_out_on_one_rank():
+    run_ranks(tp_checks.check_recover_after_a_timed_out_exchange, 2, "gloo", timeout=120)
+
+
+def test_gathered_gradient_on_some_ranks_only_keeps_the_ranks_paired():
+    run_ranks(tp_checks.check_gathered_gradient_on_some_ranks_only, 2, "gloo", timeout=120)
+
+
 def test_collectives_path_on_every_rank():
     run_ranks(tp_checks.check_collectives_path_on_every_rank, 2, "gloo")
 
