@@ -1,5 +1,7 @@
 #include "tp/tp_executor.h"
 
+#include <string>
+
 #include "common/device.h"
 #include "common/dtype.h"
 #include "common/error_state.h"
@@ -123,6 +125,16 @@ dg_status copy_rows(const TpBuffers& buffers, const Step& st, cudaStream_t on) {
   return DG_SUCCESS;
 }
 
+// What a plan's run has enqueued so far, for the clean-up of a run that stops part-way.
+struct RunState {
+  cudaStream_t push = nullptr;  // the side stream, once forked
+  bool joined = false;
+};
+
+dg_status run_steps(const dg_tp_desc& d, const Peers& peers, const TpPlan& plan, uint32_t dtypes, int tag,
+                    const GemmConsumer& consumer, const TpBuffers& buffers, const ErrorState* err,
+                    StreamPool* pool, cudaStream_t stream, RunState* run);
+
 }  // namespace
 
 dg_status execute(const dg_tp_desc& d, const Peers& peers, const TpPlan& plan, uint32_t dtypes, int tag,
@@ -132,10 +144,35 @@ dg_status execute(const dg_tp_desc& d, const Peers& peers, const TpPlan& plan, u
   for (const Step& st : plan.steps)
     if (st.kind == StepKind::kGemm) DG_RETURN_IF_ERROR(consumer.check(buffers.gemm(st), !st.waits.empty()));
 
-  const int device = peers.device, rank = d.rank;
+  const int device = peers.device;
   const ErrorState* err = error_state(device);
   StreamPool* pool = stream_pool(device);
   if (!err || !pool) return DG_ERROR_CUDA;
+  RunState run;
+  const dg_status status = run_steps(d, peers, plan, dtypes, tag, consumer, buffers, err, pool, stream, &run);
+  if (status == DG_SUCCESS) return DG_SUCCESS;
+  // A launch failed part-way (the plan's steps were checked, so this is the runtime refusing
+  // one): the side stream is joined back, so that the caller's stream never runs ahead of
+  // pushes still queued there, and the outputs are filled with NaN, so that whatever part of
+  // them was computed never reads as a result. Best effort: on a broken context these fail too.
+  // The peers' waits for this rank run out (bounded) and give them NaN and the error.
+  const std::string message = dg_last_error();
+  if (run.push && !run.joined) join_streams(*pool, stream, 1);
+  for (const Step& st : plan.steps) {
+    if (st.kind != StepKind::kPoison) continue;
+    const TpBuffers::Rows rows = buffers.rows(st.dst);
+    launch_poison_on_error(rows.data, st.dst.rows, rows.cols, rows.pitch, rows.elem_bytes, nullptr, stream);
+  }
+  cudaGetLastError();  // the clean-up's own failures are not this call's error
+  return fail(status, message);
+}
+
+namespace {
+
+dg_status run_steps(const dg_tp_desc& d, const Peers& peers, const TpPlan& plan, uint32_t dtypes, int tag,
+                    const GemmConsumer& consumer, const TpBuffers& buffers, const ErrorState* err,
+                    StreamPool* pool, cudaStream_t stream, RunState* run) {
+  const int rank = d.rank;
   SyncParams sync;
   sync.epoch = peers.word(rank, TpHeader::kEpoch);
   // The largest timeout a uint64 of nanoseconds holds (~584 years) bounds what the clock can count.
@@ -146,7 +183,7 @@ dg_status execute(const dg_tp_desc& d, const Peers& peers, const TpPlan& plan, u
   const CallSignature sig = call_signature(plan, dtypes);
   const dg_gemm_desc& g = d.gemm;
 
-  cudaStream_t push = nullptr;
+  cudaStream_t& push = run->push;
   for (const Step& st : plan.steps) {
     cudaStream_t on = st.lane == Lane::kMain ? stream : push;
     if (!on && st.lane == Lane::kPush) return fail(DG_ERROR_INTERNAL, "a push step before the plan forks");
@@ -176,6 +213,7 @@ dg_status execute(const dg_tp_desc& d, const Peers& peers, const TpPlan& plan, u
         break;
       case StepKind::kJoin:
         DG_RETURN_IF_ERROR(join_streams(*pool, stream, 1));
+        run->joined = true;
         break;
       case StepKind::kScatterScales: {
         ScaleTargets targets{};
@@ -216,6 +254,8 @@ dg_status execute(const dg_tp_desc& d, const Peers& peers, const TpPlan& plan, u
   }
   return DG_SUCCESS;
 }
+
+}  // namespace
 
 dg_status plan_and_execute(const dg_tp_desc& d, const Peers& peers, TpShape shape, const TpChoices& choices,
                            cudaStream_t stream) {

@@ -65,7 +65,7 @@ __global__ void check_peers_kernel(PeerChecks peers, CallSignature own, SyncPara
 template <class Word>
 __global__ void poison_kernel(Word* data, int64_t rows, int64_t cols, int64_t ld, Word nan,
                               const int* error) {
-  if (*reinterpret_cast<const volatile int*>(error) == 0) return;
+  if (error != nullptr && *reinterpret_cast<const volatile int*>(error) == 0) return;
   const int64_t total = rows * cols;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
        i += gridDim.x * int64_t(blockDim.x))

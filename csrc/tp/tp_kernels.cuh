@@ -59,7 +59,8 @@ cudaError_t launch_check_peers(const PeerChecks& peers, const CallSignature& own
 
 // If the error word is set (this call, or an earlier one, failed), fills `rows` x `cols`
 // elements of `elem_bytes` at `data` (row pitch `ld` elements) with NaN, so that no output of a
-// failed call reads as valid.
+// failed call reads as valid. error NULL: fills them whatever the word says (a call the host saw
+// fail).
 cudaError_t launch_poison_on_error(void* data, int64_t rows, int64_t cols, int64_t ld, int elem_bytes,
                                    const int* error, cudaStream_t stream);
 
