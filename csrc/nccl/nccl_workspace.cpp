@@ -29,6 +29,8 @@ namespace {
 constexpr int kMinWorld = 2;
 using distgemm::tp::kMaxWorld;  // the largest group the TP core takes
 constexpr size_t kGranularity = size_t{2} << 20;  // whole 2 MiB pages: 256-byte aligned, IPC-able
+// The size a rank that failed before the exchange contributes to its max: no request rounds to it.
+constexpr uint64_t kFailedSize = UINT64_MAX;
 
 // What each rank tells the others about its workspace (one all-gather of world records).
 struct Record {
@@ -82,6 +84,12 @@ class Collectives {
  public:
   Collectives(ncclComm_t comm, cudaStream_t stream, double timeout_s, const char* caller)
       : comm_(comm), stream_(stream), timeout_s_(timeout_s), caller_(caller) {}
+  ~Collectives() {
+    if (before_) cudaEventDestroy(before_);
+    if (after_) cudaEventDestroy(after_);
+  }
+  Collectives(const Collectives&) = delete;
+  Collectives& operator=(const Collectives&) = delete;
 
   bool aborted() const { return aborted_; }
 
@@ -102,15 +110,54 @@ class Collectives {
     return DG_SUCCESS;
   }
 
-  // Waits (bounded) until everything enqueued on the stream so far has run.
+  // Waits (bounded) until what this step enqueued on the stream has run. Two events, not the
+  // stream: work queued on it before the step (the caller's, however long) only delays the
+  // clock's start (bounded by timeout_s on its own), and work queued after it (another thread's)
+  // is not waited for.
   dg_status wait(const char* what) {
+    DG_RETURN_IF_ERROR(events());
+    DG_CUDA_RETURN(cudaEventRecord(after_, stream_));
+    if (before_recorded_) DG_RETURN_IF_ERROR(poll(before_, what, "the stream's earlier work"));
+    before_recorded_ = false;
+    return poll(after_, what, nullptr);
+  }
+
+  // One collective enqueued on the stream (then wait() for it).
+  dg_status all_reduce(const void* send, void* recv, size_t count, ncclDataType_t type, ncclRedOp_t op,
+                       const char* what) {
+    DG_RETURN_IF_ERROR(mark());
+    return enqueued(ncclAllReduce(send, recv, count, type, op, comm_, stream_), what);
+  }
+  dg_status all_gather(const void* send, void* recv, size_t bytes, const char* what) {
+    DG_RETURN_IF_ERROR(mark());
+    return enqueued(ncclAllGather(send, recv, bytes, ncclUint8, comm_, stream_), what);
+  }
+
+ private:
+  dg_status events() {
+    if (!before_) DG_CUDA_RETURN(cudaEventCreateWithFlags(&before_, cudaEventDisableTiming));
+    if (!after_) DG_CUDA_RETURN(cudaEventCreateWithFlags(&after_, cudaEventDisableTiming));
+    return DG_SUCCESS;
+  }
+  // Where the step's own work begins on the stream (its first collective), once per step.
+  dg_status mark() {
+    if (before_recorded_) return DG_SUCCESS;
+    DG_RETURN_IF_ERROR(events());
+    DG_CUDA_RETURN(cudaEventRecord(before_, stream_));
+    before_recorded_ = true;
+    return DG_SUCCESS;
+  }
+
+  // Polls `event` until it completes, an NCCL asynchronous error (which aborts the
+  // communicator) or timeout_s; `earlier` names the work it waits for when that is not the step.
+  dg_status poll(cudaEvent_t event, const char* what, const char* earlier) {
     const auto start = std::chrono::steady_clock::now();
     std::chrono::microseconds nap(20);
     for (;;) {
-      const cudaError_t e = cudaStreamQuery(stream_);
+      const cudaError_t e = cudaEventQuery(event);
       if (e == cudaSuccess) return DG_SUCCESS;
       if (e != cudaErrorNotReady)
-        return distgemm::fail(DG_ERROR_CUDA, distgemm::cat(caller_, ": ", what, ": cudaStreamQuery: ",
+        return distgemm::fail(DG_ERROR_CUDA, distgemm::cat(caller_, ": ", what, ": cudaEventQuery: ",
                                                            cudaGetErrorString(e)));
       ncclResult_t async = ncclSuccess;
       const ncclResult_t q = ncclCommGetAsyncError(comm_, &async);
@@ -123,22 +170,13 @@ class Collectives {
                                             "; the communicator was aborted (ncclCommAbort, which freed it) "
                                             "and must be recreated"));
       }
-      if (elapsed(start) > timeout_s_) return time_out(what);
+      if (elapsed(start) > timeout_s_)
+        return earlier ? time_out(distgemm::cat(what, " (waiting for ", earlier, ")").c_str()) : time_out(what);
       std::this_thread::sleep_for(nap);
       nap = std::min(nap * 2, std::chrono::microseconds(2000));
     }
   }
 
-  // One collective enqueued on the stream (then wait() for it).
-  dg_status all_reduce(const void* send, void* recv, size_t count, ncclDataType_t type, ncclRedOp_t op,
-                       const char* what) {
-    return enqueued(ncclAllReduce(send, recv, count, type, op, comm_, stream_), what);
-  }
-  dg_status all_gather(const void* send, void* recv, size_t bytes, const char* what) {
-    return enqueued(ncclAllGather(send, recv, bytes, ncclUint8, comm_, stream_), what);
-  }
-
- private:
   static double elapsed(std::chrono::steady_clock::time_point start) {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   }
@@ -159,6 +197,8 @@ class Collectives {
   double timeout_s_;
   const char* caller_;
   bool aborted_ = false;
+  cudaEvent_t before_ = nullptr, after_ = nullptr;
+  bool before_recorded_ = false;
 };
 
 }  // namespace
@@ -296,13 +336,27 @@ dg_status create(ncclComm_t comm, size_t bytes, double timeout_s, cudaStream_t s
   Collectives coll(comm, stream, timeout_s, fn);
   const int world = ws->world;
 
+  // 256 device bytes first: destroy's barriers, and the buffer with which a rank whose staging
+  // cannot be allocated still joins the first collective, so that its peers learn at once
+  // instead of waiting out timeout_s (without even these, nothing can join: the peers time out).
+  DG_CUDA_RETURN(cudaMalloc(&ws->barrier, 256));
   Staging st;
   st.bytes = 128 * size_t(world + 2);
-  DG_CUDA_RETURN(cudaMalloc(&st.device, st.bytes));
-  DG_CUDA_RETURN(cudaMallocHost(&st.host, st.bytes));
-  DG_CUDA_RETURN(cudaMalloc(&ws->barrier, 256));
+  cudaError_t staging = cudaMalloc(&st.device, st.bytes);
+  if (staging == cudaSuccess) staging = cudaMallocHost(&st.host, st.bytes);
+  if (staging != cudaSuccess) {
+    cudaGetLastError();
+    DG_CUDA_RETURN(cudaMemsetAsync(ws->barrier, 0xff, sizeof(uint64_t), stream));  // kFailedSize
+    DG_RETURN_IF_ERROR(coll.all_reduce(ws->barrier, ws->barrier, 1, ncclUint64, ncclMax,
+                                       "ncclAllReduce (max) of the workspace size"));
+    DG_RETURN_IF_ERROR(coll.wait("ncclAllReduce (max) of the workspace size"));
+    return distgemm::fail(DG_ERROR_CUDA, distgemm::cat(fn, ": rank ", ws->rank, ": allocating the ", st.bytes,
+                                                       "-byte exchange staging failed: ",
+                                                       cudaGetErrorString(staging)));
+  }
 
-  // 1. The size: the largest request of any rank, in whole granules.
+  // 1. The size: the largest request of any rank, in whole granules (kFailedSize: a rank could
+  // not allocate its staging).
   const uint64_t want = (bytes + kGranularity - 1) / kGranularity * kGranularity;
   std::memcpy(st.host_slot(0), &want, sizeof(want));
   DG_CUDA_RETURN(cudaMemcpyAsync(st.dev_slot(0), st.host_slot(0), sizeof(want), cudaMemcpyHostToDevice, stream));
@@ -312,6 +366,9 @@ dg_status create(ncclComm_t comm, size_t bytes, double timeout_s, cudaStream_t s
   DG_RETURN_IF_ERROR(coll.wait("ncclAllReduce (max) of the workspace size"));
   uint64_t agreed = 0;
   std::memcpy(&agreed, st.host_slot(0), sizeof(agreed));
+  if (agreed == kFailedSize)
+    return distgemm::fail(DG_ERROR_CUDA, distgemm::cat(fn, ": a peer could not allocate its exchange staging "
+                                                       "(its dg_last_error says why)"));
   ws->bytes = static_cast<size_t>(agreed);
 
   // 2. Allocate, zero and export; every rank's record (handle and whether it succeeded) to all.
@@ -345,15 +402,28 @@ dg_status create(ncclComm_t comm, size_t bytes, double timeout_s, cudaStream_t s
   const int32_t mapped = map_status == DG_SUCCESS;
   DG_RETURN_IF_ERROR(all_gather_host(coll, st, &mapped, sizeof(mapped), world, stream,
                                      "ncclAllGather of the ranks' mapping results"));
-  if (map_status != DG_SUCCESS)
-    return distgemm::fail(map_status, distgemm::cat(fn, ": rank ", ws->rank, ": ", map_error));
   const int unmapped = first_failed(st.host_slot(2), sizeof(int32_t), world);
-  if (unmapped >= 0)
-    return distgemm::fail(DG_ERROR_CUDA, distgemm::cat(fn, ": rank ", unmapped,
-                                                       " could not map its peers' workspaces (its dg_last_error "
-                                                       "says why)"));
-  *out = ws.release();
-  return DG_SUCCESS;
+  if (unmapped < 0) {
+    *out = ws.release();
+    return DG_SUCCESS;
+  }
+  // Every rank is here (each saw the same results): the peers that mapped this rank's memory
+  // close their mappings before anyone frees what it exported (freeing memory another process
+  // still has open is undefined). Without that barrier the memory is left allocated.
+  const std::string message =
+      map_status != DG_SUCCESS ? distgemm::cat(fn, ": rank ", ws->rank, ": ", map_error)
+                               : distgemm::cat(fn, ": rank ", unmapped,
+                                               " could not map its peers' workspaces (its dg_last_error says why)");
+  for (int r = 0; r < world; ++r)
+    if (ws->ipc_opened[r] && ws->peers[r]) cudaIpcCloseMemHandle(ws->peers[r]);
+  ws->peers.clear();
+  ws->ipc_opened.clear();
+  DG_CUDA_RETURN(cudaMemsetAsync(ws->barrier, 0, sizeof(int32_t), stream));
+  dg_status closed = coll.all_reduce(ws->barrier, ws->barrier, 1, ncclInt32, ncclSum,
+                                     "barrier after closing the mappings");
+  if (closed == DG_SUCCESS) closed = coll.wait("barrier after closing the mappings");
+  if (closed != DG_SUCCESS) ws->local = nullptr;  // a peer may still map it: leaked, not freed
+  return distgemm::fail(map_status != DG_SUCCESS ? map_status : DG_ERROR_CUDA, message);
 }
 
 }  // namespace
@@ -371,21 +441,33 @@ extern "C" dg_status dg_nccl_workspace_destroy(dg_nccl_workspace* ws, cudaStream
   DG_RETURN_IF_ERROR(guard.enter(ws->device));
   Collectives coll(ws->comm, stream, ws->timeout_s, fn);
   int* flag = static_cast<int*>(ws->barrier);
+  // Until barrier 2 completes a peer may still write into this rank's memory, and until barrier
+  // 1 completes this rank's own queued calls may still use the peers': a failure before then
+  // leaves the mappings and the memory as they are (leaked, never handed back to the allocator
+  // while something may write into them); the handle itself is freed.
+  auto keep_memory = [&](dg_status status) {
+    ws->peers.clear();
+    ws->ipc_opened.clear();
+    ws->local = ws->barrier = nullptr;
+    return status;
+  };
   // Barrier 1: every rank's calls on its workspace and its peers' (enqueued earlier on stream) are
   // done. Then the mappings close; barrier 2: no rank still maps this rank's memory when it is freed.
-  DG_RETURN_IF_ERROR(coll.all_reduce(flag, flag, 1, ncclInt32, ncclSum, "barrier before unmapping"));
-  DG_RETURN_IF_ERROR(coll.wait("barrier before unmapping"));
+  dg_status s = coll.all_reduce(flag, flag, 1, ncclInt32, ncclSum, "barrier before unmapping");
+  if (s == DG_SUCCESS) s = coll.wait("barrier before unmapping");
+  if (s != DG_SUCCESS) return keep_memory(s);
   for (int r = 0; r < ws->world; ++r) {
     if (ws->ipc_opened[r] && ws->peers[r]) {
       const cudaError_t e = cudaIpcCloseMemHandle(ws->peers[r]);
       ws->ipc_opened[r] = 0;
       if (e != cudaSuccess)
-        return distgemm::fail(DG_ERROR_CUDA, distgemm::cat(fn, ": cudaIpcCloseMemHandle of rank ", r,
-                                                           "'s workspace: ", cudaGetErrorString(e)));
+        return keep_memory(distgemm::fail(DG_ERROR_CUDA, distgemm::cat(fn, ": cudaIpcCloseMemHandle of rank ", r,
+                                                                       "'s workspace: ", cudaGetErrorString(e))));
     }
   }
-  DG_RETURN_IF_ERROR(coll.all_reduce(flag, flag, 1, ncclInt32, ncclSum, "barrier before freeing"));
-  DG_RETURN_IF_ERROR(coll.wait("barrier before freeing"));
+  s = coll.all_reduce(flag, flag, 1, ncclInt32, ncclSum, "barrier before freeing");
+  if (s == DG_SUCCESS) s = coll.wait("barrier before freeing");
+  if (s != DG_SUCCESS) return keep_memory(s);
   void* local = ws->local;
   void* barrier = ws->barrier;
   ws->local = ws->barrier = nullptr;
