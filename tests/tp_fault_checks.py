@@ -570,11 +570,93 @@ def graph_after_growth(ctx: RankCtx) -> list:
     return problems
 
 
+def graph_after_recover(ctx: RankCtx) -> list:
+    """Capture AG + RS, make the ranks disagree on an eager call that runs on the captured
+    workspace (smaller shapes: no growth), recover(), replay: the workspace the graph captured must
+    still be alive (canaries allocated after recover() untouched) and in step again (the replay
+    is right, no error)."""
+    problems = []
+    dev, w, r = ctx.dev, ctx.world, ctx.rank
+    m, k, n = 256, 256, 512
+    a = torch.empty(m, k, dtype=torch.bfloat16, device=dev)
+    a_rs = torch.empty(m * w, k, dtype=torch.bfloat16, device=dev)
+    b = _full((n, k), torch.bfloat16, dev, 70 + r, 0.1)
+    b_rs = _full((n, k), torch.bfloat16, dev, 80 + r, 0.1)
+    side = torch.cuda.Stream(device=dev)
+
+    def load(step):
+        a_full = _full((m * w, k), torch.bfloat16, dev, 700 + step)
+        rs_parts = [_full((m * w, k), torch.bfloat16, dev, 800 + 10 * step + q) for q in range(w)]
+        a.copy_(a_full[r * m:(r + 1) * m])
+        a_rs.copy_(rs_parts[r])
+        b_all = [_full((n, k), torch.bfloat16, dev, 80 + q, 0.1) for q in range(w)]
+        return a_full.double() @ b.double().T, sum(x.double() @ y.double().T for x, y in zip(rs_parts, b_all))[r * m:(r + 1) * m]
+
+    load(0)
+    ctx.sync()
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):  # warm-up outside the capture: the workspace is set up here
+        distgemm.all_gather_matmul(a, b)
+        distgemm.matmul_reduce_scatter(a_rs, b_rs)
+    torch.cuda.current_stream(dev).wait_stream(side)
+    torch.cuda.synchronize(dev)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_ag = distgemm.all_gather_matmul(a, b)
+        out_rs = distgemm.matmul_reduce_scatter(a_rs, b_rs)
+
+    def replay(step, what):
+        ref_ag, ref_rs = load(step)
+        ctx.sync()
+        try:
+            graph.replay()
+            torch.cuda.synchronize(dev)
+            distgemm.check_errors(dev)
+        except Exception as e:
+            problems.append(f"{what}: raised {type(e).__name__}: {str(e)[:300]}")
+            return
+        for out, ref, name in ((out_ag, ref_ag, "all_gather_matmul"), (out_rs, ref_rs, "matmul_reduce_scatter")):
+            err = rel_error(out, ref)
+            if err > tolerance(out.dtype):
+                problems.append(f"{what}: {name} relative error {err:.3e}")
+
+    replay(1, "replay before the failure")
+    ctx.sync()
+    mine = Problem(ctx, "ag", 128 if r == 0 else 64, k=k, n=n, seed=90)  # fits the captured workspace
+    problems += [f"disagreeing call: {p}" for p in judge_error(attempt(ctx, mine), "disagree")]
+    ctx.sync(timeout_s() + SLACK_S + 30)
+    rec = try_recover(ctx)
+    if rec["error"] is not None:
+        return problems + [f"recover() raised {rec['error']}: {rec['message'][:300]}"]
+    torch.cuda.empty_cache()
+    canaries = [torch.full((16 << 20,), 0x5A5A5A5A, dtype=torch.int32, device=dev) for _ in range(8)]
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        for _ in range(2):
+            s = symm_mem.empty(64 << 20, dtype=torch.uint8, device=dev)
+            s.fill_(0x5A)
+            canaries.append(s)
+    except Exception:
+        pass
+    snapshots = [c.clone() for c in canaries]
+    replay(2, "replay after recover()")
+    replay(3, "second replay after recover()")
+    hit = [i for i, (c, s) in enumerate(zip(canaries, snapshots)) if not torch.equal(c, s)]
+    if hit:
+        problems.append(f"replay wrote into memory allocated after recover() (canaries {hit})")
+    ctx.sync()
+    fresh = Problem(ctx, "ag", 128, k=k, n=n, seed=91)
+    problems += [f"eager call after recover(): {p}" for p in judge_correct(attempt(ctx, fresh))]
+    return problems
+
+
 def correct_cases(ctx: RankCtx):
     """Cases that must simply give right results (each returns its problems; a raise is one);
     each recovers the group if it failed, so that the next one still runs."""
     for name, case in (("side_stream", side_stream), ("two_groups", two_groups),
-                       ("graph_replay_after_growth", graph_after_growth)):
+                       ("graph_replay_after_growth", graph_after_growth),
+                       ("graph_replay_after_recover", graph_after_recover)):
         ctx.sync()
         start = time.monotonic()
         try:

@@ -353,11 +353,21 @@ def recover(group=None) -> None:
     # The ranks come from a failed call at different times: one may have seen the error at once,
     # another only when its own wait timed out (up to a timeout later).
     state.exchange("recover", "1", timeouts=3.0)
+    # Workspaces a CUDA graph captured stay alive (a replay writes into them and the peers'),
+    # zeroed as at set-up: every rank zeroes its own before the "recovered" step, so a replay
+    # after recover() starts on flags and call counts that agree again.
+    kept = list(state.retired)
+    if state.workspace is not None and state.workspace.captured:
+        kept.append(state.workspace)
     if torch.cuda.is_available():
         device = torch.cuda.current_device()
         torch.cuda.synchronize(device)
         ops.tp_clear_error(device)
+        for ws in kept:
+            ws.tensor.zero_()
+        torch.cuda.synchronize(device)
     state.exchange("recovered", "1")
+    state.retired = kept
     state.workspace = None
     state.fused = None
     state.last_stream = None

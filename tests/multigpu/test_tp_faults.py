@@ -112,4 +112,5 @@ def test_paths_that_differ():
 
 
 def test_side_stream_two_groups_and_graph_replay_after_growth():
-    run_cases(fc.correct_cases, cases=["side_stream", "two_groups", "graph_replay_after_growth"])
+    run_cases(fc.correct_cases, cases=["side_stream", "two_groups", "graph_replay_after_growth",
+                                       "graph_replay_after_recover"])
