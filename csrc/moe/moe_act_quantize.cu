@@ -39,24 +39,62 @@ using quant::to_fp8x4;
 
 __device__ __forceinline__ float sigmoid(float v) { return 1.f / (1.f + expf(-v)); }
 
-__device__ __forceinline__ float gelu(float v) { return 0.5f * v * (1.f + erff(v * 0.70710678118654752f)); }
+// Phi(v) as erfc: 1 + erf(v / sqrt 2) cancels for negative v.
+__device__ __forceinline__ float gauss_cdf(float v) { return 0.5f * erfcf(-v * 0.70710678118654752f); }
+
+__device__ __forceinline__ float gelu(float v) { return v * gauss_cdf(v); }
 
 __device__ __forceinline__ float gelu_grad(float v) {
-  const float cdf = 0.5f * (1.f + erff(v * 0.70710678118654752f));
+  const float cdf = gauss_cdf(v);
   return cdf + v * 0.39894228040143268f * expf(-0.5f * v * v);
 }
 
 __device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 
-// The activation's values at columns [c, c + 8) of row `r` (zeros past `inner`): plane 0, and
-// for the SwiGLU backward plane 1 (the up half's gradient), each rounded to bf16.
+// Eight bf16 of a row at columns [c, c + 8), zeros past `cols`, as raw bits.
+__device__ __forceinline__ uint4 load_raw8(const uint16_t* __restrict__ row, int64_t c, int64_t cols, bool vec) {
+  if (vec && c + 8 <= cols) return __ldg(reinterpret_cast<const uint4*>(row + c));
+  uint16_t b[8];
+#pragma unroll
+  for (int e = 0; e < 8; ++e) b[e] = c + e < cols ? row[c + e] : uint16_t(0);
+  return make_uint4(b[0] | uint32_t(b[1]) << 16, b[2] | uint32_t(b[3]) << 16, b[4] | uint32_t(b[5]) << 16,
+                    b[6] | uint32_t(b[7]) << 16);
+}
+
+__device__ __forceinline__ void unpack8(uint4 raw, float (&v)[8]) {
+  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    v[2 * i] = Bf16::to_float(static_cast<uint16_t>(w[i] & 0xffffu));
+    v[2 * i + 1] = Bf16::to_float(static_cast<uint16_t>(w[i] >> 16));
+  }
+}
+
+// The inputs an activation reads at columns [c, c + 8) of one row: x (the gate half for
+// SwiGLU), the up half, and dy, as raw bf16 vectors (loaded for all rows of a thread first, so
+// that its loads are in flight together).
+struct Raw8 {
+  uint4 a, u, d;
+};
+
 template <int Act>
-__device__ __forceinline__ void compute8(const uint16_t* __restrict__ x, int64_t x_cols,
-                                         const uint16_t* __restrict__ dy, int64_t inner, int64_t r, int64_t c,
-                                         bool vec, float (&v0)[8], float (&v1)[8]) {
+__device__ __forceinline__ Raw8 load_inputs(const uint16_t* __restrict__ x, int64_t x_cols,
+                                            const uint16_t* __restrict__ dy, int64_t inner, int64_t r, int64_t c,
+                                            bool vec) {
+  Raw8 in{};
   const uint16_t* xr = x + r * x_cols;
+  in.a = load_raw8(xr, c, inner, vec);
+  if constexpr (Act == kSwiglu || Act == kSwigluBackward) in.u = load_raw8(xr + inner, c, inner, vec);
+  if constexpr (Act == kSwigluBackward || Act == kGeluBackward) in.d = load_raw8(dy + r * inner, c, inner, vec);
+  return in;
+}
+
+// The activation's values from the inputs: plane 0, and for the SwiGLU backward plane 1 (the
+// up half's gradient), each rounded to bf16. Zeros stay zeros (the padding past `inner`).
+template <int Act>
+__device__ __forceinline__ void compute8(const Raw8& in, float (&v0)[8], float (&v1)[8]) {
   float a[8];
-  load8<Bf16>(xr, c, inner, vec, a);
+  unpack8(in.a, a);
   if constexpr (Act == kIdentity) {
 #pragma unroll
     for (int e = 0; e < 8; ++e) v0[e] = a[e];
@@ -65,18 +103,18 @@ __device__ __forceinline__ void compute8(const uint16_t* __restrict__ x, int64_t
     for (int e = 0; e < 8; ++e) v0[e] = round_bf16(gelu(a[e]));
   } else if constexpr (Act == kSwiglu) {
     float u[8];
-    load8<Bf16>(xr + inner, c, inner, vec, u);
+    unpack8(in.u, u);
 #pragma unroll
     for (int e = 0; e < 8; ++e) v0[e] = round_bf16(a[e] * sigmoid(a[e]) * u[e]);
   } else {
     float d[8];
-    load8<Bf16>(dy + r * inner, c, inner, vec, d);
+    unpack8(in.d, d);
     if constexpr (Act == kGeluBackward) {
 #pragma unroll
       for (int e = 0; e < 8; ++e) v0[e] = round_bf16(d[e] * gelu_grad(a[e]));
     } else {
       float u[8];
-      load8<Bf16>(xr + inner, c, inner, vec, u);
+      unpack8(in.u, u);
 #pragma unroll
       for (int e = 0; e < 8; ++e) {
         const float s = sigmoid(a[e]);
@@ -127,18 +165,20 @@ __global__ void __launch_bounds__(kThreads) act_kernel(ActProblem p, bool vec_in
   // Rows: a half-warp per row, 8 columns a lane, 8 rows a thread.
   const int sub = threadIdx.x & 15;
   const int64_t c = c0 + sub * 8;
-#pragma unroll 2
-  for (int k = 0; k < kBlock / (kThreads / 16); ++k) {
+  constexpr int kRowsPerThread = kBlock / (kThreads / 16);
+  Raw8 in[kRowsPerThread];
+#pragma unroll
+  for (int k = 0; k < kRowsPerThread; ++k) {
+    const int i = (threadIdx.x >> 4) + (kThreads / 16) * k;
+    in[k] = i < count ? load_inputs<Act>(x, p.x_cols, dy, p.inner, first + i, c, vec_in) : Raw8{};
+  }
+#pragma unroll
+  for (int k = 0; k < kRowsPerThread; ++k) {
     const int i = (threadIdx.x >> 4) + (kThreads / 16) * k;
     const bool active = i < count;
     const int64_t r = first + i;
     float v[2][8];
-    if (active) {
-      compute8<Act>(x, p.x_cols, dy, p.inner, r, c, vec_in, v[0], v[1]);
-    } else {
-#pragma unroll
-      for (int e = 0; e < 8; ++e) v[0][e] = v[1][e] = 0.f;
-    }
+    compute8<Act>(in[k], v[0], v[1]);
 #pragma unroll
     for (int q = 0; q < kPlanes; ++q) {
       if (c >= p.inner) {
@@ -222,16 +262,16 @@ __global__ void __launch_bounds__(kThreads) act_kernel(ActProblem p, bool vec_in
 
 // ---------------------------------------------------------------- weights
 
-constexpr int kTilePitch = kBlock + 4;  // bytes per row of the transposed FP8 block
-
-// Thread t holds rows t / 16 + 16 k (k < 8) at columns 8 (t % 16) + [0, 8) of block (g, rb, cb).
+// Thread t holds rows t / 16 + 16 k (k < 8) at columns 8 (t % 16) + [0, 8) of block (g, rb, cb);
+// the FP8 block goes through shared memory row-major, and thread t writes 64 bytes of row
+// cb * 128 + t / 2 of the transpose (a column of the block, read byte by byte).
 template <class In, __nv_fp8_interpretation_t I>
 __global__ void __launch_bounds__(kThreads)
     weight_kernel(const typename In::Storage* __restrict__ w, int64_t groups, int64_t rows, int64_t cols,
                   bool vec, uint8_t* __restrict__ out, uint8_t* __restrict__ out_t, bool vec_t,
                   float* __restrict__ scale) {
   __shared__ uint32_t red[kThreads / 32];
-  __shared__ __align__(16) uint8_t tile[kBlock * kTilePitch];  // [column][row]
+  __shared__ __align__(16) uint8_t tile[kBlock * kBlock];  // [row][column]
   const int64_t row_blocks = (rows + kBlock - 1) / kBlock;
   const int64_t col_blocks = (cols + kBlock - 1) / kBlock;
   const int64_t blocks = groups * row_blocks * col_blocks;
@@ -263,24 +303,34 @@ __global__ void __launch_bounds__(kThreads)
     for (int k = 0; k < 8; ++k) {
       const int64_t r = rb * kBlock + row + 16 * k;
       if (out != nullptr && r < rows) store8<I>(out + g * rows * cols + r * cols, c, cols, vec, v[k], s);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) tile[(col + e) * kTilePitch + row + 16 * k] = to_fp8<I>(v[k][e], s);
+      if (out_t != nullptr) {
+        const uint2 b = make_uint2(to_fp8x4<I>(v[k][0], v[k][1], v[k][2], v[k][3], s),
+                                   to_fp8x4<I>(v[k][4], v[k][5], v[k][6], v[k][7], s));
+        *reinterpret_cast<uint2*>(tile + (row + 16 * k) * kBlock + col) = b;
+      }
     }
     if (out_t == nullptr) continue;  // uniform
     __syncthreads();
-    // Row (cb * 128 + t / 2) of the transpose, its half t % 2: 64 bytes.
-    const int tr = threadIdx.x >> 1;
+    const int j = threadIdx.x >> 1;        // the block's column: a row of the transpose
     const int half = threadIdx.x & 1;
-    const int64_t orow = cb * kBlock + tr;
+    const int64_t orow = cb * kBlock + j;
     const int64_t ocol = rb * kBlock + half * 64;
     if (orow < cols) {
       uint8_t* o = out_t + g * rows * cols + orow * rows + ocol;
-      const uint8_t* src = tile + tr * kTilePitch + half * 64;
+      const uint8_t* src = tile + half * 64 * kBlock + j;
       if (vec_t && ocol + 64 <= rows) {
 #pragma unroll
-        for (int k = 0; k < 16; ++k) reinterpret_cast<uint32_t*>(o)[k] = reinterpret_cast<const uint32_t*>(src)[k];
+        for (int k = 0; k < 4; ++k) {
+          uint32_t q[4];
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const uint8_t* p4 = src + (16 * k + 4 * e) * kBlock;
+            q[e] = p4[0] | uint32_t(p4[kBlock]) << 8 | uint32_t(p4[2 * kBlock]) << 16 | uint32_t(p4[3 * kBlock]) << 24;
+          }
+          reinterpret_cast<uint4*>(o)[k] = make_uint4(q[0], q[1], q[2], q[3]);
+        }
       } else {
-        for (int e = 0; e < 64 && ocol + e < rows; ++e) o[e] = src[e];
+        for (int e = 0; e < 64 && ocol + e < rows; ++e) o[e] = src[e * kBlock];
       }
     }
     __syncthreads();  // the tile is rewritten by the next block
@@ -328,7 +378,7 @@ cudaError_t launch_weight_typed(const WeightProblem& p, cudaStream_t stream) {
   const int64_t sms = p.sm_count > 0 ? p.sm_count : 132;
   auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
   const bool vec = aligned(p.w) && (p.out == nullptr || aligned(p.out)) && p.cols % 8 == 0;
-  const bool vec_t = p.out_t != nullptr && aligned(p.out_t) && p.rows % 4 == 0;
+  const bool vec_t = p.out_t != nullptr && aligned(p.out_t) && p.rows % 16 == 0;
   const auto grid = static_cast<unsigned>(std::min<int64_t>(blocks, sms * 8));
   weight_kernel<In, I><<<grid, kThreads, 0, stream>>>(static_cast<const typename In::Storage*>(p.w), p.groups,
                                                       p.rows, p.cols, vec, static_cast<uint8_t*>(p.out),

@@ -64,7 +64,7 @@ def _reference_values(x: torch.Tensor, code: int, dy: Optional[torch.Tensor], in
         return (gate * torch.sigmoid(gate) * up).to(torch.bfloat16)
     d = dy.float()
     if code == GELU_BACKWARD:
-        cdf = 0.5 * (1.0 + torch.erf(gate * 0.7071067811865476))
+        cdf = 0.5 * torch.erfc(-gate * 0.7071067811865476)
         pdf = torch.exp(-0.5 * gate * gate) * 0.3989422804014327
         return (d * (cdf + gate * pdf)).to(torch.bfloat16)
     s = torch.sigmoid(gate)
@@ -123,30 +123,38 @@ def activation(x: torch.Tensor, kind: str = "identity", *, dy: Optional[torch.Te
     return ActivationOut(y if bf16 else None, y8, sy, yt8, syt)
 
 
-def quantize_weight(w: torch.Tensor, recipe: str = "block", *, transposed: bool = True,
+def quantize_weight(w: torch.Tensor, recipe: str = "block", *, copies: str = "both",
                     dtype: torch.dtype = torch.float8_e4m3fn):
     """An expert weight w (G, N, K) in FP8 for the forward and, stored (G, K, N), for the dgrad:
     ``(w_fp8, scale, wt_fp8, scale_t)``. ``"block"``: one scale per 128 x 128 block, shared by
-    both copies ((G, ceil(N/128), ceil(K/128))), one read of w; ``"row"``: one per output
-    channel, (G, N) and (G, K). ``transposed=False`` leaves the dgrad's copy out (None)."""
+    both copies ((G, ceil(N/128), ceil(K/128))), both from one read of w; ``"row"``: one per
+    output channel, (G, N) and (G, K). ``copies="forward"`` or ``"dgrad"`` makes only that
+    copy (the other two entries are None)."""
     op = "distgemm.moe.quantize_weight"
     if not isinstance(w, torch.Tensor) or w.dim() != 3:
         raise ValueError(f"{op}: w must be a 3-D (G, N, K) tensor, got {tuple(getattr(w, 'shape', ()))}")
     if recipe not in FP8_RECIPES:
         raise ValueError(f"{op}: recipe must be one of {FP8_RECIPES}, got {recipe!r}")
+    if copies not in ("both", "forward", "dgrad"):
+        raise ValueError(f"{op}: copies must be 'both', 'forward' or 'dgrad', got {copies!r}")
+    fwd, dgrad = copies in ("both", "forward"), copies in ("both", "dgrad")
     w = w.detach()
     g, n, k = w.shape
     if recipe == "block":
         if w.is_cuda and has_kernels(w.device):
-            w8, wt8, sw = ops.quantize_fp8_weight(w, dtype, True, transposed)
-            return w8, sw, (wt8 if transposed else None), (sw if transposed else None)
-        w8, sw = quantize_fp8(w, (BLOCK, BLOCK), dtype=dtype)
-        return w8, sw, (w8.transpose(1, 2).contiguous() if transposed else None), (sw if transposed else None)
-    w8, sw = quantize_fp8(w.reshape(g * n, k), "row", dtype=dtype)
-    if not transposed:
-        return w8.view(g, n, k), sw.view(g, n), None, None
-    wt8, swt = quantize_fp8(w.transpose(1, 2).reshape(g * k, n), "row", dtype=dtype)
-    return w8.view(g, n, k), sw.view(g, n), wt8.view(g, k, n), swt.view(g, k)
+            w8, wt8, sw = ops.quantize_fp8_weight(w, dtype, fwd, dgrad)
+        else:
+            w8, sw = quantize_fp8(w, (BLOCK, BLOCK), dtype=dtype)
+            wt8 = w8.transpose(1, 2).contiguous()
+        return (w8, sw, None, None) if not dgrad else ((None, None, wt8, sw) if not fwd else (w8, sw, wt8, sw))
+    out = [None] * 4
+    if fwd:
+        w8, sw = quantize_fp8(w.reshape(g * n, k), "row", dtype=dtype)
+        out[0], out[1] = w8.view(g, n, k), sw.view(g, n)
+    if dgrad:
+        wt8, swt = quantize_fp8(w.transpose(1, 2).reshape(g * k, n), "row", dtype=dtype)
+        out[2], out[3] = wt8.view(g, k, n), swt.view(g, k)
+    return tuple(out)
 
 
 # ---------------------------------------------------------------- the layer
@@ -222,6 +230,9 @@ class _GroupedMLP(torch.autograd.Function):
             saved = (x, h, a)
         else:
             e4m3 = torch.float8_e4m3fn
+            if w1_fp8 is None:  # made per call: the forward's copies now, the dgrad's in backward
+                w1_fp8, w1_scale, _, _ = quantize_weight(w1, recipe, copies="forward")
+                w2_fp8, w2_scale, _, _ = quantize_weight(w2, recipe, copies="forward")
             _, x8, sx, xt8, sxt = _forms(x, "identity", recipe, offs, rows=True, transposed=need_w1, dtype=e4m3)
             h = grouped_mm(x8, w1_fp8, offs, scale_x=sx, scale_w=w1_scale)
             if b1 is not None:
@@ -260,6 +271,10 @@ class _GroupedMLP(torch.autograd.Function):
         else:
             xt8, sxt, h, at8, sat, w1t8, sw1t, w2t8, sw2t = saved
             recipe, gd = ctx.recipe, ctx.grad_dtype
+            if w2t8 is None and need_da:
+                _, _, w2t8, sw2t = quantize_weight(w2, recipe, copies="dgrad")
+            if w1t8 is None and need_dx:
+                _, _, w1t8, sw1t = quantize_weight(w1, recipe, copies="dgrad")
             _, dy8, sdy, dyt8, sdyt = _forms(dy, "identity", recipe, offs, rows=need_da, transposed=need_w2, dtype=gd)
             if need_w2:
                 dw2 = _weight_grad(w2, ctx.fuse_wgrad, dyt8, at8, offs, scale_dy=sdyt, scale_x=sat)
@@ -325,7 +340,8 @@ def grouped_mlp(x: torch.Tensor, offs: torch.Tensor, fc1_weight: torch.Tensor, f
     GELU; fc2_weight (G, hidden, ffn). ``fp8="block"`` (1 x 128 activations and gradients,
     128 x 128 weights, DeepSeek-V3) or ``"row"`` runs the six GEMMs in FP8 (sm_90);
     ``fp8_weights`` (each of fc1's and fc2's :func:`quantize_weight` result) reuses copies the
-    caller made, otherwise they are made here from the weights. With
+    caller made; otherwise the forward's copies are made in the forward and the dgrad's in the
+    backward (so that they are never alive together). With
     ``fuse_wgrad_accumulation`` the weight gradients are added into ``weight.main_grad`` (FP32)."""
     op = "distgemm.moe.grouped_mlp"
     _check_layer(op, x, offs, fc1_weight, fc2_weight, fc1_bias, fc2_bias, activation, fp8, fp8_grad_dtype)
@@ -334,11 +350,11 @@ def grouped_mlp(x: torch.Tensor, offs: torch.Tensor, fc1_weight: torch.Tensor, f
             if w.requires_grad and getattr(w, "main_grad", None) is None:
                 raise RuntimeError(f"{op}: fuse_wgrad_accumulation=True needs {name}.main_grad: an FP32 tensor "
                                    "of the weight's shape")
+    if x.shape[0] == 0:  # no tokens: nothing to compute, and no weight gradient
+        return x.new_zeros((0, fc2_weight.shape[1])) + x.sum()
     copies = (None,) * 8
-    if fp8 is not None:
-        w1c, w2c = fp8_weights if fp8_weights is not None else (quantize_weight(fc1_weight, fp8),
-                                                                quantize_weight(fc2_weight, fp8))
-        copies = (*w1c, *w2c)
+    if fp8 is not None and fp8_weights is not None:
+        copies = (*fp8_weights[0], *fp8_weights[1])
     return _GroupedMLP.apply(x, offs, fc1_weight, fc2_weight, fc1_bias, fc2_bias, *copies, activation, fp8,
                              fp8_grad_dtype, fuse_wgrad_accumulation)
 

@@ -36,24 +36,26 @@ class _GroupedLinearMainGrad(torch.autograd.Function):
 
 
 class _FP8WeightCopies:
-    """A weight's FP8 copies (forward, and stored transposed for the dgrad). Made anew on every
-    call unless the caller says the weight has not changed since the last first micro-batch
-    (``is_first_microbatch=False``, TransformerEngine's contract); always made anew under
-    CUDA-graph capture, so that a replay quantizes the weight as it is then. A version counter
-    cannot tell: an update through ``weight.data`` leaves it as it was."""
+    """A weight's FP8 copies (forward, and stored transposed for the dgrad) kept across
+    micro-batches on the caller's word (TransformerEngine's ``is_first_microbatch``): True
+    makes them, False reuses them (the caller promises the weight has not changed), None keeps
+    none. Never kept under CUDA-graph capture, so that a replay quantizes the weight as it is
+    then. A version counter cannot tell: an update through ``weight.data`` leaves it as it was."""
 
     def __init__(self, recipe: str):
         self.recipe, self.key, self.copies = recipe, None, None
 
     def get(self, weight: torch.Tensor, is_first_microbatch: Optional[bool]):
-        key = (weight.data_ptr(), tuple(weight.shape), weight.dtype)
+        """Both copies, or None: the layer then makes each where it needs it (the forward's in
+        the forward, the dgrad's in the backward), so that they are never alive together."""
         capturing = weight.is_cuda and torch.cuda.is_current_stream_capturing()
-        if is_first_microbatch is False and not capturing and self.copies is not None and self.key == key:
-            return self.copies
-        copies = quantize_weight(weight, self.recipe)
-        # Kept only for the micro-batches that reuse them: otherwise they die with the step.
-        self.key, self.copies = (key, copies) if is_first_microbatch is not None and not capturing else (None, None)
-        return copies
+        if is_first_microbatch is None or capturing:
+            self.key = self.copies = None
+            return None
+        key = (weight.data_ptr(), tuple(weight.shape), weight.dtype)
+        if is_first_microbatch or self.copies is None or self.key != key:
+            self.key, self.copies = key, quantize_weight(weight, self.recipe)
+        return self.copies
 
 
 class _GroupedLinearFP8(torch.autograd.Function):
@@ -65,6 +67,8 @@ class _GroupedLinearFP8(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, offs, w8, sw, wt8, swt, recipe, fuse_wgrad, grad_dtype):
         need_w = ctx.needs_input_grad[1]
+        if w8 is None:
+            w8, sw, _, _ = quantize_weight(weight, recipe, copies="forward")
         _, x8, sx, xt8, sxt = _forms(x.contiguous(), "identity", recipe, offs, rows=True, transposed=need_w,
                                      dtype=torch.float8_e4m3fn)
         ctx.save_for_backward(weight, offs, xt8, sxt, wt8, swt)
@@ -79,6 +83,8 @@ class _GroupedLinearFP8(torch.autograd.Function):
                                      rows=need_dx, transposed=need_w, dtype=ctx.grad_dtype)
         dx = dw = None
         if need_dx:
+            if wt8 is None:
+                _, _, wt8, swt = quantize_weight(weight, ctx.recipe, copies="dgrad")
             # dx_g = dy_g @ w_g: the K-major operand is the transposed copy (G, K, N).
             dx = grouped_mm(g8, wt8.transpose(1, 2), offs, scale_x=sg, scale_w=swt, trans_w=False)
         if need_w:
@@ -142,7 +148,7 @@ class GroupedLinear(nn.Module):
             raise RuntimeError("GroupedLinear(fuse_wgrad_accumulation=True) needs weight.main_grad: "
                                "an FP32 tensor of the weight's shape")
         if self.fp8:
-            w8, sw, wt8, swt = self._fp8_weight.get(self.weight, is_first_microbatch)
+            w8, sw, wt8, swt = self._fp8_weight.get(self.weight, is_first_microbatch) or (None,) * 4
             y = _GroupedLinearFP8.apply(x, self.weight, offs, w8, sw, wt8, swt, self.fp8, fuse, self.fp8_grad_dtype)
         elif fuse:
             y = _GroupedLinearMainGrad.apply(x, self.weight, offs)
@@ -213,6 +219,7 @@ class GroupedMLP(nn.Module):
         if self.fp8:
             copies = (self._fp8_copies[0].get(self.fc1_weight, is_first_microbatch),
                       self._fp8_copies[1].get(self.fc2_weight, is_first_microbatch))
+            copies = None if copies[0] is None else copies
         return grouped_mlp(x, offs, self.fc1_weight, self.fc2_weight, activation=self.activation,
                            fc1_bias=self.fc1_bias, fc2_bias=self.fc2_bias, fp8=self.fp8,
                            fp8_grad_dtype=self.fp8_grad_dtype,

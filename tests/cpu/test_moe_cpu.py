@@ -1,0 +1,112 @@
+"""distgemm.moe on the CPU reference path: the activations' derivatives against autograd, the
+expert MLP (bf16 and both FP8 recipes) against an FP32 per-expert reference, and the argument
+checks. Bounds as in tests/gpu/test_moe_gpu.py (which says how they follow from the formats)."""
+
+import pytest
+import torch
+
+from distgemm import moe
+from distgemm.nn import GroupedMLP
+from tests.moe_reference import expert_mlp_reference, rel
+
+OUT_BAND = {None: 0.02, "block": 0.10, "row": 0.10}
+GRAD_BAND = {None: 0.03, "block": 0.15, "row": 0.15}
+
+
+def _offs(counts):
+    return torch.tensor(counts).cumsum(0).to(torch.int32)
+
+
+@pytest.mark.parametrize("kind", ["swiglu", "gelu"])
+def test_activation_derivatives_match_autograd(kind):
+    torch.manual_seed(0)
+    inner = 48
+    x = (torch.randn(37, 2 * inner if kind == "swiglu" else inner) * 3).bfloat16()
+    dy = torch.randn(37, inner).bfloat16()
+    xf = x.double().requires_grad_()
+    y = (torch.nn.functional.silu(xf[:, :inner]) * xf[:, inner:] if kind == "swiglu"
+         else torch.nn.functional.gelu(xf))
+    y.backward(dy.double())
+    forward = moe.activation(x, kind).y
+    backward = moe.activation(x, kind, dy=dy).y
+    assert rel(forward, y.detach()) < 2 ** -8 and rel(backward, xf.grad) < 2 ** -8
+
+
+def test_activation_fp8_forms_are_quantize_fp8_of_the_bf16_values():
+    import distgemm
+
+    counts = [70, 0, 130]
+    offs = _offs(counts)
+    x = torch.randn(200, 2 * 256).bfloat16()
+    out = moe.activation(x, "swiglu", offs=offs, bf16=True, fp8_rows=True, fp8_transposed=True)
+    r8, rs = distgemm.quantize_fp8(out.y, (1, 128))
+    t8, ts = distgemm.quantize_fp8(out.y, (1, 128), transpose=True, offs=offs)
+    assert torch.equal(out.y_fp8.view(torch.uint8), r8.view(torch.uint8)) and torch.equal(out.y_scale, rs)
+    assert torch.equal(out.yt_fp8.view(torch.uint8), t8.view(torch.uint8)) and torch.equal(out.yt_scale, ts)
+
+
+@pytest.mark.parametrize("fp8", [None, "block", "row"])
+@pytest.mark.parametrize("kind", ["swiglu", "gelu"])
+def test_grouped_mlp_matches_fp32_reference(fp8, kind):
+    torch.manual_seed(1)
+    counts = [70, 0, 131]
+    offs = _offs(counts)
+    layer = GroupedMLP(3, 128, 144, activation=kind, fp8=fp8, bias=True)
+    x = torch.randn(sum(counts), 128).bfloat16().requires_grad_()
+    dy = torch.randn(sum(counts), 128).bfloat16()
+    y = layer(x, offs)
+    y.backward(dy)
+    params = [p.detach().clone().requires_grad_() for p in (layer.fc1_weight, layer.fc2_weight,
+                                                           layer.fc1_bias, layer.fc2_bias)]
+    xr = x.detach().clone().requires_grad_()
+    yr = expert_mlp_reference(xr, counts, *params[:2], kind, *params[2:])
+    yr.backward(dy.float())
+    assert rel(y, yr) < OUT_BAND[fp8]
+    assert rel(x.grad, xr.grad) < GRAD_BAND[fp8]
+    for p, r in zip((layer.fc1_weight, layer.fc2_weight, layer.fc1_bias, layer.fc2_bias), params):
+        assert rel(p.grad, r.grad) < GRAD_BAND[fp8]
+    assert torch.all(layer.fc1_weight.grad[1] == 0) and torch.all(layer.fc2_bias.grad[1] == 0)
+
+
+def test_grouped_mlp_fused_wgrad_accumulates_into_main_grad():
+    torch.manual_seed(2)
+    counts = [40, 60]
+    layer = GroupedMLP(2, 64, 64, fuse_wgrad_accumulation=True)
+    with pytest.raises(RuntimeError, match="main_grad"):
+        layer(torch.randn(100, 64).bfloat16(), _offs(counts))
+    for w in (layer.fc1_weight, layer.fc2_weight):
+        w.main_grad = torch.ones(w.shape)
+    x = torch.randn(100, 64).bfloat16()
+    layer(x, _offs(counts)).float().sum().backward()
+    w1, w2 = (w.detach().clone().requires_grad_() for w in (layer.fc1_weight, layer.fc2_weight))
+    expert_mlp_reference(x, counts, w1, w2, "swiglu").sum().backward()
+    assert rel(layer.fc1_weight.main_grad - 1, w1.grad) < 0.03 and rel(layer.fc2_weight.main_grad - 1, w2.grad) < 0.03
+
+
+def test_grouped_mlp_refuses_bad_arguments():
+    with pytest.raises(ValueError, match="activation"):
+        GroupedMLP(2, 64, 64, activation="relu")
+    with pytest.raises(ValueError, match="fp8"):
+        GroupedMLP(2, 64, 64, fp8="tensor")
+    with pytest.raises(ValueError, match="ffn"):
+        GroupedMLP(2, 64, 0)
+    layer = GroupedMLP(2, 64, 32)
+    x = torch.randn(10, 64).bfloat16()
+    with pytest.raises(ValueError, match="offs"):
+        layer(x, torch.tensor([5, 10]))
+    with pytest.raises(ValueError, match="hidden"):
+        layer(torch.randn(10, 48).bfloat16(), _offs([5, 5]))
+    with pytest.raises(ValueError, match="fc1_weight"):
+        moe.grouped_mlp(x, _offs([5, 5]), layer.fc2_weight.transpose(1, 2), layer.fc2_weight)
+    with pytest.raises(ValueError, match="activation must be"):
+        moe.activation(x, "tanh")
+    with pytest.raises(ValueError, match="copies"):
+        moe.quantize_weight(layer.fc1_weight, copies="all")
+
+
+def test_grouped_mlp_with_no_tokens():
+    layer = GroupedMLP(3, 64, 64, fp8="block")
+    x = torch.randn(0, 64).bfloat16().requires_grad_()
+    y = layer(x, _offs([0, 0, 0]))
+    y.float().sum().backward()
+    assert y.shape == (0, 64) and x.grad.shape == (0, 64)
