@@ -26,5 +26,5 @@ def expert_mlp_reference(x, counts, w1, w2, activation, b1=None, b2=None):
 
 def rel(a, b):
     """Norm-wise relative error of a against b."""
-    a, b = a.double(), b.double()
+    a, b = a.detach().double(), b.detach().double()
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
