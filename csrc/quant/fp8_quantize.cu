@@ -2,8 +2,8 @@
 // per 1 x 128 (also transposed, optionally padded per group) and per 128 x 128 block.
 //
 // Every block's scale is amax / fp8_max in float32 (IEEE division), or 1 where that is 0, and
-// its data is saturate_rn(x / scale): the IEEE quotient (Divisor, quant/fp8_device.cuh), not
-// x times a rounded 1 / scale, so that the plain-PyTorch reference (distgemm/quantize.py) gives
+// its data is saturate_rn(x / scale): a true division (Divisor, quant/fp8_device.cuh), not a
+// multiplication by 1 / scale, so that the plain-PyTorch reference (distgemm/quantize.py) gives
 // the same bits. The amax is a
 // max over the float bits of |x| as unsigned integers: the numeric order for non-negative
 // floats, with a NaN above +inf, so one NaN makes its block's scale and data NaN.

@@ -51,11 +51,13 @@ FP8_PAIRS = [(torch.float8_e4m3fn, torch.float8_e4m3fn), (torch.float8_e4m3fn, t
 @pytest.mark.parametrize("m,n,k", [(1, 256, 128), (200, 1040, 512), (2048, 4096, 1024)])
 def test_fp8(pair, out_dtype, scales, m, n, k):
     a, b = randn(m, k, dtype=pair[0], device=DEV), randn(n, k, dtype=pair[1], device=DEV)
-    sa = sb = None
-    if scales != "none":
-        sa = torch.rand(m if scales == "rowwise" else 1, device=DEV) + 0.5
-        sb = torch.rand(n if scales in ("rowwise", "mixed") else 1, device=DEV) + 0.5
     c = randn(n, dtype=out_dtype, device=DEV)
+    if scales == "none":  # FP8 GEMMs take their scales explicitly
+        with pytest.raises(ValueError, match="scale_a"):
+            distgemm.gemm(a, b, c, alpha=0.5, beta=1.0, out_dtype=out_dtype)
+        return
+    sa = torch.rand(m if scales == "rowwise" else 1, device=DEV) + 0.5
+    sb = torch.rand(n if scales in ("rowwise", "mixed") else 1, device=DEV) + 0.5
     out = distgemm.gemm(a, b, c, alpha=0.5, beta=1.0, out_dtype=out_dtype, scale_a=sa, scale_b=sb)
     assert_close(out, reference(a, b, c, 0.5, 1.0, sa, sb), pair[0])
 
