@@ -3,7 +3,8 @@
  *
  * Raw device pointers, shapes, strides, dtypes and a cudaStream_t; no framework types.
  * Every call validates its arguments and returns a dg_status; on failure
- * dg_last_error() returns a message (thread-local) naming the argument at fault.
+ * dg_last_error() returns a message (thread-local) naming the argument at fault; the pointer
+ * stays valid for the thread's lifetime (the next failure on the thread rewrites the text).
  * Nothing here allocates device memory or synchronizes with the host: callers pass
  * workspaces, so every call can be captured in a CUDA graph.
  */
@@ -128,6 +129,8 @@ typedef struct dg_grouped_desc {
    *                   + G), group g's tokens from column 128 * (g + start_g / 128), zeros
    *                   elsewhere; scale_a (Tp / 128, N) and scale_b (Tp / 128, K) contiguous,
    *                   one per 128 columns. out (G, N, K) float32; T is taken as Tp - 128 G.
+   *                   Operands that cannot hold the tokens (offs[G-1] > Tp - 128 G: quantized
+   *                   without offs) fill out with NaN, checked on the device.
    * FP8 reads a and b K-major only: a dgrad (dx = dy @ w[g]) is a FORWARD on w transposed
    * to (G, K, N) contiguous, with scale_b the transposed block scales. Outputs: FORWARD
    * bfloat16, WGRAD float32. */
@@ -150,7 +153,8 @@ DG_API const char* dg_grouped_gemm_config_name(const dg_grouped_desc* desc, int 
  * back to `stream`). It needs the offsets on the host: host_offs (G values). With accumulate
  * into a bf16/fp16 out it is cuBLAS's beta = 1, which can round the product to out's dtype
  * before the addition (1-ulp differences from dg_grouped_gemm, which rounds once); the Python
- * backend computes the product into FP32 first. */
+ * backend computes the product into FP32 first. FP8 descriptors (any scale mode) are refused
+ * with DG_ERROR_NOT_SUPPORTED. */
 DG_API dg_status dg_grouped_gemm_cublas(const dg_grouped_desc* desc, const int32_t* host_offs,
                                         cudaStream_t stream);
 
@@ -209,7 +213,7 @@ typedef struct dg_tp_settings {
 } dg_tp_settings;
 
 typedef struct dg_tp_desc {
-  dg_gemm_desc gemm;
+  dg_gemm_desc gemm;            /* gemm.d row-major: col_stride 1, row_stride >= its columns */
   int rank;
   int world;
   void* const* peer_workspaces; /* [world]: rank r's workspace as mapped in this process */
