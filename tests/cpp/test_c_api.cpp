@@ -767,6 +767,151 @@ TEST(QuantizeRun, NothingRunsWithoutKernelsOrADevice) {
   }
 }
 
+// ---------------------------------------------------------------- MoE activation, weight copies
+
+dg_moe_act_desc moe_desc(dg_moe_act act, int64_t tokens, int64_t inner, bool rows = true, bool transposed = true,
+                         int64_t groups = 3) {
+  dg_moe_act_desc d{};
+  d.act = act;
+  d.x = fake_ptr(20);
+  if (act == DG_MOE_SWIGLU_BACKWARD || act == DG_MOE_GELU_BACKWARD) d.dy = fake_ptr(21);
+  d.tokens = tokens;
+  d.inner = inner;
+  d.y = fake_ptr(22);
+  if (rows) {
+    d.y_fp8 = fake_ptr(23);
+    d.y_scale = static_cast<float*>(fake_ptr(24));
+  }
+  if (transposed) {
+    d.yt_fp8 = fake_ptr(25);
+    d.yt_scale = static_cast<float*>(fake_ptr(26));
+    d.offs = static_cast<const int32_t*>(fake_ptr(27));
+    d.num_groups = groups;
+    d.workspace = fake_ptr(28);
+    d.workspace_bytes = 4 * static_cast<size_t>(groups);
+  }
+  d.fp8_dtype = DG_E4M3;
+  return d;
+}
+
+TEST(MoeActivationCheck, ValidDescsPassTheChecks) {
+  for (dg_moe_act act : {DG_MOE_IDENTITY, DG_MOE_SWIGLU, DG_MOE_GELU, DG_MOE_SWIGLU_BACKWARD, DG_MOE_GELU_BACKWARD}) {
+    for (int64_t tokens : {int64_t(0), int64_t(1), int64_t(1000)}) {
+      dg_moe_act_desc d = moe_desc(act, tokens, 256);
+      EXPECT_TRUE(accepted(dg_moe_activation(&d, nullptr))) << act << " " << tokens;
+      size_t bytes = 0;
+      ASSERT_EQ(dg_moe_activation_workspace_size(&d, &bytes), DG_SUCCESS) << dg_last_error();
+      EXPECT_EQ(bytes, 12u);
+      d = moe_desc(act, tokens, 200, /*rows=*/false, /*transposed=*/false);  // bf16 only, no groups
+      EXPECT_TRUE(accepted(dg_moe_activation(&d, nullptr))) << act;
+      ASSERT_EQ(dg_moe_activation_workspace_size(&d, &bytes), DG_SUCCESS) << dg_last_error();
+      EXPECT_EQ(bytes, 0u);
+    }
+  }
+  dg_moe_act_desc d = moe_desc(DG_MOE_SWIGLU_BACKWARD, 64, 200, /*rows=*/false);  // transposes: any width
+  EXPECT_TRUE(accepted(dg_moe_activation(&d, nullptr)));
+  d = moe_desc(DG_MOE_GELU, 64, 256);
+  d.fp8_dtype = DG_E5M2;
+  EXPECT_TRUE(accepted(dg_moe_activation(&d, nullptr)));
+}
+
+TEST(MoeActivationCheck, RefusesBadArguments) {
+  EXPECT_TRUE(refused(dg_moe_activation(nullptr, nullptr), "desc must not be NULL"));
+  size_t bytes = 0;
+  dg_moe_act_desc d = moe_desc(DG_MOE_SWIGLU, 64, 256);
+  EXPECT_TRUE(refused(dg_moe_activation_workspace_size(&d, nullptr), "bytes must not be NULL"));
+  const int bad_act = 7;
+  std::memcpy(&d.act, &bad_act, sizeof bad_act);
+  EXPECT_TRUE(refused(dg_moe_activation(&d, nullptr), "act must be DG_MOE_IDENTITY"));
+  EXPECT_TRUE(refused(dg_moe_activation_workspace_size(&d, &bytes), "act must be"));
+  d = moe_desc(DG_MOE_SWIGLU, -1, 256);
+  EXPECT_TRUE(refused(dg_moe_activation(&d, nullptr), "tokens and inner must be non-negative"));
+  d = moe_desc(DG_MOE_SWIGLU, 64, 256, false, false);
+  d.y = nullptr;
+  EXPECT_TRUE(refused(dg_moe_activation(&d, nullptr), "no output"));
+  d = moe_desc(DG_MOE_GELU, 64, 256);
+  d.fp8_dtype = DG_BF16;
+  EXPECT_TRUE(refused(dg_moe_activation(&d, nullptr), "fp8_dtype must be DG_E4M3 or DG_E5M2"));
+  d = moe_desc(DG_MOE_GELU, 64, 256);
+  d.dy = fake_ptr(21);
+  EXPECT_TRUE(refused(dg_moe_activation(&d, nullptr), "dy applies to the backward activations only"));
+  d = moe_desc(DG_MOE_GELU_BACKWARD, 64, 256);
+  d.dy = nullptr;
+  EXPECT_TRUE(refused(dg_moe_activation(&d, nullptr), "dy must not be NULL"));
+  d = moe_desc(DG_MOE_SWIGLU_BACKWARD, 64, 200);
+  EXPECT_TRUE(refused(dg_moe_activation(&d, nullptr), "multiple of 128"));
+  d = moe_desc(DG_MOE_SWIGLU, 64, 256, true, true, 0);
+  EXPECT_TRUE(refused(dg_moe_activation(&d, nullptr), "needs num_groups in [1, 2^31)"));
+  d = moe_desc(DG_MOE_SWIGLU, 64, 256, true, false);
+  d.num_groups = 2;
+  EXPECT_TRUE(refused(dg_moe_activation(&d, nullptr), "num_groups applies to yt_fp8 only"));
+  d = moe_desc(DG_MOE_SWIGLU, kBig, 256);
+  EXPECT_TRUE(refused(dg_moe_activation(&d, nullptr), "fewer than 2^31 tokens"));
+  d = moe_desc(DG_MOE_SWIGLU, 64, 256);
+  d.workspace_bytes = 11;
+  EXPECT_TRUE(refused(dg_moe_activation(&d, nullptr), "smaller than the 12 needed"));
+  d = moe_desc(DG_MOE_SWIGLU, 64, 256);
+  d.x = static_cast<const char*>(d.x) + 1;
+  EXPECT_TRUE(refused(dg_moe_activation(&d, nullptr), "x must be a 2-byte aligned"));
+  d = moe_desc(DG_MOE_SWIGLU, 64, 256);
+  d.y_scale = nullptr;
+  EXPECT_TRUE(refused(dg_moe_activation(&d, nullptr), "y_scale must not be NULL"));
+  d = moe_desc(DG_MOE_SWIGLU, 64, 256);
+  d.offs = nullptr;
+  EXPECT_TRUE(refused(dg_moe_activation(&d, nullptr), "offs must not be NULL"));
+}
+
+TEST(QuantizeWeightCheck, ChecksItsArguments) {
+  dg_quantize_weight_desc good{};
+  good.w = fake_ptr(30);
+  good.w_dtype = DG_BF16;
+  good.groups = 4;
+  good.rows = 300;
+  good.cols = 260;
+  good.out = fake_ptr(31);
+  good.out_t = fake_ptr(32);
+  good.scale = static_cast<float*>(fake_ptr(33));
+  good.out_dtype = DG_E4M3;
+  EXPECT_TRUE(accepted(dg_quantize_fp8_weight(&good, nullptr)));
+  dg_quantize_weight_desc d = good;
+  d.out = nullptr;  // the dgrad's copy alone
+  EXPECT_TRUE(accepted(dg_quantize_fp8_weight(&d, nullptr)));
+  d.out_t = nullptr;
+  EXPECT_TRUE(refused(dg_quantize_fp8_weight(&d, nullptr), "no output"));
+  EXPECT_TRUE(refused(dg_quantize_fp8_weight(nullptr, nullptr), "desc must not be NULL"));
+  d = good;
+  d.w_dtype = DG_E4M3;
+  EXPECT_TRUE(refused(dg_quantize_fp8_weight(&d, nullptr), "w must be bfloat16, float16 or float32"));
+  d = good;
+  d.out_dtype = DG_F16;
+  EXPECT_TRUE(refused(dg_quantize_fp8_weight(&d, nullptr), "out dtype must be DG_E4M3 or DG_E5M2"));
+  d = good;
+  d.rows = -1;
+  EXPECT_TRUE(refused(dg_quantize_fp8_weight(&d, nullptr), "non-negative"));
+  d = good;
+  d.groups = kBig;
+  d.rows = kBig;
+  d.cols = kBig;
+  EXPECT_TRUE(refused(dg_quantize_fp8_weight(&d, nullptr), "overflows int64"));
+  d = good;
+  d.scale = nullptr;
+  EXPECT_TRUE(refused(dg_quantize_fp8_weight(&d, nullptr), "scale must not be NULL"));
+  d = good;
+  d.w_dtype = DG_F32;
+  d.w = static_cast<const char*>(good.w) + 2;
+  EXPECT_TRUE(refused(dg_quantize_fp8_weight(&d, nullptr), "w must be a 4-byte aligned"));
+}
+
+TEST(MoeRun, NothingRunsWithoutKernelsOrADevice) {
+  const dg_moe_act_desc d = moe_desc(DG_MOE_SWIGLU, 64, 256);
+  EXPECT_EQ(dg_moe_activation(&d, nullptr), DG_ERROR_NOT_SUPPORTED);  // no arch compiled here
+  int devices = 0;
+  const bool none = cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0;
+  cudaGetLastError();
+  EXPECT_NE(std::string(dg_last_error()).find(none ? "no usable CUDA device" : "not built for sm_"), std::string::npos)
+      << dg_last_error();
+}
+
 // ---------------------------------------------------------------- tensor-parallel sizes
 
 dg_tp_desc tp_desc(int world, int64_t m, int64_t n, int64_t k) {
@@ -1034,4 +1179,8 @@ TEST(Abi, StructLayoutsBelongToTheSoversion) {
   EXPECT_EQ(offsetof(dg_tp_desc, agree_only), 312u);
   EXPECT_EQ(sizeof(dg_quantize_desc), 104u);
   EXPECT_EQ(offsetof(dg_quantize_desc, workspace_bytes), 96u);
+  EXPECT_EQ(sizeof(dg_moe_act_desc), 120u);
+  EXPECT_EQ(offsetof(dg_moe_act_desc, workspace_bytes), 112u);
+  EXPECT_EQ(sizeof(dg_quantize_weight_desc), 72u);
+  EXPECT_EQ(offsetof(dg_quantize_weight_desc, out_dtype), 64u);
 }
