@@ -18,9 +18,9 @@ else
   cp /tmp/wh/distgemm-*.whl "$OUT/" ; ls -la /tmp/wh; stamp "built"
 fi
 # A step's timeout kills its direct child only: a compute-sanitizer or pytest child left running
-# time-slices the GPU with every later step (the bench stalls of session 10). Log and end them.
+# time-slices the GPU with every later step (the bench stalls it caused). Log and end them.
 # nvidia-smi lists no processes inside the device machine's container (its gpu_apps.log stayed
-# empty in session 14): log the process table too, and end orphaned test processes (parent 1, a
+# empty): log the process table too, and end orphaned test processes (parent 1, a
 # pytest or multiprocessing command line: a previous step's children outliving it).
 reap() {
   nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv,noheader >> "$OUT/gpu_apps.log" 2>&1

@@ -33,7 +33,7 @@ TileCost tile_cost(const TileConfig& c) {
     case gemm::kContiguous:
       // The contiguous-token grouped kernel: the cooperative mainloop, but its masked epilogue
       // stores synchronously (the ptr-array kernels' TMA stores drain under the next tile):
-      // 0.87-0.94 of the ptr-array 128x256 tile's speed on large problems (session 12 profile).
+      // 0.87-0.94 of the ptr-array 128x256 tile's speed on large problems (h200_grouped_profile.json).
       // 64-row tiles (one consumer warpgroup, the math stopped for every epilogue): 0.5, read
       // off the same profile (64x128 beat 128x128 only on one-wave dgrads of long K: 4 x 256
       // tokens, K 2048, 0.65 vs 0.55x bmm; 0.61 vs 0.78x on that problem's forward).
@@ -66,8 +66,8 @@ double waves_cost(const TileConfig& c, double tiles, double k, int64_t sms, doub
 
 // What a ptr-array grouped kernel pays before its first tile's math and the contiguous one
 // does not: the argument-builder kernel and each CTA's per-group descriptor set-up, in the
-// cost's units (tile area x K). Fitted to the H200 profile (bench/results/h200_grouped_profile.json,
-// session 12) in the model's own terms: 4 groups x 256 tokens, N 2048, K 768 ran 12.3 us in the
+// cost's units (tile area x K). Fitted to the H200 profile (bench/results/h200_grouped_profile.json)
+// in the model's own terms: 4 groups x 256 tokens, N 2048, K 768 ran 12.3 us in the
 // contiguous 128x128 kernel and 16.6 us in the ptr-array ping-pong 128x128 one (1.35x; the
 // model's expected padding makes it two waves); 32 x 128 tokens (six modelled waves) ran equal.
 constexpr double kPtrArraySetup = 128.0 * 128.0 * 1300.0;

@@ -41,9 +41,9 @@ double estimate_grouped_cost(const TileConfig& c, int64_t tokens, int64_t groups
 // The candidate of lowest `cost(TileConfig)`; nullptr if none. On near-ties (0.1%) the one of
 // the larger cluster, whose multicast halves one operand's reads from L2 (the cost has no term
 // for it: ping-pong 128x128 FP32 wgrads ran up to 19% faster in 2x1 clusters than in 1x1, on 3
-// of 4 problems; bench/NOTES.md, session 11), else the first. The preference stops at clusters
+// of 4 problems; bench/NOTES.md, grouped tile choice), else the first. The preference stops at clusters
 // of kTieBreakMaxCluster CTAs: clusters of four ran 4-17% slower than pairs on every bf16 and
-// FP8 row measured (session 18), and the rule picked them as soon as they were compiled.
+// FP8 row measured (h200_grouped_fp8_cluster4_configs.json), and the rule picked them as soon as they were compiled.
 inline constexpr int kTieBreakMaxCluster = 2;
 
 template <class Instance, class Cost>

@@ -189,7 +189,7 @@ def lookup(key: str) -> Optional[str]:
 
 # How much faster than the `prefer`red candidate another must measure to be chosen: the spread
 # of these short measurements (clocks move with power draw, FP8 most) is a few percent, and a
-# near-tie picked by noise measured up to 8% slower afterwards (bench/NOTES.md, session 8).
+# near-tie picked by noise measured up to 8% slower afterwards (bench/NOTES.md, autotuning).
 PREFER_MARGIN = 0.03
 
 _REPS = 5  # calls timed per candidate and round
@@ -198,7 +198,7 @@ _ROUNDS = 3  # rounds, the candidates taking turns; each keeps its median
 # A win over the preferred candidate by less than this is timed again, the two alone, and kept
 # only if it holds there too: among 6 to 8 candidates the best of several noisy medians
 # beats the vendor by chance (the sweep's worst dense row was a 3-5% "win" the bench then
-# measured 8% behind; bench/NOTES.md, session 10).
+# measured 8% behind; bench/NOTES.md, autotuning).
 CONFIRM_BELOW = 0.10
 
 

@@ -9,7 +9,7 @@ wins depends on it: groups of exactly 128 rows want clusters along N, a few long
 smaller tiles, Zipf routing wants short tile rows. The FP8 wgrad's 256 x 128 tile spills
 registers (per-row times per-column scales in its promotion) and its 128 x 128 tile does not:
 the smaller tile ran 10-18% faster with 512-1024 tokens per expert, 5% slower with 8192
-(bench/NOTES.md, session 16). Timing settles it once per problem.
+(bench/NOTES.md, grouped tile choice). Timing settles it once per problem.
 
 - Keys: arch, pass, G, T, N, K, dtypes, the FP8 scale mode, accumulate, and whether
   torch._grouped_mm may answer.

@@ -1,6 +1,6 @@
 """Whether how and where the L2 is flushed changes the timing of a short memory-bound GEMM.
 
-Session 14 found why the autotuner and the benchmark ranked 25 x 9216 x 7168 differently
+This probe found why the autotuner and the benchmark ranked 25 x 9216 x 7168 differently
 (scripts/dev/tuner_probe.py): the benchmark Timer's flush buffer, made with device=None, lived
 on the host, so its "flush" left the GPU's L2 warm with the previous run's operands (cuBLAS
 ~41 us, ours ~43.5), where the autotuner's flushed it (~49 and ~47). Both now flush the GPU

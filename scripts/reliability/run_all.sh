@@ -76,7 +76,7 @@ stage soak 75 torchrun --standalone --nproc-per-node 2 scripts/reliability/soak.
   --calls 10000 --max-seconds 45
 
 # 5. compute-sanitizer: what is left, less the report's share (parts: 45% single, 2 x 25% TP)
-san=$(cap 240)  # initcheck needed more than 70 s (single) and 40 s (TP) in session 5
+san=$(cap 240)  # initcheck needed more than 70 s (single) and 40 s (TP) on the H200
 SANITIZER_SINGLE_S=$(( san * 45 / 100 )) SANITIZER_TP_S=$(( san * 25 / 100 )) \
   stage sanitizer "$san" bash scripts/reliability/sanitizer.sh "$out/sanitizer"
 

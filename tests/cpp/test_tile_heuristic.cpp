@@ -164,7 +164,7 @@ TEST(SelectCheapest, BreaksNearTiesTowardTheLargerCluster) {
 }
 
 TEST(SelectCheapest, NearTiesPreferPairsNotClustersOfFour) {
-  // Clusters of four measured slower than pairs (bench/NOTES.md, session 18): a near-tie keeps
+  // Clusters of four measured slower than pairs (bench/results/h200_grouped_fp8_cluster4_configs.json): a near-tie keeps
   // the pair, whichever comes first; a clearly cheaper cluster of four still wins.
   const Candidate c2x1{gemm::kCooperative, 128, 128, 2, 1};
   const Candidate c1x4{gemm::kCooperative, 128, 128, 1, 4};

@@ -1,5 +1,5 @@
-"""Which kernel a dense call runs (host-side choices, no GPU needed): the fuzz findings of
-session 5 stay fixed."""
+"""Which kernel a dense call runs (host-side choices, no GPU needed): the fuzz findings
+stay fixed."""
 
 import torch
 

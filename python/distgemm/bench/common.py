@@ -48,7 +48,7 @@ class Timer:
     def __init__(self, device=None):
         from distgemm.autotune import flush_buffer  # here: the module's other helpers load without the library
 
-        # On the GPU (device None: the current one). Until session 14 `device=None` put this
+        # On the GPU (device None: the current one). An earlier Timer with `device=None` put this
         # buffer, and the warm-up below, on the host: the benchmarks' "flush" left the L2 as the
         # previous run left it, and the warm-up ran 400 matmuls on the CPU (minutes).
         self._flush = flush_buffer(device)
