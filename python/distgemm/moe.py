@@ -387,3 +387,88 @@ def _quantize_fp8_weight_fake(w, dtype, want_out, want_t):
     scale = torch.empty((g, (r + BLOCK - 1) // BLOCK, (c + BLOCK - 1) // BLOCK), dtype=torch.float32, device=w.device)
     return (w.new_empty((g, r, c) if want_out else (0,), dtype=dtype),
             w.new_empty((g, c, r) if want_t else (0,), dtype=dtype), scale)
+
+
+# ---------------------------------------------------------------- routing: permute, unpermute
+
+
+class Permuted(NamedTuple):
+    """What :func:`permute` returns."""
+    rows: torch.Tensor     # (T * k, hidden): the routed copies of the tokens, grouped by expert
+    offs: torch.Tensor     # (num_experts,) int32 cumulative expert ends, on the device
+    row_map: torch.Tensor  # (T * k,) int64: row p of ``rows`` is slot row_map[p] of topk_ids.reshape(-1)
+
+
+def _check_routing(op, topk_ids, tokens, num_experts):
+    if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2 or topk_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{op}: topk_ids must be a 2-D (T, k) int32 or int64 tensor, got "
+                         f"{getattr(topk_ids, 'dtype', type(topk_ids).__name__)} of shape "
+                         f"{tuple(getattr(topk_ids, 'shape', ()))}")
+    if topk_ids.shape[0] != tokens:
+        raise ValueError(f"{op}: topk_ids must have one row per token ({tokens}), got {topk_ids.shape[0]}")
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"{op}: num_experts must be an int >= 1, got {num_experts!r}")
+    if not topk_ids.is_cuda and topk_ids.numel() and (int(topk_ids.min()) < -1 or int(topk_ids.max()) >= num_experts):
+        raise ValueError(f"{op}: topk_ids must be expert indices in [0, {num_experts}) or -1 (dropped), got "
+                         f"values in [{int(topk_ids.min())}, {int(topk_ids.max())}]")
+
+
+def permute(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int) -> Permuted:
+    """Each token's copies for its k experts (``topk_ids`` (T, k); -1: dropped by the router),
+    gathered into expert order: ``rows`` (T * k, hidden) with expert g's rows at
+    ``[offs[g-1], offs[g])`` (in token order within an expert) and the dropped copies after
+    ``offs[-1]``, which the grouped GEMMs leave alone. No host synchronisation (CUDA-graph safe
+    with new routing on every replay); differentiable in x (the gather's backward adds each
+    copy's gradient into its token). A token routed twice to one expert gets two rows. On CUDA,
+    ids outside [-1, num_experts) are not checked (they would need a host sync): they count as
+    dropped."""
+    op = "distgemm.moe.permute"
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise ValueError(f"{op}: x must be a 2-D (T, hidden) tensor, got {tuple(getattr(x, 'shape', ()))}")
+    _check_routing(op, topk_ids, x.shape[0], num_experts)
+    if topk_ids.device != x.device:
+        raise ValueError(f"{op}: topk_ids is on {topk_ids.device} but x is on {x.device}")
+    k = topk_ids.shape[1]
+    ids = topk_ids.reshape(-1).long()
+    valid = (ids >= 0) & (ids < num_experts)
+    key = torch.where(valid, ids, torch.full_like(ids, num_experts))
+    row_map = torch.sort(key, stable=True).indices
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=x.device).scatter_add_(0, key, torch.ones_like(key))
+    offs = counts[:num_experts].cumsum(0).to(torch.int32)
+    rows = x.index_select(0, torch.div(row_map, k, rounding_mode="floor"))
+    # Dropped copies: zero rows, and no gradient back to their tokens, whatever the GEMMs leave
+    # in the rows past offs[-1] (where, not a product: NaN there stays out).
+    kept = valid.index_select(0, row_map).unsqueeze(1)
+    rows = torch.where(kept, rows, rows.new_zeros(()))
+    return Permuted(rows, offs, row_map)
+
+
+def unpermute(y: torch.Tensor, row_map: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: Optional[torch.Tensor] = None, num_experts: Optional[int] = None) -> torch.Tensor:
+    """The inverse of :func:`permute` with the router's combine: out[t] = sum_j topk_weights[t, j]
+    * y[row of (t, j)], in FP32, returned in y's dtype. Copies dropped by the router (topk_ids
+    -1, when ``topk_ids`` and ``num_experts`` are given) contribute nothing, whatever their rows
+    hold. Differentiable in y and topk_weights."""
+    op = "distgemm.moe.unpermute"
+    if not isinstance(topk_weights, torch.Tensor) or topk_weights.dim() != 2:
+        raise ValueError(f"{op}: topk_weights must be a 2-D (T, k) tensor, got "
+                         f"{tuple(getattr(topk_weights, 'shape', ()))}")
+    tokens, k = topk_weights.shape
+    if not isinstance(y, torch.Tensor) or y.dim() != 2 or y.shape[0] != tokens * k:
+        raise ValueError(f"{op}: y must be (T * k, hidden) = ({tokens * k}, ...), got {tuple(getattr(y, 'shape', ()))}")
+    if not isinstance(row_map, torch.Tensor) or tuple(row_map.shape) != (tokens * k,):
+        raise ValueError(f"{op}: row_map must be permute's (T * k,) = ({tokens * k},) row map, got "
+                         f"{tuple(getattr(row_map, 'shape', ()))}")
+    for name, t in (("row_map", row_map), ("topk_weights", topk_weights)):
+        if t.device != y.device:
+            raise ValueError(f"{op}: {name} is on {t.device} but y is on {y.device}")
+    # Row of each (token, slot): the inverse of row_map.
+    slot_row = torch.empty_like(row_map).scatter_(0, row_map, torch.arange(row_map.numel(), device=y.device))
+    per_slot = y.index_select(0, slot_row).view(tokens, k, y.shape[1]).float()
+    weights = topk_weights.float()
+    if topk_ids is not None:
+        _check_routing(op, topk_ids, tokens, num_experts)
+        kept = (topk_ids >= 0) & (topk_ids < num_experts)
+        per_slot = torch.where(kept.unsqueeze(-1), per_slot, per_slot.new_zeros(()))
+        weights = torch.where(kept, weights, weights.new_zeros(()))
+    return (per_slot * weights.unsqueeze(-1)).sum(1).to(y.dtype)

@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from .grouped import grouped_mm, grouped_mm_wgrad
-from .moe import ACTIVATIONS, FP8_RECIPES, _expert_of_rows, _forms, _weight_grad, grouped_mlp, quantize_weight
+from .moe import (ACTIVATIONS, FP8_RECIPES, _expert_of_rows, _forms, _weight_grad, grouped_mlp, permute,
+                  quantize_weight, unpermute)
 
 
 class _GroupedLinearMainGrad(torch.autograd.Function):
@@ -230,6 +231,31 @@ class GroupedMLP(nn.Module):
                 f"activation={self.activation!r}, bias={self.fc1_bias is not None}, "
                 f"fuse_wgrad_accumulation={self.fuse_wgrad_accumulation}, fp8={self.fp8}"
                 + (f", fp8_grad_dtype={self.fp8_grad_dtype}" if self.fp8 else ""))
+
+
+class MoEExperts(nn.Module):
+    """A Mixture-of-Experts layer's expert path from the router's choice: each token's rows
+    gathered into expert order (:func:`distgemm.moe.permute`), every expert's MLP
+    (:class:`GroupedMLP`, bf16 or FP8), and the probability-weighted sum of each token's k
+    outputs (:func:`distgemm.moe.unpermute`). The router stays the caller's.
+
+    forward(x, topk_ids, topk_weights): x (T, hidden), topk_ids (T, k) int expert indices (-1:
+    dropped by the router), topk_weights (T, k); returns (T, hidden) in x's dtype. Gradients
+    reach x, the experts' weights and topk_weights. No host synchronisation."""
+
+    def __init__(self, num_experts: int, hidden: int, ffn: int, **mlp_options):
+        super().__init__()
+        self.experts = GroupedMLP(num_experts, hidden, ffn, **mlp_options)
+
+    @property
+    def num_experts(self) -> int:
+        return self.experts.num_experts
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
+        routed = permute(x, topk_ids, self.num_experts)
+        y = self.experts(routed.rows, routed.offs, is_first_microbatch=is_first_microbatch)
+        return unpermute(y, routed.row_map, topk_weights, topk_ids, self.num_experts)
 
 
 # ---------------------------------------------------------------- tensor parallelism
