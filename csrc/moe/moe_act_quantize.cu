@@ -285,7 +285,7 @@ template <class In, __nv_fp8_interpretation_t I>
 __global__ void __launch_bounds__(kThreads)
     weight_kernel(const typename In::Storage* __restrict__ w, int64_t groups, int64_t rows, int64_t cols,
                   bool vec, uint8_t* __restrict__ out, uint8_t* __restrict__ out_t, bool vec_t,
-                  float* __restrict__ scale) {
+                  float* __restrict__ scale, float* __restrict__ scale_t) {
   __shared__ uint32_t red[kThreads / 32];
   __shared__ __align__(16) uint8_t tile[kBlock * kBlock];  // [row][column]
   const int64_t row_blocks = (rows + kBlock - 1) / kBlock;
@@ -314,7 +314,10 @@ __global__ void __launch_bounds__(kThreads)
       m = quant::max8(m, v[k]);
     }
     const quant::Divisor s(scale_of<I>(quant::block_max(m, red)));
-    if (threadIdx.x == 0) scale[blk] = s.s;
+    if (threadIdx.x == 0) {
+      scale[blk] = s.s;
+      if (scale_t != nullptr) scale_t[(g * col_blocks + cb) * row_blocks + rb] = s.s;
+    }
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
       const int64_t r = rb * kBlock + row + 16 * k;
@@ -398,7 +401,7 @@ cudaError_t launch_weight_typed(const WeightProblem& p, cudaStream_t stream) {
   const auto grid = static_cast<unsigned>(std::min<int64_t>(blocks, sms * 8));
   weight_kernel<In, I><<<grid, kThreads, 0, stream>>>(static_cast<const typename In::Storage*>(p.w), p.groups,
                                                       p.rows, p.cols, vec, static_cast<uint8_t*>(p.out),
-                                                      static_cast<uint8_t*>(p.out_t), vec_t, p.scale);
+                                                      static_cast<uint8_t*>(p.out_t), vec_t, p.scale, p.scale_t);
   return cudaGetLastError();
 }
 

@@ -51,6 +51,7 @@ struct WeightProblem {
   void* out = nullptr;       // or NULL
   void* out_t = nullptr;     // or NULL
   float* scale = nullptr;
+  float* scale_t = nullptr;  // or NULL: the scales as (groups, ceil(cols / 128), ceil(rows / 128))
   dg_dtype fp8_dtype = DG_E4M3;
   int sm_count = 0;
 };

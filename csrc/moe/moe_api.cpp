@@ -126,6 +126,7 @@ dg_status lower_weight(const dg_quantize_weight_desc* desc, WeightProblem* p) {
   if (d.out != nullptr) DG_RETURN_IF_ERROR(check_extent(d.out, "out", {elems}, 1, 1));
   if (d.out_t != nullptr) DG_RETURN_IF_ERROR(check_extent(d.out_t, "out_t", {elems}, 1, 1));
   DG_RETURN_IF_ERROR(check_extent(d.scale, "scale", {scales}, 4, 4));
+  if (d.scale_t != nullptr) DG_RETURN_IF_ERROR(check_extent(d.scale_t, "scale_t", {scales}, 4, 4));
   p->w = d.w;
   p->w_dtype = d.w_dtype;
   p->groups = d.groups;
@@ -134,6 +135,7 @@ dg_status lower_weight(const dg_quantize_weight_desc* desc, WeightProblem* p) {
   p->out = d.out;
   p->out_t = d.out_t;
   p->scale = d.scale;
+  p->scale_t = d.scale_t;
   p->fp8_dtype = d.out_dtype;
   return DG_SUCCESS;
 }

@@ -897,6 +897,11 @@ TEST(QuantizeWeightCheck, ChecksItsArguments) {
   d.scale = nullptr;
   EXPECT_TRUE(refused(dg_quantize_fp8_weight(&d, nullptr), "scale must not be NULL"));
   d = good;
+  d.scale_t = static_cast<float*>(fake_ptr(34));
+  EXPECT_TRUE(accepted(dg_quantize_fp8_weight(&d, nullptr)));
+  d.scale_t = reinterpret_cast<float*>(static_cast<char*>(fake_ptr(34)) + 2);
+  EXPECT_TRUE(refused(dg_quantize_fp8_weight(&d, nullptr), "scale_t must be a 4-byte aligned"));
+  d = good;
   d.w_dtype = DG_F32;
   d.w = static_cast<const char*>(good.w) + 2;
   EXPECT_TRUE(refused(dg_quantize_fp8_weight(&d, nullptr), "w must be a 4-byte aligned"));
@@ -1181,6 +1186,6 @@ TEST(Abi, StructLayoutsBelongToTheSoversion) {
   EXPECT_EQ(offsetof(dg_quantize_desc, workspace_bytes), 96u);
   EXPECT_EQ(sizeof(dg_moe_act_desc), 120u);
   EXPECT_EQ(offsetof(dg_moe_act_desc, workspace_bytes), 112u);
-  EXPECT_EQ(sizeof(dg_quantize_weight_desc), 72u);
+  EXPECT_EQ(sizeof(dg_quantize_weight_desc), 80u);
   EXPECT_EQ(offsetof(dg_quantize_weight_desc, out_dtype), 64u);
 }
