@@ -54,7 +54,7 @@ add_test(NAME tp_plans COMMAND distgemm_plan_tests)
 add_test(NAME tile_heuristics COMMAND distgemm_heuristic_tests)
 add_test(NAME cublaslt_checks COMMAND distgemm_cublaslt_check_tests)
 set(DISTGEMM_FUZZ_ITERATIONS 200000 CACHE STRING "Random descriptors per run of the C API fuzzer")
-set(DISTGEMM_FUZZ_FAMILIES "gemm,grouped,tp,quant" CACHE STRING "What the C API fuzzer calls: gemm,grouped,tp,quant")
+set(DISTGEMM_FUZZ_FAMILIES "gemm,grouped,tp,quant,moe" CACHE STRING "What the C API fuzzer calls: gemm,grouped,tp,quant,moe")
 add_test(NAME c_api_fuzz
          COMMAND distgemm_fuzz_checks ${DISTGEMM_FUZZ_ITERATIONS} 20260101 ${DISTGEMM_FUZZ_FAMILIES})
 set_tests_properties(c_api_checks tp_plans tile_heuristics cublaslt_checks c_api_fuzz PROPERTIES ENVIRONMENT "${DISTGEMM_SANITIZER_ENV}")

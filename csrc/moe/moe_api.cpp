@@ -103,7 +103,7 @@ dg_status lower_act(const dg_moe_act_desc* desc, ActProblem* p) {
   p->yt_scale = d.yt_scale;
   p->offs = d.offs;
   p->ends = need ? static_cast<int32_t*>(d.workspace) : nullptr;
-  p->fp8_dtype = d.fp8_dtype;
+  if (d.y_fp8 != nullptr || d.yt_fp8 != nullptr) p->fp8_dtype = d.fp8_dtype;  // checked only then
   return DG_SUCCESS;
 }
 

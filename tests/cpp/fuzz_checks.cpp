@@ -501,16 +501,102 @@ void fuzz_quant(bool launch) {
   if (!mutated && !passes_checks(st)) report("dg_quantize_fp8", std::string("refused a valid desc: ") + dg_last_error());
 }
 
+// ---------------------------------------------------------------- MoE activation
+
+long moe_calls = 0, moe_passed = 0;
+
+dg_moe_act_desc random_valid_moe() {
+  dg_moe_act_desc d{};
+  const int act = static_cast<int>(below(5));
+  set_raw(&d.act, act);
+  const bool backward = act == DG_MOE_SWIGLU_BACKWARD || act == DG_MOE_GELU_BACKWARD;
+  d.tokens = coin(8) ? 0 : static_cast<int64_t>(below(1 << 16));
+  d.inner = 128 * static_cast<int64_t>(below(64)) + (coin(2) ? 0 : static_cast<int64_t>(below(128)));
+  d.x = fake_ptr(40);
+  d.dy = backward ? fake_ptr(41) : nullptr;
+  d.fp8_dtype = pick({DG_E4M3, DG_E5M2});
+  const bool rows_ok = act != DG_MOE_SWIGLU_BACKWARD || d.inner % 128 == 0;
+  do {
+    d.y = coin(2) ? fake_ptr(42) : nullptr;
+    d.y_fp8 = rows_ok && coin(2) ? fake_ptr(43) : nullptr;
+    d.yt_fp8 = coin(2) ? fake_ptr(45) : nullptr;
+  } while (!d.y && !d.y_fp8 && !d.yt_fp8);
+  if (d.y_fp8) d.y_scale = static_cast<float*>(fake_ptr(44));
+  if (d.yt_fp8) {
+    d.yt_scale = static_cast<float*>(fake_ptr(46));
+    d.offs = static_cast<const int32_t*>(fake_ptr(47));
+    d.num_groups = 1 + static_cast<int64_t>(below(coin(8) ? 1 << 20 : 300));
+    d.workspace = fake_ptr(48);
+    d.workspace_bytes = 4 * static_cast<size_t>(d.num_groups);
+  }
+  return d;
+}
+
+void mutate_moe(dg_moe_act_desc* d) {
+  const int count = 1 + static_cast<int>(below(3));
+  for (int i = 0; i < count; ++i) {
+    switch (below(12)) {
+      case 0: mutate_enum(&d->act); break;
+      case 1: mutate_enum(&d->fp8_dtype); break;
+      case 2: d->tokens = any_int64(); break;
+      case 3: d->inner = any_int64(); break;
+      case 4: d->x = any_ptr(fake_ptr(40)); break;
+      case 5: d->dy = any_ptr(fake_ptr(41)); break;
+      case 6: d->y = const_cast<void*>(any_ptr(fake_ptr(42))); break;
+      case 7: d->y_scale = static_cast<float*>(const_cast<void*>(any_ptr(fake_ptr(44)))); break;
+      case 8: d->yt_scale = static_cast<float*>(const_cast<void*>(any_ptr(fake_ptr(46)))); break;
+      case 9: d->num_groups = any_int64(); break;
+      case 10: d->workspace_bytes = static_cast<size_t>(any_int64()); break;
+      default: d->offs = static_cast<const int32_t*>(any_ptr(fake_ptr(47))); break;
+    }
+  }
+}
+
+// A descriptor the checks let through: every buffer it names spans its layout's bytes.
+void fuzz_moe(bool launch) {
+  dg_moe_act_desc d = random_valid_moe();
+  const bool mutated = !coin(8);
+  if (mutated) mutate_moe(&d);
+  size_t ws = 0;
+  const dg_status ss = dg_moe_activation_workspace_size(&d, &ws);
+  expect_status(ss, "dg_moe_activation_workspace_size");
+  if (!launch) return;
+  const dg_status st = dg_moe_activation(&d, nullptr);
+  expect_status(st, "dg_moe_activation");
+  ++moe_calls;
+  moe_passed += st != DG_ERROR_INVALID_ARGUMENT;
+  if (st != DG_ERROR_INVALID_ARGUMENT) {
+    const int act = raw(d.act);
+    const bool swiglu = act == DG_MOE_SWIGLU || act == DG_MOE_SWIGLU_BACKWARD;
+    const i128 t = d.tokens, c = d.inner, y_cols = act == DG_MOE_SWIGLU_BACKWARD ? 2 * c : c;
+    const i128 tp = 128 * ((t + 127) / 128 + d.num_groups);
+    if (act < 0 || act > 4 || t < 0 || c < 0) report("dg_moe_activation oracle", "act or sizes");
+    else if (!quant_buffer(d.x, t * (swiglu ? 2 * c : c) * 2, 2)) report("dg_moe_activation oracle", "x");
+    else if ((act == DG_MOE_SWIGLU_BACKWARD || act == DG_MOE_GELU_BACKWARD) && !quant_buffer(d.dy, t * c * 2, 2))
+      report("dg_moe_activation oracle", "dy");
+    else if (d.y && !quant_buffer(d.y, t * y_cols * 2, 2)) report("dg_moe_activation oracle", "y");
+    else if (d.y_fp8 && !quant_buffer(d.y_scale, 4 * t * ((y_cols + 127) / 128), 4))
+      report("dg_moe_activation oracle", "y_scale");
+    else if (d.yt_fp8 && (d.num_groups < 1 || !quant_buffer(d.yt_scale, 4 * y_cols * (tp / 128), 4) ||
+                          !quant_buffer(d.offs, 4 * (i128)d.num_groups, 4) ||
+                          (i128)d.workspace_bytes < 4 * (i128)d.num_groups))
+      report("dg_moe_activation oracle", "transposed copy, offs or workspace");
+    else if (ss != DG_SUCCESS) report("dg_moe_activation", "accepted a desc its workspace query refused");
+  }
+  if (!mutated && !passes_checks(st)) report("dg_moe_activation", std::string("refused a valid desc: ") + dg_last_error());
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   const long iterations = argc > 1 ? std::strtol(argv[1], nullptr, 10) : 200000;
   const unsigned long long seed = argc > 2 ? std::strtoull(argv[2], nullptr, 10) : 1;
-  const std::string families = argc > 3 ? argv[3] : "gemm,grouped,tp,quant";
+  const std::string families = argc > 3 ? argv[3] : "gemm,grouped,tp,quant,moe";
   const bool gemm = families.find("gemm") != std::string::npos;
   const bool grouped = families.find("grouped") != std::string::npos;
   const bool tp = families.find("tp") != std::string::npos;
   const bool quant = families.find("quant") != std::string::npos;
+  const bool moe = families.find("moe") != std::string::npos;
   rng.seed(seed);
   // The launching entry points stop at their checks only where no GPU can run a descriptor
   // that passed them (its pointers are fake).
@@ -524,15 +610,16 @@ int main(int argc, char** argv) {
       default: if (tp) fuzz_tp(); break;
     }
     if (quant && i % 4 == 3) fuzz_quant(launch);
+    if (moe && i % 4 == 1) fuzz_moe(launch);
     dg_status s;
     set_raw(&s, static_cast<int>(below(8)));  // within the enum's range (C++)
     if (dg_status_name(s) == nullptr) report("dg_status_name", "NULL");
   }
   std::printf("%ld iterations over %s (seed %llu, launching entry points %s)\n"
-              "passed the checks: gemm %ld of %ld, grouped %ld of %ld, tp %ld of %ld, quant %ld of %ld\n"
+              "passed the checks: gemm %ld of %ld, grouped %ld of %ld, tp %ld of %ld, quant %ld of %ld, moe %ld of %ld\n"
               "%ld failures\n",
               iterations, families.c_str(), seed, launch ? "included" : "skipped: a GPU is present",
               gemm_passed, gemm_calls, grouped_passed, grouped_calls, tp_passed, tp_calls, quant_passed,
-              quant_calls, failures);
+              quant_calls, moe_passed, moe_calls, failures);
   return failures == 0 ? 0 : 1;
 }
