@@ -176,6 +176,120 @@ dg_status check_fp8_scales(const dg_grouped_desc& d, int64_t groups, int64_t tok
   return check_extent(d.scale_b, "scale_b", {groups, kb, nb}, 4, 4);
 }
 
+// What a descriptor's shapes say of its problem: T, N, K, and the FP8 wgrad's padded T.
+struct Extents {
+  int64_t tokens = 0;
+  int64_t n = 0;
+  int64_t k = 0;
+  int64_t token_pitch = 0;
+};
+
+// T, N and K within what the kernels index (offs are int32).
+dg_status check_ranges(const Extents& e, const char* a_name, const dg_grouped_shape& as, const char* b_name,
+                       const dg_grouped_shape& bs) {
+  DG_REQUIRE(e.tokens >= 0 && e.tokens < kInt32Limit, a_name,
+             " must have between 0 and 2^31 - 1 rows (T; offs are int32), got ", shape_str(as));
+  DG_REQUIRE(e.n >= 1 && e.n < kInt32Limit && e.k >= 1 && e.k < kInt32Limit,
+             "N and K must be in [1, 2^31), got N=", e.n, " K=", e.k, " from ", a_name, " ",
+             shape_str(as), " and ", b_name, " ", shape_str(bs));
+  return DG_SUCCESS;
+}
+
+// FORWARD (x (T, K), w (G, N, K)) and DGRAD (dy (T, K), w (G, K, N)): out (T, N).
+dg_status lower_forward_shapes(const dg_grouped_desc& d, int kind, int64_t groups, bool fp8, Extents* e) {
+  const bool fwd = kind == DG_GROUPED_FORWARD;
+  const dg_grouped_shape &as = d.a_shape, &bs = d.b_shape;
+  DG_REQUIRE(as.ndim == 2, "x (a) must be 2-D (T, K), got ", shape_str(as));
+  DG_REQUIRE(bs.ndim == 3, "w (b) must be ", fwd ? "3-D (G, N, K)" : "3-D (G, K, N)", ", got ", shape_str(bs));
+  e->tokens = as.size[0];
+  e->n = fwd ? bs.size[1] : bs.size[2];
+  e->k = as.size[1];
+  DG_RETURN_IF_ERROR(check_ranges(*e, "x", as, "w", bs));
+  const int64_t tokens = e->tokens, n = e->n, k = e->k;
+  DG_RETURN_IF_ERROR(check_shape(bs, "w", "b", {groups, fwd ? n : k, fwd ? k : n},
+                                 cat(fwd ? "(G, N, K) = (" : "(G, K, N) = (", groups, ", ",
+                                     fwd ? "N" : cat(k), ", ", fwd ? cat(k) : "N",
+                                     ") (offs' groups, x's K columns)")));
+  DG_RETURN_IF_ERROR(check_shape(d.out_shape, "out", "out", {tokens, n},
+                                 cat("(T, N) = (", tokens, ", ", n, ") (x's rows, w's N)")));
+  const int in = raw_enum(d.in_dtype), out = raw_enum(d.out_dtype);
+  const int in_bytes = dtype_bytes(d.in_dtype), out_bytes = dtype_bytes(d.out_dtype);
+  const int in_elems = 16 / in_bytes, out_elems = 16 / out_bytes;
+  if (fp8) {
+    // x and w are K-major: only their rows need 16-byte alignment.
+    DG_REQUIRE(k % in_elems == 0, "K=", k, " must be a multiple of ", in_elems, " (16 bytes of ",
+               dtype_str(in), ")");
+    DG_REQUIRE(n % out_elems == 0, "N=", n, " must be a multiple of ", out_elems,
+               " (16-byte rows of the ", dtype_str(out), " out)");
+  } else {
+    DG_REQUIRE(n % in_elems == 0 && k % in_elems == 0, "N=", n, " and K=", k,
+               " must be multiples of ", in_elems, " (16 bytes of ", dtype_str(in), ")");
+    DG_REQUIRE(n % out_elems == 0, "out rows of ", n, " ", dtype_str(out),
+               " elements must be a multiple of 16 bytes");
+  }
+  DG_RETURN_IF_ERROR(check_extent(d.a, "x", {tokens, k}, in_bytes));
+  DG_RETURN_IF_ERROR(check_extent(d.b, "w", {groups, n, k}, in_bytes));
+  return check_extent(d.out, "out", {tokens, n}, out_bytes);
+}
+
+// The wgrad's out (G, N, K).
+dg_status check_wgrad_out(const dg_grouped_desc& d, int64_t groups, const Extents& e, bool padded) {
+  return check_shape(d.out_shape, "out", "out", {groups, e.n, e.k},
+                     cat("(G, N, K) = (", groups, ", ", e.n, ", ", e.k, ") (offs' groups, dy's and x's ",
+                         padded ? "rows)" : "columns)"));
+}
+
+// 16-bit WGRAD: dy (T, N), x (T, K), out (G, N, K).
+dg_status lower_wgrad_shapes(const dg_grouped_desc& d, int64_t groups, Extents* e) {
+  const dg_grouped_shape &as = d.a_shape, &bs = d.b_shape;
+  DG_REQUIRE(as.ndim == 2, "dy (a) must be 2-D (T, N), got ", shape_str(as));
+  DG_REQUIRE(bs.ndim == 2, "x (b) must be 2-D (T, K), got ", shape_str(bs));
+  e->tokens = as.size[0];
+  e->n = as.size[1];
+  e->k = bs.size[1];
+  DG_RETURN_IF_ERROR(check_ranges(*e, "dy", as, "x", bs));
+  const int64_t tokens = e->tokens, n = e->n, k = e->k;
+  DG_RETURN_IF_ERROR(check_shape(bs, "x", "b", {tokens, k}, cat("(T, K) with dy's T = ", tokens, " rows")));
+  DG_RETURN_IF_ERROR(check_wgrad_out(d, groups, *e, false));
+  const int in = raw_enum(d.in_dtype), out = raw_enum(d.out_dtype);
+  const int in_bytes = dtype_bytes(d.in_dtype), out_bytes = dtype_bytes(d.out_dtype);
+  const int in_elems = 16 / in_bytes, out_elems = 16 / out_bytes;
+  DG_REQUIRE(n % in_elems == 0 && k % in_elems == 0, "N=", n, " and K=", k,
+             " must be multiples of ", in_elems, " (16 bytes of ", dtype_str(in), ")");
+  DG_REQUIRE(k % out_elems == 0, "out rows of ", k, " ", dtype_str(out),
+             " elements must be a multiple of 16 bytes");
+  DG_RETURN_IF_ERROR(check_extent(d.a, "dy", {tokens, n}, in_bytes));
+  DG_RETURN_IF_ERROR(check_extent(d.b, "x", {tokens, k}, in_bytes));
+  return check_extent(d.out, "out", {groups, n, k}, out_bytes);
+}
+
+// FP8 WGRAD: dy^T (N, Tp) and x^T (K, Tp) padded per group, out (G, N, K) float32.
+dg_status lower_padded_wgrad_shapes(const dg_grouped_desc& d, int64_t groups, Extents* e) {
+  const dg_grouped_shape &as = d.a_shape, &bs = d.b_shape;
+  DG_REQUIRE(as.ndim == 2, "dy (a) must be 2-D (N, Tp), got ", shape_str(as));
+  DG_REQUIRE(bs.ndim == 2, "x (b) must be 2-D (K, Tp), got ", shape_str(bs));
+  e->n = as.size[0];
+  e->k = bs.size[0];
+  e->token_pitch = as.size[1];
+  DG_REQUIRE(e->token_pitch % 128 == 0 && e->token_pitch / 128 >= groups && e->token_pitch < kInt32Limit,
+             "dy (a) must be (N, Tp) with Tp = 128 * (ceil(T / 128) + G), a multiple of 128 of "
+             "at least 128 G = ", 128 * groups, " (the padded layout of quantize_fp8 with offs), "
+             "got ", shape_str(as));
+  e->tokens = e->token_pitch - 128 * groups;
+  DG_RETURN_IF_ERROR(check_ranges(*e, "dy", as, "x", bs));
+  const int64_t n = e->n, k = e->k, token_pitch = e->token_pitch;
+  DG_RETURN_IF_ERROR(check_shape(bs, "x", "b", {k, token_pitch},
+                                 cat("(K, Tp) with dy's Tp = ", token_pitch, " columns")));
+  DG_RETURN_IF_ERROR(check_wgrad_out(d, groups, *e, true));
+  const int in_bytes = dtype_bytes(d.in_dtype), out_bytes = dtype_bytes(d.out_dtype);
+  const int out_elems = 16 / out_bytes;
+  DG_REQUIRE(k % out_elems == 0, "K=", k, " must be a multiple of ", out_elems,
+             " (16-byte rows of the float32 out)");
+  DG_RETURN_IF_ERROR(check_extent(d.a, "dy", {n, token_pitch}, in_bytes));
+  DG_RETURN_IF_ERROR(check_extent(d.b, "x", {k, token_pitch}, in_bytes));
+  return check_extent(d.out, "out", {groups, n, k}, out_bytes);
+}
+
 }  // namespace
 
 dg_status lower(const dg_grouped_desc* desc, GroupedProblem* p) {
@@ -196,95 +310,21 @@ dg_status lower(const dg_grouped_desc* desc, GroupedProblem* p) {
     DG_REQUIRE(raw_enum(d.scale_mode) == DG_SCALE_NONE,
                "scale_mode must be NONE for bfloat16/float16 inputs");
   }
-  const int in_bytes = dtype_bytes(d.in_dtype), out_bytes = dtype_bytes(d.out_dtype);
   const int64_t groups = d.num_groups;
   DG_REQUIRE(groups >= 1 && groups < kInt32Limit,
              "offs must hold between 1 and 2^31 - 1 group ends (num_groups), got ", groups);
   DG_RETURN_IF_ERROR(check_extent(d.offs, "offs", {groups}, 4, 4));
 
-  // The problem, read off the shapes; then every shape against it.
-  const bool wgrad = kind == DG_GROUPED_WGRAD;
-  const bool padded = fp8 && wgrad;  // dy^T (N, Tp) and x^T (K, Tp), padded per group
-  const char* a_name = wgrad ? "dy" : "x";
-  const char* b_name = wgrad ? "x" : "w";
-  const dg_grouped_shape& as = d.a_shape;
-  const dg_grouped_shape& bs = d.b_shape;
-  DG_REQUIRE(as.ndim == 2, a_name, " (a) must be 2-D ",
-             padded ? "(N, Tp)" : wgrad ? "(T, N)" : "(T, K)", ", got ", shape_str(as));
-  DG_REQUIRE(bs.ndim == (wgrad ? 2 : 3), b_name, " (b) must be ",
-             padded ? "2-D (K, Tp)" : wgrad ? "2-D (T, K)"
-             : kind == DG_GROUPED_FORWARD ? "3-D (G, N, K)" : "3-D (G, K, N)",
-             ", got ", shape_str(bs));
-  int64_t tokens = as.size[0], token_pitch = 0;
-  int64_t n = wgrad ? as.size[1] : kind == DG_GROUPED_FORWARD ? bs.size[1] : bs.size[2];
-  int64_t k = wgrad ? bs.size[1] : as.size[1];
-  if (padded) {
-    n = as.size[0];
-    k = bs.size[0];
-    token_pitch = as.size[1];
-    DG_REQUIRE(token_pitch % 128 == 0 && token_pitch / 128 >= groups && token_pitch < kInt32Limit,
-               "dy (a) must be (N, Tp) with Tp = 128 * (ceil(T / 128) + G), a multiple of 128 of "
-               "at least 128 G = ", 128 * groups, " (the padded layout of quantize_fp8 with offs), "
-               "got ", shape_str(as));
-    tokens = token_pitch - 128 * groups;
-  }
-  DG_REQUIRE(tokens >= 0 && tokens < kInt32Limit, a_name,
-             " must have between 0 and 2^31 - 1 rows (T; offs are int32), got ", shape_str(as));
-  DG_REQUIRE(n >= 1 && n < kInt32Limit && k >= 1 && k < kInt32Limit,
-             "N and K must be in [1, 2^31), got N=", n, " K=", k, " from ", a_name, " ",
-             shape_str(as), " and ", b_name, " ", shape_str(bs));
-  if (padded) {
-    DG_RETURN_IF_ERROR(check_shape(bs, "x", "b", {k, token_pitch},
-                                   cat("(K, Tp) with dy's Tp = ", token_pitch, " columns")));
-  } else if (wgrad) {
-    DG_RETURN_IF_ERROR(check_shape(bs, "x", "b", {tokens, k},
-                                   cat("(T, K) with dy's T = ", tokens, " rows")));
-  }
-  if (wgrad) {
-    DG_RETURN_IF_ERROR(check_shape(d.out_shape, "out", "out", {groups, n, k},
-                                   cat("(G, N, K) = (", groups, ", ", n, ", ", k,
-                                       ") (offs' groups, dy's and x's ",
-                                       padded ? "rows)" : "columns)")));
-  } else {
-    const bool fwd = kind == DG_GROUPED_FORWARD;
-    DG_RETURN_IF_ERROR(check_shape(bs, "w", "b", {groups, fwd ? n : k, fwd ? k : n},
-                                   cat(fwd ? "(G, N, K) = (" : "(G, K, N) = (", groups, ", ",
-                                       fwd ? "N" : cat(k), ", ", fwd ? cat(k) : "N",
-                                       ") (offs' groups, x's K columns)")));
-    DG_RETURN_IF_ERROR(check_shape(d.out_shape, "out", "out", {tokens, n},
-                                   cat("(T, N) = (", tokens, ", ", n, ") (x's rows, w's N)")));
-  }
-
-  const int in_elems = 16 / in_bytes, out_elems = 16 / out_bytes;
-  if (padded) {
-    DG_REQUIRE(k % out_elems == 0, "K=", k, " must be a multiple of ", out_elems,
-               " (16-byte rows of the float32 out)");
+  // The problem, read off the shapes; then every shape against it, by kind.
+  Extents e;
+  if (kind != DG_GROUPED_WGRAD) {
+    DG_RETURN_IF_ERROR(lower_forward_shapes(d, kind, groups, fp8, &e));
   } else if (fp8) {
-    // x and w are K-major: only their rows need 16-byte alignment.
-    DG_REQUIRE(k % in_elems == 0, "K=", k, " must be a multiple of ", in_elems, " (16 bytes of ",
-               dtype_str(in), ")");
-    DG_REQUIRE(n % out_elems == 0, "N=", n, " must be a multiple of ", out_elems,
-               " (16-byte rows of the ", dtype_str(out), " out)");
+    DG_RETURN_IF_ERROR(lower_padded_wgrad_shapes(d, groups, &e));
   } else {
-    DG_REQUIRE(n % in_elems == 0 && k % in_elems == 0, "N=", n, " and K=", k,
-               " must be multiples of ", in_elems, " (16 bytes of ", dtype_str(in), ")");
-    const int64_t out_row = wgrad ? k : n;
-    DG_REQUIRE(out_row % out_elems == 0, "out rows of ", out_row, " ", dtype_str(out),
-               " elements must be a multiple of 16 bytes");
+    DG_RETURN_IF_ERROR(lower_wgrad_shapes(d, groups, &e));
   }
-  if (padded) {
-    DG_RETURN_IF_ERROR(check_extent(d.a, "dy", {n, token_pitch}, in_bytes));
-    DG_RETURN_IF_ERROR(check_extent(d.b, "x", {k, token_pitch}, in_bytes));
-    DG_RETURN_IF_ERROR(check_extent(d.out, "out", {groups, n, k}, out_bytes));
-  } else if (wgrad) {
-    DG_RETURN_IF_ERROR(check_extent(d.a, "dy", {tokens, n}, in_bytes));
-    DG_RETURN_IF_ERROR(check_extent(d.b, "x", {tokens, k}, in_bytes));
-    DG_RETURN_IF_ERROR(check_extent(d.out, "out", {groups, n, k}, out_bytes));
-  } else {
-    DG_RETURN_IF_ERROR(check_extent(d.a, "x", {tokens, k}, in_bytes));
-    DG_RETURN_IF_ERROR(check_extent(d.b, "w", {groups, n, k}, in_bytes));
-    DG_RETURN_IF_ERROR(check_extent(d.out, "out", {tokens, n}, out_bytes));
-  }
+  const int64_t tokens = e.tokens, n = e.n, k = e.k, token_pitch = e.token_pitch;
   if (fp8) DG_RETURN_IF_ERROR(check_fp8_scales(d, groups, tokens, n, k, token_pitch));
   p->kind = d.kind;
   p->groups = static_cast<int>(groups);

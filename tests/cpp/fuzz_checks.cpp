@@ -329,6 +329,9 @@ void fuzz_grouped(bool launch) {
   size_t bytes = 0;
   const dg_status s = dg_grouped_gemm_workspace_size(&d, &bytes);
   expect_status(s, "dg_grouped_gemm_workspace_size");
+  // DISTGEMM_FUZZ_DUMP=FILE: every answer, to compare two builds' checks (a refactor's diff).
+  static FILE* dump = std::getenv("DISTGEMM_FUZZ_DUMP") ? std::fopen(std::getenv("DISTGEMM_FUZZ_DUMP"), "w") : nullptr;
+  if (dump) std::fprintf(dump, "%d %s\n", raw(s), s == DG_SUCCESS ? "" : dg_last_error());
   ++grouped_calls;
   grouped_passed += s != DG_ERROR_INVALID_ARGUMENT;
   if (s != DG_ERROR_INVALID_ARGUMENT) check_grouped_oracle(d);
