@@ -5,7 +5,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "gemm/gemm_problem.h"
+#include "common/schedule.h"
 
 namespace distgemm {
 
