@@ -10,6 +10,6 @@ from . import moe, nn
 
 __all__ = [
     "gemm", "grouped_mm", "grouped_mm_wgrad", "quantize_fp8", "all_gather_matmul", "matmul_reduce_scatter",
-    "dist_matmul", "check_errors", "recover", "nn", "has_kernels", "KERNEL_ARCHS", "cmake_prefix_path",
+    "dist_matmul", "check_errors", "recover", "nn", "moe", "tp", "has_kernels", "KERNEL_ARCHS", "cmake_prefix_path",
 ]
 __version__ = "0.2.0"

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-import distgemm
+import distgemm  # noqa: F401  (loads the ops)
 from distgemm._library import ops
 from distgemm.bench.common import Timer, env_info
 from distgemm.bench.grouped_suite import counts_for

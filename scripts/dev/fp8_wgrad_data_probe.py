@@ -5,7 +5,6 @@ distgemm.quantize_fp8, their own scales), through the registered op with one fix
 through distgemm.grouped_mm_wgrad. A developer probe; prints TFLOP/s, writes JSON."""
 
 import json
-import os
 import sys
 
 import torch

@@ -18,7 +18,8 @@ Measured at 058ed21, 46e44de and 8cc6327 (bench/results/h200_tuner_probe_*.json)
 timings read these shapes 15-20% slower than the benchmark's, cuBLAS more than our tiles,
 whatever the discipline; the flush buffer alone flipped the ranking, because until the flush buffer moved to the GPU
 the Timer's buffer lived on the host (made with device=None): the benchmark did not flush the
-GPU's L2 at all. Both now flush the GPU, so the *_flush variants no longer differ by design. ``python scripts/dev/tuner_probe.py [MxNxK ...]``; ``PROBE_OUT`` names the JSON."""
+GPU's L2 at all. Both now flush the GPU, so the *_flush variants no longer differ by design.
+``python scripts/dev/tuner_probe.py [MxNxK ...]``; ``PROBE_OUT`` names the JSON."""
 
 from __future__ import annotations
 

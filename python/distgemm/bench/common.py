@@ -71,7 +71,8 @@ class Timer:
 
     def compare(self, fns: Dict[str, Callable[[], object]], warmup: int = 3, reps: int = 20) -> Dict[str, float]:
         """Median device time of each callable, the runs interleaved (in a fresh order every
-        round: the GPU runs faster for a while after lighter work, so a fixed neighbour biases) so that clock and power drift over a row falls on every implementation alike.
+        round: the GPU runs faster for a while after lighter work, so a fixed neighbour biases) so
+        that clock and power drift over a row falls on every implementation alike.
         DISTGEMM_BENCH_TIMING=sequential times them one after the other instead, and
         DISTGEMM_BENCH_TIMING=sustained with the GPU never idle (see sustained_ms)."""
         discipline = timing_discipline()

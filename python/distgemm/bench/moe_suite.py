@@ -21,7 +21,6 @@ bench/results/<gpu>_moe.json + .png.
 
 from __future__ import annotations
 
-import math
 from typing import Callable, Dict, List, Tuple
 
 import torch
