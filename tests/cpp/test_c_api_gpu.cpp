@@ -5,7 +5,9 @@
 #include <distgemm/distgemm.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "gpu_test_helpers.h"
@@ -133,6 +135,129 @@ TEST(CApiGpu, GroupedForwardAndWgradMatchTheReference) {
   EXPECT_LT(rel_error(got_w, want_w), 1e-4) << "wgrad";
   for (int64_t e = n * k; e < 2 * n * k; ++e)  // expert 1 has no tokens: its gradient is zero
     ASSERT_EQ(got_w[e], 0.f) << "expert 1, element " << e - n * k;
+}
+
+std::vector<uint8_t> bytes_of(const Buffer& b, size_t n) {
+  std::vector<uint8_t> h(n);
+  EXPECT_EQ(cudaMemcpy(h.data(), b.ptr, n, cudaMemcpyDeviceToHost), cudaSuccess);
+  return h;
+}
+
+// dg_quantize_fp8 of a bf16 (rows, cols) device tensor, 1 x 128 (transposed with offs when
+// groups > 0): the FP8 bytes and scales, as the MoE activation must reproduce them.
+void quantize_reference(const Buffer& x, int64_t rows, int64_t cols, const Buffer* offs, int64_t groups,
+                        std::vector<uint8_t>* data, std::vector<uint8_t>* scale) {
+  dg_quantize_desc q{};
+  q.x = x.ptr;
+  q.x_dtype = DG_BF16;
+  q.batch = 1;
+  q.rows = rows;
+  q.cols = cols;
+  q.granularity = DG_QUANT_1X128;
+  q.transpose = groups > 0;
+  q.offs = groups > 0 ? static_cast<const int32_t*>(offs->ptr) : nullptr;
+  q.num_groups = groups;
+  q.out_dtype = DG_E4M3;
+  dg_quantize_sizes sz{};
+  ASSERT_EQ(dg_quantize_fp8_sizes(&q, &sz), DG_SUCCESS) << dg_last_error();
+  Buffer out(size_t(sz.data_rows * sz.data_cols) + 16), sc(size_t(sz.scale_rows * sz.scale_cols) * 4 + 16),
+      ws(sz.workspace_bytes + 16);
+  q.out = out.ptr;
+  q.scale = static_cast<float*>(sc.ptr);
+  q.workspace = ws.ptr;
+  q.workspace_bytes = sz.workspace_bytes;
+  ASSERT_EQ(dg_quantize_fp8(&q, nullptr), DG_SUCCESS) << dg_last_error();
+  *data = bytes_of(out, size_t(sz.data_rows * sz.data_cols));
+  *scale = bytes_of(sc, size_t(sz.scale_rows * sz.scale_cols) * 4);
+}
+
+TEST(CApiGpu, MoeActivationWritesWhatQuantizeFp8Writes) {
+  REQUIRE_SM90();
+  const std::vector<int32_t> ends = {130, 130, 300};  // an expert without tokens, odd counts
+  const int64_t tokens = 300, inner = 256, groups = 3;
+  const int64_t tp = 128 * ((tokens + 127) / 128 + groups);
+  const std::vector<float> xv = random_values(size_t(tokens) * 2 * inner, 5, 3.f);
+  Buffer x(xv.size() * 2), offs(groups * 4), y(size_t(tokens) * inner * 2), y8(size_t(tokens) * inner),
+      ys(size_t(tokens) * 2 * 4), yt8(size_t(inner) * tp), yts(size_t(inner) * (tp / 128) * 4), ws(groups * 4);
+  upload_bf16(x, xv);
+  ASSERT_EQ(cudaMemcpy(offs.ptr, ends.data(), groups * 4, cudaMemcpyHostToDevice), cudaSuccess);
+  dg_moe_act_desc d{};
+  d.act = DG_MOE_SWIGLU;
+  d.x = x.ptr;
+  d.tokens = tokens;
+  d.inner = inner;
+  d.y = y.ptr;
+  d.y_fp8 = y8.ptr;
+  d.y_scale = static_cast<float*>(ys.ptr);
+  d.yt_fp8 = yt8.ptr;
+  d.yt_scale = static_cast<float*>(yts.ptr);
+  d.offs = static_cast<const int32_t*>(offs.ptr);
+  d.num_groups = groups;
+  d.fp8_dtype = DG_E4M3;
+  d.workspace = ws.ptr;
+  d.workspace_bytes = groups * 4;
+  ASSERT_EQ(dg_moe_activation(&d, nullptr), DG_SUCCESS) << dg_last_error();
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  // The bf16 values: silu(gate) * up in FP32, rounded once.
+  const std::vector<float> got = download(y, size_t(tokens) * inner, DG_BF16);
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t c = 0; c < inner; ++c) {
+      const double g = xv[t * 2 * inner + c], u = xv[t * 2 * inner + inner + c];
+      const double want = g / (1.0 + std::exp(-g)) * u;
+      ASSERT_LE(std::fabs(got[t * inner + c] - want), std::fabs(want) * 1.0 / 128 + 1e-6) << t << ", " << c;
+    }
+  }
+  std::vector<uint8_t> data, scale;
+  quantize_reference(y, tokens, inner, nullptr, 0, &data, &scale);
+  EXPECT_EQ(bytes_of(y8, data.size()), data) << "FP8 rows";
+  EXPECT_EQ(bytes_of(ys, scale.size()), scale) << "1 x 128 scales";
+  quantize_reference(y, tokens, inner, &offs, groups, &data, &scale);
+  EXPECT_EQ(bytes_of(yt8, data.size()), data) << "FP8 padded transpose";
+  EXPECT_EQ(bytes_of(yts, scale.size()), scale) << "its scales";
+}
+
+TEST(CApiGpu, WeightCopiesMatchQuantizeFp8) {
+  REQUIRE_SM90();
+  const int64_t groups = 2, rows = 200, cols = 136, rb = 2, cb = 2;
+  const std::vector<float> wv = random_values(size_t(groups * rows * cols), 6, 1.f);
+  Buffer w(wv.size() * 2), out(wv.size()), out_t(wv.size()), sc(groups * rb * cb * 4), sc_t(groups * rb * cb * 4);
+  upload_bf16(w, wv);
+  dg_quantize_weight_desc d{};
+  d.w = w.ptr;
+  d.w_dtype = DG_BF16;
+  d.groups = groups;
+  d.rows = rows;
+  d.cols = cols;
+  d.out = out.ptr;
+  d.out_t = out_t.ptr;
+  d.scale = static_cast<float*>(sc.ptr);
+  d.scale_t = static_cast<float*>(sc_t.ptr);
+  d.out_dtype = DG_E4M3;
+  ASSERT_EQ(dg_quantize_fp8_weight(&d, nullptr), DG_SUCCESS) << dg_last_error();
+  dg_quantize_desc q{};
+  q.x = w.ptr;
+  q.x_dtype = DG_BF16;
+  q.batch = groups;
+  q.rows = rows;
+  q.cols = cols;
+  q.granularity = DG_QUANT_128X128;
+  q.out_dtype = DG_E4M3;
+  Buffer ref(wv.size()), ref_sc(groups * rb * cb * 4);
+  q.out = ref.ptr;
+  q.scale = static_cast<float*>(ref_sc.ptr);
+  ASSERT_EQ(dg_quantize_fp8(&q, nullptr), DG_SUCCESS) << dg_last_error();
+  const std::vector<uint8_t> want = bytes_of(ref, wv.size()), got_t = bytes_of(out_t, wv.size());
+  EXPECT_EQ(bytes_of(out, wv.size()), want);
+  const std::vector<uint8_t> s = bytes_of(sc, groups * rb * cb * 4), st = bytes_of(sc_t, groups * rb * cb * 4);
+  EXPECT_EQ(s, bytes_of(ref_sc, groups * rb * cb * 4));
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c)
+        ASSERT_EQ(got_t[(g * cols + c) * rows + r], want[(g * rows + r) * cols + c]) << g << ", " << r << ", " << c;
+    for (int64_t i = 0; i < rb; ++i)
+      for (int64_t j = 0; j < cb; ++j)
+        EXPECT_EQ(std::memcmp(&st[((g * cb + j) * rb + i) * 4], &s[((g * rb + i) * cb + j) * 4], 4), 0);
+  }
 }
 
 }  // namespace
