@@ -193,11 +193,11 @@ __global__ void __launch_bounds__(kThreads, Act == kIdentity ? 4 : Act == kSwigl
 #pragma unroll
         for (int o = 8; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(kFullMask, m, o));  // the row's 128
         if (active) {
-          const quant::Divisor s(scale_of<I>(m));
+          const float s = scale_of<I>(m);
           // Partial vectors at the activation's end: only the columns before it are written.
           uint8_t* row = static_cast<uint8_t*>(p.y_fp8) + r * p.y_cols + q * p.inner;
           store8<I>(row, c, p.inner, vec_y8, v[q], s);
-          if (sub == 0) p.y_scale[(yc / kBlock) * p.tokens + r] = s.s;
+          if (sub == 0) p.y_scale[(yc / kBlock) * p.tokens + r] = s;
         }
       }
       if (p.y != nullptr && active && c < p.inner) {
@@ -245,7 +245,7 @@ __global__ void __launch_bounds__(kThreads, Act == kIdentity ? 4 : Act == kSwigl
     m_lo = max(max(red[0][2 * jp], red[1][2 * jp]), max(red[2][2 * jp], red[3][2 * jp]));
     m_hi = max(max(red[0][2 * jp + 1], red[1][2 * jp + 1]), max(red[2][2 * jp + 1], red[3][2 * jp + 1]));
     uint32_t packed[2][kRows / 4];
-    const quant::Divisor s0(scale_of<I>(m_lo)), s1(scale_of<I>(m_hi));
+    const float s0 = scale_of<I>(m_lo), s1 = scale_of<I>(m_hi);
 #pragma unroll
     for (int k = 0; k < kRows / 4; ++k) {
       float lo[4], hi[4];
@@ -263,7 +263,7 @@ __global__ void __launch_bounds__(kThreads, Act == kIdentity ? 4 : Act == kSwigl
       const int64_t ac = c0 + 2 * jp + t;
       if (ac >= p.inner) continue;
       const int64_t yc = q * p.inner + ac;
-      if (quarter == 0) p.yt_scale[pblock * p.y_cols + yc] = t == 0 ? s0.s : s1.s;
+      if (quarter == 0) p.yt_scale[pblock * p.y_cols + yc] = t == 0 ? s0 : s1;
       uint8_t* o = static_cast<uint8_t*>(p.yt_fp8) + yc * p.yt_ld + pblock * kBlock + quarter * kRows;
       if (vec_t) {
         reinterpret_cast<uint4*>(o)[0] = make_uint4(packed[t][0], packed[t][1], packed[t][2], packed[t][3]);
@@ -313,10 +313,10 @@ __global__ void __launch_bounds__(kThreads)
       }
       m = quant::max8(m, v[k]);
     }
-    const quant::Divisor s(scale_of<I>(quant::block_max(m, red)));
+    const float s = scale_of<I>(quant::block_max(m, red));
     if (threadIdx.x == 0) {
-      scale[blk] = s.s;
-      if (scale_t != nullptr) scale_t[(g * col_blocks + cb) * row_blocks + rb] = s.s;
+      scale[blk] = s;
+      if (scale_t != nullptr) scale_t[(g * col_blocks + cb) * row_blocks + rb] = s;
     }
 #pragma unroll
     for (int k = 0; k < 8; ++k) {

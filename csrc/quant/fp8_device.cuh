@@ -56,25 +56,16 @@ __device__ __forceinline__ float scale_of(uint32_t amax_bits) {
   return s == 0.f ? 1.f : s;
 }
 
-// Division by a block's scale: the IEEE quotient x / scale, which the plain-PyTorch reference
-// computes too. (A reciprocal with one FMA correction (Markstein) differed from it on 1 of
-// ~10^7 values in the GPU tests and ran no faster: the passes are not bound by the division.)
-struct Divisor {
-  float s;
-  __device__ __forceinline__ Divisor(float scale) : s(scale) {}  // NOLINT: a float converts
-  __device__ __forceinline__ float operator()(float x) const { return x / s; }
-};
-
 template <__nv_fp8_interpretation_t I>
-__device__ __forceinline__ uint8_t to_fp8(float v, const Divisor& d) {
-  return __nv_cvt_float_to_fp8(d(v), __NV_SATFINITE, I);
+__device__ __forceinline__ uint8_t to_fp8(float v, float scale) {
+  return __nv_cvt_float_to_fp8(v / scale, __NV_SATFINITE, I);
 }
 
 // Four values / scale as FP8, the first in the lowest byte.
 template <__nv_fp8_interpretation_t I>
-__device__ __forceinline__ uint32_t to_fp8x4(float a, float b, float c, float e, const Divisor& d) {
-  const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(d(a), d(b)), __NV_SATFINITE, I);
-  const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(d(c), d(e)), __NV_SATFINITE, I);
+__device__ __forceinline__ uint32_t to_fp8x4(float a, float b, float c, float d, float scale) {
+  const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a / scale, b / scale), __NV_SATFINITE, I);
+  const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(c / scale, d / scale), __NV_SATFINITE, I);
   return lo | (hi << 16);
 }
 
@@ -108,7 +99,7 @@ __device__ __forceinline__ void load8(const typename In::Storage* __restrict__ r
 // vec: the row starts 8-byte aligned and c is a multiple of 8.
 template <__nv_fp8_interpretation_t I>
 __device__ __forceinline__ void store8(uint8_t* __restrict__ row, int64_t c, int64_t cols, bool vec,
-                                       const float (&v)[8], const Divisor& scale) {
+                                       const float (&v)[8], float scale) {
   if (vec && c + 8 <= cols) {
     uint2 w;
     w.x = to_fp8x4<I>(v[0], v[1], v[2], v[3], scale);

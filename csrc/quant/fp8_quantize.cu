@@ -2,9 +2,8 @@
 // per 1 x 128 (also transposed, optionally padded per group) and per 128 x 128 block.
 //
 // Every block's scale is amax / fp8_max in float32 (IEEE division), or 1 where that is 0, and
-// its data is saturate_rn(x / scale): a true division (Divisor, quant/fp8_device.cuh), not a
-// multiplication by 1 / scale, so that the plain-PyTorch reference (distgemm/quantize.py) gives
-// the same bits. The amax is a
+// its data is saturate_rn(x / scale): a true division, not a multiplication by 1 / scale, so
+// that the plain-PyTorch reference (distgemm/quantize.py) gives the same bits. The amax is a
 // max over the float bits of |x| as unsigned integers: the numeric order for non-negative
 // floats, with a NaN above +inf, so one NaN makes its block's scale and data NaN.
 //
@@ -41,8 +40,8 @@ template <class In, __nv_fp8_interpretation_t I>
 __global__ void __launch_bounds__(kThreads)
     tensor_quantize_kernel(const typename In::Storage* __restrict__ x, int64_t n, bool vec,
                            const uint32_t* amax, uint8_t* __restrict__ out, float* scale) {
-  const Divisor s(scale_of<I>(*amax));
-  if (blockIdx.x == 0 && threadIdx.x == 0) *scale = s.s;
+  const float s = scale_of<I>(*amax);
+  if (blockIdx.x == 0 && threadIdx.x == 0) *scale = s;
   const int64_t vectors = (n + 7) / 8;
   for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < vectors; i += int64_t(gridDim.x) * kThreads) {
     float v[8];
@@ -81,8 +80,8 @@ __global__ void __launch_bounds__(kThreads)
       load8<In>(xr, i * 8, cols, vec, v);
       m = max8(m, v);
     }
-    const Divisor s(scale_of<I>(block_max(m, red)));
-    if (threadIdx.x == 0) scale[r] = s.s;
+    const float s = scale_of<I>(block_max(m, red));
+    if (threadIdx.x == 0) scale[r] = s;
 #pragma unroll
     for (int k = 0; k < kCached; ++k) {
       const int64_t i = threadIdx.x + int64_t(k) * kThreads;
@@ -127,9 +126,9 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int o = 8; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(kFullMask, m, o));  // within 16 lanes
     if (!active) continue;
-    const Divisor s(scale_of<I>(m));
+    const float s = scale_of<I>(m);
     store8<I>(out + r * cols, c, cols, vec, v, s);
-    if (sub == 0) scale[cb * rows + r] = s.s;
+    if (sub == 0) scale[cb * rows + r] = s;
   }
 }
 
@@ -168,8 +167,8 @@ __global__ void __launch_bounds__(kThreads)
       }
       m = max8(m, v[k]);
     }
-    const Divisor s(scale_of<I>(block_max(m, red)));
-    if (threadIdx.x == 0) scale[blk] = s.s;
+    const float s = scale_of<I>(block_max(m, red));
+    if (threadIdx.x == 0) scale[blk] = s;
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
       const int64_t r = rb * kBlock + row + 16 * k;
@@ -247,10 +246,10 @@ __global__ void __launch_bounds__(kThreads)
       __syncthreads();
 #pragma unroll
       for (int k = 0; k < kThreads / kTileCols; ++k) m = max(m, red[k][j]);
-      const Divisor s(scale_of<I>(m));
+      const float s = scale_of<I>(m);
       const int64_t c = c0 + j;
       if (c < cols) {
-        if (q == 0) scale[p * cols + c] = s.s;
+        if (q == 0) scale[p * cols + c] = s;
         const int64_t col = p * kBlock + q * kRowsPerThread;  // out's first column written here
         uint8_t* o = out + c * out_ld + col;
         const float* src = &tile[q * kRowsPerThread][j];
