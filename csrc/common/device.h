@@ -1,6 +1,7 @@
 // Cached per-device properties; the core asks for them on every launch.
 #pragma once
 
+#include "common/status.h"
 #include "distgemm/types.h"
 
 namespace distgemm {
@@ -20,5 +21,17 @@ int current_device();
 // quantization, the MoE activations) for its arch; otherwise DG_ERROR_NOT_SUPPORTED, the
 // thread's last error naming `what`.
 dg_status portable_kernel_device(const char* what, DeviceInfo* info);
+
+// Enqueues the plain-CUDA kernels named `what` through `launch(sm_count)` (a cudaError_t) once
+// portable_kernel_device found them built for the current device; a failed launch is
+// DG_ERROR_CUDA "<what> launch: <error>".
+template <class Launch>
+dg_status launch_portable(const char* what, Launch&& launch) {
+  DeviceInfo dev;
+  DG_RETURN_IF_ERROR(portable_kernel_device(what, &dev));
+  const cudaError_t err = launch(dev.sm_count);
+  if (err != cudaSuccess) return fail(DG_ERROR_CUDA, cat(what, " launch: ", cudaGetErrorString(err)));
+  return DG_SUCCESS;
+}
 
 }  // namespace distgemm

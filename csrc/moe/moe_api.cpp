@@ -158,22 +158,17 @@ extern "C" dg_status dg_moe_activation_workspace_size(const dg_moe_act_desc* des
 extern "C" dg_status dg_moe_activation(const dg_moe_act_desc* desc, cudaStream_t stream) {
   ActProblem p;
   DG_RETURN_IF_ERROR(lower_act(desc, &p));
-  DeviceInfo dev;
-  DG_RETURN_IF_ERROR(portable_kernel_device("MoE activation", &dev));
-  p.sm_count = dev.sm_count;
-  const cudaError_t err = launch_act(p, stream);
-  if (err != cudaSuccess) return fail(DG_ERROR_CUDA, cat("MoE activation launch: ", cudaGetErrorString(err)));
-  return DG_SUCCESS;
+  return launch_portable("MoE activation", [&](int sm_count) {
+    p.sm_count = sm_count;
+    return launch_act(p, stream);
+  });
 }
 
 extern "C" dg_status dg_quantize_fp8_weight(const dg_quantize_weight_desc* desc, cudaStream_t stream) {
   WeightProblem p;
   DG_RETURN_IF_ERROR(lower_weight(desc, &p));
-  DeviceInfo dev;
-  DG_RETURN_IF_ERROR(portable_kernel_device("FP8 weight quantization", &dev));
-  p.sm_count = dev.sm_count;
-  const cudaError_t err = launch_weight_quantize(p, stream);
-  if (err != cudaSuccess)
-    return fail(DG_ERROR_CUDA, cat("FP8 weight quantization launch: ", cudaGetErrorString(err)));
-  return DG_SUCCESS;
+  return launch_portable("FP8 weight quantization", [&](int sm_count) {
+    p.sm_count = sm_count;
+    return launch_weight_quantize(p, stream);
+  });
 }

@@ -157,11 +157,8 @@ extern "C" dg_status dg_quantize_fp8_sizes(const dg_quantize_desc* desc, dg_quan
 extern "C" dg_status dg_quantize_fp8(const dg_quantize_desc* desc, cudaStream_t stream) {
   QuantizeProblem p;
   DG_RETURN_IF_ERROR(lower(desc, &p));
-  DeviceInfo dev;
-  DG_RETURN_IF_ERROR(portable_kernel_device("FP8 quantization", &dev));
-  p.sm_count = dev.sm_count;
-  const cudaError_t err = launch_quantize_fp8(p, stream);
-  if (err != cudaSuccess)
-    return fail(DG_ERROR_CUDA, cat("FP8 quantization launch: ", cudaGetErrorString(err)));
-  return DG_SUCCESS;
+  return launch_portable("FP8 quantization", [&](int sm_count) {
+    p.sm_count = sm_count;
+    return launch_quantize_fp8(p, stream);
+  });
 }
