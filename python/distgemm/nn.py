@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .grouped import grouped_mm, grouped_mm_wgrad
+from .grouped import grouped_mm
 from .moe import (ACTIVATIONS, FP8_RECIPES, _expert_of_rows, _forms, _weight_grad, grouped_mlp, permute,
                   quantize_weight, unpermute)
 
@@ -28,12 +28,7 @@ class _GroupedLinearMainGrad(torch.autograd.Function):
         x, weight, offs = ctx.saved_tensors
         grad = grad.contiguous()
         dx = grouped_mm(grad, weight, offs, trans_w=False) if ctx.needs_input_grad[0] else None
-        grouped_mm_wgrad(grad, x, offs, out=weight.main_grad, accumulate=True)
-        if hasattr(weight, "grad_added_to_main_grad"):
-            weight.grad_added_to_main_grad = True
-            make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
-            return dx, make(weight.shape, dtype=weight.dtype, device=weight.device), None
-        return dx, None, None
+        return dx, _weight_grad(weight, True, grad, x, offs), None
 
 
 class _FP8WeightCopies:
