@@ -493,6 +493,28 @@ def two_groups(ctx: RankCtx) -> list:
     return problems
 
 
+class _Canaries:
+    """Memory filled with a pattern where freed memory would go (the caching allocator's blocks
+    and, where the workspaces come from, symmetric memory), to catch a replay writing into it."""
+
+    def __init__(self, dev):
+        self.buffers = [torch.full((16 << 20,), 0x5A5A5A5A, dtype=torch.int32, device=dev) for _ in range(8)]
+        try:
+            import torch.distributed._symmetric_memory as symm_mem
+
+            for _ in range(2):
+                s = symm_mem.empty(64 << 20, dtype=torch.uint8, device=dev)
+                s.fill_(0x5A)
+                self.buffers.append(s)
+        except Exception:
+            pass
+        self.snapshots = [c.clone() for c in self.buffers]
+
+    def hit(self) -> list:
+        """The indices of the buffers written since."""
+        return [i for i, (c, s) in enumerate(zip(self.buffers, self.snapshots)) if not torch.equal(c, s)]
+
+
 def graph_after_growth(ctx: RankCtx) -> list:
     """Capture AG + RS at a small shape, grow both workspaces with an eager call at a large
     shape, replay: the replay must be right, and neither the canary tensors allocated after
@@ -549,22 +571,10 @@ def graph_after_growth(ctx: RankCtx) -> list:
     problems += [f"growth call: {p}" for p in _check_all(ctx, [(big_ag, big_ag.call()), (big_rs, big_rs.call())])]
     del big_ag, big_rs
     torch.cuda.empty_cache()
-    # canaries where freed memory would go: the caching allocator's blocks and, where the
-    # workspaces come from, symmetric memory
-    canaries = [torch.full((16 << 20,), 0x5A5A5A5A, dtype=torch.int32, device=dev) for _ in range(8)]
-    try:
-        import torch.distributed._symmetric_memory as symm_mem
-
-        for _ in range(2):
-            s = symm_mem.empty(64 << 20, dtype=torch.uint8, device=dev)
-            s.fill_(0x5A)
-            canaries.append(s)
-    except Exception:
-        pass
-    snapshots = [c.clone() for c in canaries]
+    canaries = _Canaries(dev)
     replay(2, "replay after the growth")
     replay(3, "second replay after the growth")
-    hit = [i for i, (c, s) in enumerate(zip(canaries, snapshots)) if not torch.equal(c, s)]
+    hit = canaries.hit()
     if hit:
         problems.append(f"replay wrote into memory allocated after the growth (canaries {hit})")
     return problems
@@ -629,20 +639,10 @@ def graph_after_recover(ctx: RankCtx) -> list:
     if rec["error"] is not None:
         return problems + [f"recover() raised {rec['error']}: {rec['message'][:300]}"]
     torch.cuda.empty_cache()
-    canaries = [torch.full((16 << 20,), 0x5A5A5A5A, dtype=torch.int32, device=dev) for _ in range(8)]
-    try:
-        import torch.distributed._symmetric_memory as symm_mem
-
-        for _ in range(2):
-            s = symm_mem.empty(64 << 20, dtype=torch.uint8, device=dev)
-            s.fill_(0x5A)
-            canaries.append(s)
-    except Exception:
-        pass
-    snapshots = [c.clone() for c in canaries]
+    canaries = _Canaries(dev)
     replay(2, "replay after recover()")
     replay(3, "second replay after recover()")
-    hit = [i for i, (c, s) in enumerate(zip(canaries, snapshots)) if not torch.equal(c, s)]
+    hit = canaries.hit()
     if hit:
         problems.append(f"replay wrote into memory allocated after recover() (canaries {hit})")
     ctx.sync()
