@@ -146,8 +146,9 @@ def quantize_weight(w: torch.Tensor, recipe: str = "block", *, copies: str = "bo
             w8, wt8, sw = ops.quantize_fp8_weight(w, dtype, fwd, dgrad)
         else:
             w8, sw = quantize_fp8(w, (BLOCK, BLOCK), dtype=dtype)
-            wt8 = w8.transpose(1, 2).contiguous()
-        return (w8, sw, None, None) if not dgrad else ((None, None, wt8, sw) if not fwd else (w8, sw, wt8, sw))
+            wt8 = w8.transpose(1, 2).contiguous() if dgrad else None
+        # Both copies share the scales.
+        return (w8 if fwd else None, sw if fwd else None, wt8 if dgrad else None, sw if dgrad else None)
     out = [None] * 4
     if fwd:
         w8, sw = quantize_fp8(w.reshape(g * n, k), "row", dtype=dtype)
