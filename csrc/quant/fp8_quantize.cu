@@ -2,8 +2,9 @@
 // per 1 x 128 (also transposed, optionally padded per group) and per 128 x 128 block.
 //
 // Every block's scale is amax / fp8_max in float32 (IEEE division), or 1 where that is 0, and
-// its data is saturate_rn(x / scale): a true division, not a multiplication by 1 / scale, so
-// that the plain-PyTorch reference (distgemm/quantize.py) gives the same bits. The amax is a
+// its data is saturate_rn(x / scale): the correctly rounded quotient (quant::Divisor), not a
+// product with 1 / scale, so that the plain-PyTorch reference (distgemm/quantize.py) gives the
+// same bits. The amax is a
 // max over the float bits of |x| as unsigned integers: the numeric order for non-negative
 // floats, with a NaN above +inf, so one NaN makes its block's scale and data NaN.
 //
@@ -41,12 +42,13 @@ __global__ void __launch_bounds__(kThreads)
     tensor_quantize_kernel(const typename In::Storage* __restrict__ x, int64_t n, bool vec,
                            const uint32_t* amax, uint8_t* __restrict__ out, float* scale) {
   const float s = scale_of<I>(*amax);
+  const Divisor d(s);
   if (blockIdx.x == 0 && threadIdx.x == 0) *scale = s;
   const int64_t vectors = (n + 7) / 8;
   for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < vectors; i += int64_t(gridDim.x) * kThreads) {
     float v[8];
     load8<In>(x, i * 8, n, vec, v);
-    store8<I>(out, i * 8, n, vec, v, s);
+    store8<I>(out, i * 8, n, vec, v, d);
   }
 }
 
@@ -81,16 +83,17 @@ __global__ void __launch_bounds__(kThreads)
       m = max8(m, v);
     }
     const float s = scale_of<I>(block_max(m, red));
+    const Divisor d(s);
     if (threadIdx.x == 0) scale[r] = s;
 #pragma unroll
     for (int k = 0; k < kCached; ++k) {
       const int64_t i = threadIdx.x + int64_t(k) * kThreads;
-      if (i < vectors) store8<I>(outr, i * 8, cols, vec, cache[k], s);
+      if (i < vectors) store8<I>(outr, i * 8, cols, vec, cache[k], d);
     }
     for (int64_t i = threadIdx.x + int64_t(kCached) * kThreads; i < vectors; i += kThreads) {
       float v[8];
       load8<In>(xr, i * 8, cols, vec, v);
-      store8<I>(outr, i * 8, cols, vec, v, s);
+      store8<I>(outr, i * 8, cols, vec, v, d);
     }
   }
 }
@@ -127,7 +130,8 @@ __global__ void __launch_bounds__(kThreads)
     for (int o = 8; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(kFullMask, m, o));  // within 16 lanes
     if (!active) continue;
     const float s = scale_of<I>(m);
-    store8<I>(out + r * cols, c, cols, vec, v, s);
+    const Divisor d(s);
+    store8<I>(out + r * cols, c, cols, vec, v, d);
     if (sub == 0) scale[cb * rows + r] = s;
   }
 }
@@ -168,11 +172,12 @@ __global__ void __launch_bounds__(kThreads)
       m = max8(m, v[k]);
     }
     const float s = scale_of<I>(block_max(m, red));
+    const Divisor d(s);
     if (threadIdx.x == 0) scale[blk] = s;
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
       const int64_t r = rb * kBlock + row + 16 * k;
-      if (r < rows) store8<I>(outb + r * cols, c, cols, vec, v[k], s);
+      if (r < rows) store8<I>(outb + r * cols, c, cols, vec, v[k], d);
     }
   }
 }
@@ -247,6 +252,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int k = 0; k < kThreads / kTileCols; ++k) m = max(m, red[k][j]);
       const float s = scale_of<I>(m);
+      const Divisor d(s);
       const int64_t c = c0 + j;
       if (c < cols) {
         if (q == 0) scale[p * cols + c] = s;
@@ -259,12 +265,12 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
           for (int k = 0; k < kRowsPerThread / 4; ++k)
             w[k] = to_fp8x4<I>(src[(4 * k) * kPitch], src[(4 * k + 1) * kPitch], src[(4 * k + 2) * kPitch],
-                               src[(4 * k + 3) * kPitch], s);
+                               src[(4 * k + 3) * kPitch], d);
 #pragma unroll
           for (int k = 0; k < kRowsPerThread / 16; ++k)
             reinterpret_cast<uint4*>(o)[k] = make_uint4(w[4 * k], w[4 * k + 1], w[4 * k + 2], w[4 * k + 3]);
         } else {
-          for (int r = 0; r < kRowsPerThread && col + r < out_ld; ++r) o[r] = to_fp8<I>(src[r * kPitch], s);
+          for (int r = 0; r < kRowsPerThread && col + r < out_ld; ++r) o[r] = to_fp8<I>(src[r * kPitch], d);
         }
       }
       __syncthreads();  // the tile and red are rewritten by the next tile

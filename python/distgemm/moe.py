@@ -232,15 +232,20 @@ class _GroupedMLP(torch.autograd.Function):
             saved = (x, h, a)
         else:
             e4m3 = torch.float8_e4m3fn
-            if w1_fp8 is None:  # made per call: the forward's copies now, the dgrad's in backward
-                w1_fp8, w1_scale, _, _ = quantize_weight(w1, recipe, copies="forward")
-                w2_fp8, w2_scale, _, _ = quantize_weight(w2, recipe, copies="forward")
+            # Copies made per call are made just before their GEMM and dropped after it (the
+            # dgrad's in the backward), so that at most one weight's copy is alive at a time.
             _, x8, sx, xt8, sxt = _forms(x, "identity", recipe, offs, rows=True, transposed=need_w1, dtype=e4m3)
+            if w1_fp8 is None:
+                w1_fp8, w1_scale, _, _ = quantize_weight(w1, recipe, copies="forward")
             h = grouped_mm(x8, w1_fp8, offs, scale_x=sx, scale_w=w1_scale)
+            del x8, sx, w1_fp8, w1_scale
             if b1 is not None:
                 h = _add_bias(h, b1, experts)
             _, a8, sa, at8, sat = _forms(h, kind, recipe, offs, rows=True, transposed=need_w2, dtype=e4m3)
+            if w2_fp8 is None:
+                w2_fp8, w2_scale, _, _ = quantize_weight(w2, recipe, copies="forward")
             y = grouped_mm(a8, w2_fp8, offs, scale_x=sa, scale_w=w2_scale)
+            del a8, sa, w2_fp8, w2_scale
             saved = (xt8, sxt, h, at8, sat, w1t_fp8, w1t_scale, w2t_fp8, w2t_scale)
         if b2 is not None:
             y = _add_bias(y, b2, experts)
@@ -273,20 +278,25 @@ class _GroupedMLP(torch.autograd.Function):
         else:
             xt8, sxt, h, at8, sat, w1t8, sw1t, w2t8, sw2t = saved
             recipe, gd = ctx.recipe, ctx.grad_dtype
-            if w2t8 is None and need_da:
-                _, _, w2t8, sw2t = quantize_weight(w2, recipe, copies="dgrad")
-            if w1t8 is None and need_dx:
-                _, _, w1t8, sw1t = quantize_weight(w1, recipe, copies="dgrad")
             _, dy8, sdy, dyt8, sdyt = _forms(dy, "identity", recipe, offs, rows=need_da, transposed=need_w2, dtype=gd)
+            del dy
             if need_w2:
                 dw2 = _weight_grad(w2, ctx.fuse_wgrad, dyt8, at8, offs, scale_dy=sdyt, scale_x=sat)
+            del dyt8, sdyt
             if need_da:
+                if w2t8 is None:
+                    _, _, w2t8, sw2t = quantize_weight(w2, recipe, copies="dgrad")
                 # da_g = dy_g @ w2_g: the K-major operand is the transposed copy (G, ffn, hidden).
                 da = grouped_mm(dy8, w2t8.transpose(1, 2), offs, scale_x=sdy, scale_w=sw2t, trans_w=False)
+                del dy8, sdy, w2t8, sw2t
                 dh, dh8, sdh, dht8, sdht = _forms(h, ctx.kind, recipe, offs, rows=need_dx, transposed=need_w1,
                                                   dtype=gd, dy=da, bf16=need_b1)
+                del da
             if need_dx:
+                if w1t8 is None:
+                    _, _, w1t8, sw1t = quantize_weight(w1, recipe, copies="dgrad")
                 dx = grouped_mm(dh8, w1t8.transpose(1, 2), offs, scale_x=sdh, scale_w=sw1t, trans_w=False)
+                del dh8, sdh, w1t8, sw1t
             if need_w1:
                 dw1 = _weight_grad(w1, ctx.fuse_wgrad, dht8, xt8, offs, scale_dy=sdht, scale_x=sxt)
         if need_b1:

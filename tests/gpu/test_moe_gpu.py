@@ -67,6 +67,26 @@ def test_activation_kernel_matches_the_unfused_path_bit_for_bit(kind, backward, 
     assert alone.y is None and alone.y_fp8 is None and torch.equal(_bits(alone.yt_fp8), _bits(t8))
 
 
+@pytest.mark.parametrize("kind, backward", [("identity", False), ("swiglu", True)])
+@pytest.mark.parametrize("counts, inner", [
+    ([20000, 0, 13333, 7001], 1024),             # more tiles than CTAs: each CTA walks several
+    ([(g * 7) % 5 for g in range(1500)], 136),   # more experts than the ends held in shared memory
+])
+def test_activation_kernel_on_many_tiles_matches_the_unfused_path(kind, backward, counts, inner):
+    torch.manual_seed(2)
+    offs = make_offs(counts)
+    t = sum(counts)
+    x = torch.randn(t, 2 * inner if kind == "swiglu" else inner, device=DEV).bfloat16()
+    dy = torch.randn(t, inner, device=DEV).bfloat16() if backward else None
+    out = moe.activation(x, kind, dy=dy, offs=offs, bf16=True, fp8_rows=True, fp8_transposed=True)
+    r8, rs = distgemm.quantize_fp8(out.y, (1, 128))
+    assert torch.equal(_bits(out.y_fp8), _bits(r8)) and torch.equal(out.y_scale, rs)
+    t8, ts = distgemm.quantize_fp8(out.y, (1, 128), transpose=True, offs=offs)
+    assert torch.equal(_bits(out.yt_fp8), _bits(t8)) and torch.equal(out.yt_scale, ts)
+    if kind == "identity":
+        assert torch.equal(out.y, x)
+
+
 def test_activation_kernel_zero_fills_the_padding():
     counts = [130, 0, 7]  # T = 137, padded blocks: expert 0 from 0, expert 2 from 2 + 130 // 128 = 3
     offs = make_offs(counts)
@@ -83,7 +103,8 @@ def test_activation_kernel_zero_fills_the_padding():
 
 def test_weight_kernel_matches_quantize_fp8():
     torch.manual_seed(1)
-    for shape in [(3, 256, 384), (2, 200, 72), (1, 1, 130)]:
+    # (8, 1024, 2048): more blocks than CTAs; 144 rows: a transposed row ends mid-vector.
+    for shape in [(3, 256, 384), (2, 200, 72), (1, 1, 130), (8, 1024, 2048), (2, 144, 256)]:
         w = torch.randn(*shape, device=DEV).bfloat16()
         w8, sw, wt8, swt = moe.quantize_weight(w, "block")
         r8, rs = distgemm.quantize_fp8(w, (128, 128))
