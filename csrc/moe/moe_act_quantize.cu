@@ -392,7 +392,10 @@ __global__ void __launch_bounds__(kThreads) act_pipelined_kernel(ActProblem p, i
 
   int64_t use_tile = -1, first = 0;
   int count = 0;
-  const int sub = threadIdx.x & 15;
+  // The unit's rows: 8 lanes a row, 16 columns a lane (8 at 8 lane, 8 at 64 + 8 lane, so that
+  // the lanes of a row read and write contiguous runs), one row a thread.
+  const int lane = threadIdx.x & 7;
+  const int iu = threadIdx.x >> 3;
   for (int64_t n = 0; n < units; ++n) {
     cp_async_wait<kActStages - 2>();
     __syncthreads();  // unit n is visible to all; stage (n - 1) % kActStages and the tile are free
@@ -404,43 +407,44 @@ __global__ void __launch_bounds__(kThreads) act_pipelined_kernel(ActProblem p, i
       block_span(p, ends, pblock, first, count);
     }
     const int64_t c0 = (t - pblock * col_blocks) * kBlock;
-    const int64_t c = c0 + sub * 8;
-    const int row0 = static_cast<int>(n % kUnitsPerTile) * kUnitRows;
+    const int i = static_cast<int>(n % kUnitsPerTile) * kUnitRows + iu;  // the row within the tile
+    const bool active = i < count;
+    const int64_t r = first + i;
     const uint16_t* stage = ring + (n % kActStages) * kIn * kUnitElems;
+    float v[2][2][8];  // [plane][half][column]
 #pragma unroll
-    for (int k = 0; k < kUnitRows / (kThreads / 16); ++k) {
-      const int iu = (threadIdx.x >> 4) + (kThreads / 16) * k;  // the row within the unit
-      const int i = row0 + iu;                                    // within the tile
-      const bool active = i < count;
-      const int64_t r = first + i;
+    for (int h = 0; h < 2; ++h) {
+      const int off = iu * kBlock + h * 64 + lane * 8;
       Raw8 in{};
-      const int off = iu * kBlock + sub * 8;
       in.a = *reinterpret_cast<const uint4*>(stage + off);
       if constexpr (Act == kSwiglu || Act == kSwigluBackward)
         in.u = *reinterpret_cast<const uint4*>(stage + kUnitElems + off);
       if constexpr (Act == kSwigluBackward || Act == kGeluBackward)
         in.d = *reinterpret_cast<const uint4*>(stage + (kIn - 1) * kUnitElems + off);
-      float v[2][8];
-      compute8<Act>(in, v[0], v[1]);
+      compute8<Act>(in, v[0][h], v[1][h]);
+    }
 #pragma unroll
-      for (int q = 0; q < kPlanes; ++q) {
-        const int64_t yc = q * p.inner + c;
-        if (p.y_fp8 != nullptr) {
-          uint32_t m = quant::max8(0u, v[q]);
+    for (int q = 0; q < kPlanes; ++q) {
+      if (p.y_fp8 != nullptr) {
+        uint32_t m = quant::max8(quant::max8(0u, v[q][0]), v[q][1]);
 #pragma unroll
-          for (int o = 8; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(kFullMask, m, o));
-          if (active) {
-            const float s = scale_of<I>(m);
-            const Divisor d(s);
-            uint8_t* row = static_cast<uint8_t*>(p.y_fp8) + r * p.y_cols + q * p.inner;
-            store8<I>(row, c, p.inner, vec_y8, v[q], d);
-            if (sub == 0) p.y_scale[(yc / kBlock) * p.tokens + r] = s;
-          }
+        for (int o = 4; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(kFullMask, m, o));  // the row's 8 lanes
+        if (active) {
+          const float s = scale_of<I>(m);
+          const Divisor d(s);
+          uint8_t* row = static_cast<uint8_t*>(p.y_fp8) + r * p.y_cols + q * p.inner;
+#pragma unroll
+          for (int h = 0; h < 2; ++h) store8<I>(row, c0 + h * 64 + lane * 8, p.inner, vec_y8, v[q][h], d);
+          if (lane == 0) p.y_scale[(q * p.inner + c0) / kBlock * p.tokens + r] = s;
         }
+      }
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int64_t c = c0 + h * 64 + lane * 8;
+        const uint4 b = make_uint4(pack_bf16x2(v[q][h][0], v[q][h][1]), pack_bf16x2(v[q][h][2], v[q][h][3]),
+                                   pack_bf16x2(v[q][h][4], v[q][h][5]), pack_bf16x2(v[q][h][6], v[q][h][7]));
         if (p.y != nullptr && active && c < p.inner) {
           uint16_t* row = static_cast<uint16_t*>(p.y) + r * p.y_cols + q * p.inner;
-          const uint4 b = make_uint4(pack_bf16x2(v[q][0], v[q][1]), pack_bf16x2(v[q][2], v[q][3]),
-                                     pack_bf16x2(v[q][4], v[q][5]), pack_bf16x2(v[q][6], v[q][7]));
           if (vec_y) {
             *reinterpret_cast<uint4*>(row + c) = b;
           } else {
@@ -448,11 +452,7 @@ __global__ void __launch_bounds__(kThreads) act_pipelined_kernel(ActProblem p, i
             for (int e = 0; e < 8; ++e) row[c + e] = static_cast<uint16_t>(w[e / 2] >> (16 * (e % 2)));
           }
         }
-        if (transposed) {
-          *reinterpret_cast<uint4*>(tile + (q * kBlock + i) * kBlock + sub * 8) =
-              make_uint4(pack_bf16x2(v[q][0], v[q][1]), pack_bf16x2(v[q][2], v[q][3]),
-                         pack_bf16x2(v[q][4], v[q][5]), pack_bf16x2(v[q][6], v[q][7]));
-        }
+        if (transposed) *reinterpret_cast<uint4*>(tile + (q * kBlock + i) * kBlock + h * 64 + lane * 8) = b;
       }
     }
     if (!transposed || n % kUnitsPerTile != kUnitsPerTile - 1) continue;  // uniform

@@ -50,9 +50,22 @@ __device__ __forceinline__ uint32_t abs_bits(float v) { return __float_as_uint(v
 
 // The scale of a block of amax `amax_bits`: amax / fp8_max, or 1 where that is 0 (an all-zero
 // block, or an amax so small that the quotient underflows). NaN and inf stay.
+// The quotient by fp8_max is the division's (exhaustively checked for every finite amax from
+// 2^-100 up) with the reciprocal constant and two residual corrections, as in Divisor below.
 template <__nv_fp8_interpretation_t I>
 __device__ __forceinline__ float scale_of(uint32_t amax_bits) {
-  const float s = __uint_as_float(amax_bits) / Fp8Max<I>::value;
+  const float a = __uint_as_float(amax_bits);
+  constexpr float m = Fp8Max<I>::value, r = 1.f / Fp8Max<I>::value;
+  float s;
+  if (amax_bits >= 0x0d800000u && amax_bits < 0x7f800000u) {  // [2^-100, inf)
+    s = a * r;
+    float e = fmaf(-m, s, a);
+    s = fmaf(e, r, s);
+    e = fmaf(-m, s, a);
+    s = fmaf(e, r, s);
+  } else {
+    s = a / m;
+  }
   return s == 0.f ? 1.f : s;
 }
 
