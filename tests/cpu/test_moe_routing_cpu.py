@@ -116,3 +116,24 @@ def test_routing_refuses_bad_arguments():
         moe.unpermute(p.rows[:5], p.row_map, torch.ones(4, 2))
     with pytest.raises(ValueError, match="row_map"):
         moe.unpermute(p.rows, p.row_map[:3], torch.ones(4, 2))
+
+
+@pytest.mark.parametrize("skewed", [False, True])
+def test_layer_bench_peer_is_the_same_layer(skewed):
+    # The moe_layer suite's torch-ops layer (argsort, index_select, torch._grouped_mm, index_add_)
+    # must compute what MoEExperts computes, forward and the input's gradient, or its ratios mean nothing.
+    from distgemm.bench.moe_layer_suite import _TorchMoE, routing
+
+    torch.manual_seed(0)
+    ids, w = routing(50, 6, 2, skewed, "cpu")
+    assert ids.shape == (50, 2) and torch.all(ids[:, 0] != ids[:, 1])
+    assert torch.allclose(w.sum(1), torch.ones(50))
+    layer = MoEExperts(6, 64, 32, activation="swiglu")
+    peer = _TorchMoE(layer.experts.fc1_weight, layer.experts.fc2_weight)
+    x = torch.randn(50, 64).bfloat16().requires_grad_()
+    xp = x.detach().clone().requires_grad_()
+    out, ref = layer(x, ids, w), peer(xp, ids, w)
+    assert rel(out, ref) < 0.02
+    out.float().sum().backward()
+    ref.float().sum().backward()
+    assert rel(x.grad, xp.grad) < 0.02
