@@ -106,7 +106,10 @@ def _peak_mb(fn: Callable[[], None]) -> float:
 
 
 # The first class whose keys a kernel's name holds ("distgemm::moe::act_kernel" holds "gemm" too).
-KERNEL_CLASSES = (("quantize / activation", ("act_kernel", "quantize", "weight_kernel", "group_ends", "amax")),
+KERNEL_CLASSES = (("quantize / activation", ("act_kernel", "act_pipelined", "quantize", "weight_kernel", "weight_pipelined",
+                                             "group_ends", "amax")),
+                  ("permute / unpermute (gather, scatter-add, sort)", ("indexfunc", "index_select", "gather", "scatter",
+                                                                       "sort", "radix", "bincount")),
                   ("gemm", ("gemm", "gmm", "cutlass", "nvjet", "sm90", "device_kernel", "xmma")),
                   ("copy / cast", ("copy", "cast", "transpose", "convert")),
                   ("memset / fill (main_grad zeroed)", ("fill", "memset", "zero")),
