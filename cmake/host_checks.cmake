@@ -41,6 +41,10 @@ target_link_libraries(distgemm_heuristic_tests PRIVATE distgemm_host_checks GTes
 add_executable(distgemm_cublaslt_check_tests tests/cpp/test_cublaslt_checks.cpp)
 target_link_libraries(distgemm_cublaslt_check_tests PRIVATE distgemm_host_checks GTest::gtest GTest::gtest_main)
 
+# The FP8 kernels' quotient without the division, against the division (CPU only).
+add_executable(distgemm_quotient_tests tests/cpp/test_exact_quotient.cpp)
+target_link_libraries(distgemm_quotient_tests PRIVATE distgemm_host_checks GTest::gtest GTest::gtest_main)
+
 add_executable(distgemm_fuzz_checks tests/cpp/fuzz_checks.cpp)
 target_link_libraries(distgemm_fuzz_checks PRIVATE distgemm_host_checks)
 
@@ -53,8 +57,9 @@ add_test(NAME c_api_checks COMMAND distgemm_host_tests)
 add_test(NAME tp_plans COMMAND distgemm_plan_tests)
 add_test(NAME tile_heuristics COMMAND distgemm_heuristic_tests)
 add_test(NAME cublaslt_checks COMMAND distgemm_cublaslt_check_tests)
+add_test(NAME exact_quotient COMMAND distgemm_quotient_tests)
 set(DISTGEMM_FUZZ_ITERATIONS 200000 CACHE STRING "Random descriptors per run of the C API fuzzer")
 set(DISTGEMM_FUZZ_FAMILIES "gemm,grouped,tp,quant,moe" CACHE STRING "What the C API fuzzer calls: gemm,grouped,tp,quant,moe")
 add_test(NAME c_api_fuzz
          COMMAND distgemm_fuzz_checks ${DISTGEMM_FUZZ_ITERATIONS} 20260101 ${DISTGEMM_FUZZ_FAMILIES})
-set_tests_properties(c_api_checks tp_plans tile_heuristics cublaslt_checks c_api_fuzz PROPERTIES ENVIRONMENT "${DISTGEMM_SANITIZER_ENV}")
+set_tests_properties(c_api_checks tp_plans tile_heuristics cublaslt_checks exact_quotient c_api_fuzz PROPERTIES ENVIRONMENT "${DISTGEMM_SANITIZER_ENV}")

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 
+#include "quant/exact_quotient.h"
 #include "quant/fp8_quantize.h"
 
 namespace distgemm::quant {
@@ -48,44 +49,26 @@ __device__ __forceinline__ int64_t max64(int64_t a, int64_t b) { return a > b ? 
 // |v| as bits, ordered as unsigned integers (NaN of either sign above +inf).
 __device__ __forceinline__ uint32_t abs_bits(float v) { return __float_as_uint(v) & 0x7fffffffu; }
 
-// The scale of a block of amax `amax_bits`: amax / fp8_max, or 1 where that is 0 (an all-zero
-// block, or an amax so small that the quotient underflows). NaN and inf stay.
-// The quotient by fp8_max is the division's (exhaustively checked for every finite amax from
-// 2^-100 up) with the reciprocal constant and two residual corrections, as in Divisor below.
+// The scale of a block of amax `amax_bits`: amax / fp8_max as the division gives it
+// (quant/exact_quotient.h), or 1 where that is 0 (an all-zero block, or an amax so small that
+// the quotient underflows). NaN and inf stay.
 template <__nv_fp8_interpretation_t I>
 __device__ __forceinline__ float scale_of(uint32_t amax_bits) {
   const float a = __uint_as_float(amax_bits);
   constexpr float m = Fp8Max<I>::value, r = 1.f / Fp8Max<I>::value;
-  float s;
-  if (amax_bits >= 0x0d800000u && amax_bits < 0x7f800000u) {  // [2^-100, inf)
-    s = a * r;
-    float e = fmaf(-m, s, a);
-    s = fmaf(e, r, s);
-    e = fmaf(-m, s, a);
-    s = fmaf(e, r, s);
-  } else {
-    s = a / m;
-  }
+  const float s = amax_bits >= kExactAmaxMinBits && amax_bits < 0x7f800000u ? corrected_quotient(a, m, r) : a / m;
   return s == 0.f ? 1.f : s;
 }
 
-// x / scale for one block's scale, rounded as the IEEE division rounds it, from the reciprocal
-// computed once: per value a product and two residual corrections (the steps CUDA's division
-// runs after its reciprocal, without its range check and branch), half the instructions. Exact
-// where no intermediate underflows: scales in [2^-60, 2^100] and |x| <= the block's amax
-// (checked bit for bit against the division on 4e9 values; below 2^-19 the quotient may differ
-// by an ulp, which no FP8 format resolves, and the sign stays x's). Other scales divide.
+// x / scale for one block's scale, rounded as the division rounds it: the reciprocal once, then
+// per value its corrected product (quant/exact_quotient.h) where the scale allows, half the
+// instructions of the division.
 struct Divisor {
   float scale, recip;
   bool fast;
-  __device__ __forceinline__ explicit Divisor(float s) : scale(s), recip(1.f / s), fast(s >= 0x1p-60f && s <= 0x1p100f) {}
+  __device__ __forceinline__ explicit Divisor(float s) : scale(s), recip(1.f / s), fast(exact_by_reciprocal(s)) {}
   __device__ __forceinline__ float fast_quotient(float x) const {
-    float q = x * recip;
-    float e = fmaf(-scale, q, x);
-    q = fmaf(e, recip, q);
-    e = fmaf(-scale, q, x);
-    q = fmaf(e, recip, q);
-    return copysignf(q, x);  // x = -0 gives -0
+    return copysignf(corrected_quotient(x, scale, recip), x);  // x = -0 gives -0
   }
   __device__ __forceinline__ float operator()(float x) const { return fast ? fast_quotient(x) : x / scale; }
   // Four quotients, one branch for the four (a branch per value costs as much as the division).
