@@ -132,6 +132,26 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&b);
 }
 
+// Two adjacent columns of 32 rows of a bf16 tile in shared memory (`pair` points at their
+// bf16x2 in the first row; rows 128 columns apart) as FP8, the first quantized by d0 and the
+// second by d1: packed[t] holds column t's 32 bytes, the first row in the lowest byte.
+template <__nv_fp8_interpretation_t I>
+__device__ __forceinline__ void pack_column_pair(const uint32_t* pair, const Divisor& d0, const Divisor& d1,
+                                                 uint32_t (&packed)[2][kBlock / 16]) {
+#pragma unroll
+  for (int k = 0; k < kBlock / 16; ++k) {
+    float lo[4], hi[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const uint32_t b = pair[(4 * k + e) * (kBlock / 2)];
+      lo[e] = Bf16::to_float(static_cast<uint16_t>(b & 0xffffu));
+      hi[e] = Bf16::to_float(static_cast<uint16_t>(b >> 16));
+    }
+    packed[0][k] = to_fp8x4<I>(lo[0], lo[1], lo[2], lo[3], d0);
+    packed[1][k] = to_fp8x4<I>(hi[0], hi[1], hi[2], hi[3], d1);
+  }
+}
+
 // The FP8 transpose of a CTA's tile of bf16 values [kPlanes][128][128] (rows: the tokens of
 // padded row block pblock; columns c0 + [0, 128) of each plane): a thread per pair of tile
 // columns and quarter of the 128 rows; it reads both columns as bf16x2 (twice: their amax, then
@@ -161,18 +181,7 @@ __device__ __forceinline__ void write_transpose(const ActProblem& p, const uint1
     uint32_t packed[2][kRows / 4];
     const float s0 = scale_of<I>(m_lo), s1 = scale_of<I>(m_hi);
     const Divisor d0(s0), d1(s1);
-#pragma unroll
-    for (int k = 0; k < kRows / 4; ++k) {
-      float lo[4], hi[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const uint32_t b = pair[(4 * k + e) * (kBlock / 2)];
-        lo[e] = Bf16::to_float(static_cast<uint16_t>(b & 0xffffu));
-        hi[e] = Bf16::to_float(static_cast<uint16_t>(b >> 16));
-      }
-      packed[0][k] = to_fp8x4<I>(lo[0], lo[1], lo[2], lo[3], d0);
-      packed[1][k] = to_fp8x4<I>(hi[0], hi[1], hi[2], hi[3], d1);
-    }
+    pack_column_pair<I>(pair, d0, d1, packed);
 #pragma unroll
     for (int t = 0; t < 2; ++t) {
       const int64_t ac = c0 + 2 * jp + t;
@@ -631,18 +640,7 @@ __global__ void __launch_bounds__(kThreads)
     constexpr int kRows = kBlock / 4;
     const uint32_t* pair = reinterpret_cast<const uint32_t*>(stage + quarter * kRows * kBlock) + jp;
     uint32_t packed[2][kRows / 4];
-#pragma unroll
-    for (int k = 0; k < kRows / 4; ++k) {
-      float lo[4], hi[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const uint32_t b = pair[(4 * k + e) * (kBlock / 2)];
-        lo[e] = Bf16::to_float(static_cast<uint16_t>(b & 0xffffu));
-        hi[e] = Bf16::to_float(static_cast<uint16_t>(b >> 16));
-      }
-      packed[0][k] = to_fp8x4<I>(lo[0], lo[1], lo[2], lo[3], d);
-      packed[1][k] = to_fp8x4<I>(hi[0], hi[1], hi[2], hi[3], d);
-    }
+    pack_column_pair<I>(pair, d, d, packed);
     const int64_t ocol = rb * kBlock + quarter * kRows;
 #pragma unroll
     for (int t = 0; t < 2; ++t) {
