@@ -552,3 +552,30 @@ def test_tp_fp8_operands_pass_scaled_mm_checks_and_the_reference_dequantizes(kin
     got = tp_suite.fp8_reference(a, sa, b, sb)[::61, ::97]
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-4)
 
+
+
+def test_moe_kernel_classes_file_each_kernel_by_what_it_does():
+    # Kernel names as the profiler gives them on the H200. distgemm's own kernels hold "gemm" in
+    # their namespace, so the memory-bound passes must be matched before the GEMMs.
+    from distgemm.bench.moe_suite import tabulate_kernels
+
+    names = {
+        "void distgemm::moe::(anonymous namespace)::act_pipelined_kernel<0, (__nv_fp8_interpretation_t)0>": "quantize / activation",
+        "void distgemm::moe::(anonymous namespace)::weight_pipelined_kernel<(__nv_fp8_interpretation_t)0>": "quantize / activation",
+        "void distgemm::moe::(anonymous namespace)::act_kernel<3, (__nv_fp8_interpretation_t)0>": "quantize / activation",
+        "distgemm::quant::(anonymous namespace)::group_ends_kernel(int const*, long, long, int*)": "quantize / activation",
+        "_ZN7cutlass13device_kernelINS_4gemm6kernel13GemmUniversalINS1_17GroupProblemShape": "gemm",
+        "void at::native::indexFuncLargeIndex<c10::BFloat16, long, unsigned int, 2, 2, -2, true>":
+            "permute / unpermute (gather, scatter-add, sort)",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>": "memset / fill (main_grad zeroed)",
+        "void at::native::elementwise_kernel<128, 2, direct_copy_kernel_cuda>": "copy / cast",
+        "some_unknown_kernel": "other",
+    }
+    kernels = {name: [1.0 + i, 2.0] for i, name in enumerate(names)}
+    rows, classes = tabulate_kernels(kernels)
+    assert [r["us"] for r in rows] == sorted((r["us"] for r in rows), reverse=True)
+    assert all(r["calls"] == 2 for r in rows)
+    want = {}
+    for i, cls in enumerate(names.values()):
+        want[cls] = want.get(cls, 0.0) + 3.0 + i
+    assert classes == pytest.approx(want)

@@ -23,7 +23,7 @@ from typing import Dict, Tuple
 import torch
 
 from .common import geomean, gpu_slug, plot_ratios, print_row, round_robin_ms, write_results
-from .moe_suite import _peak_mb, _step, kernel_table
+from .moe_suite import _peak_mb, _step, record_kernels
 
 # (experts, top-k, hidden, ffn, tokens): SonicMoE's H100 layer; Qwen3-30B-A3B-like; Mixtral-like;
 # many small experts; top-1.
@@ -136,14 +136,7 @@ def run(out_dir: str, quick: bool) -> Dict[str, object]:
             print_row(label, cols)
             if not skewed:
                 for name in ("distgemm block", "distgemm bf16", "torch bf16"):
-                    table, classes = kernel_table(steps[name])
-                    total = sum(classes.values())
-                    row[name]["kernels"] = table[:25]
-                    row[name]["kernel_classes_us"] = classes
-                    print(f"    {name} GPU time by class ({total / 1e3:.2f} ms): " + ", ".join(
-                        f"{c} {us / 1e3:.2f} ms ({100 * us / total:.0f}%)" for c, us in classes.items()))
-                    for kern in table[:8]:
-                        print(f"      {kern['us'] / 1e3:8.3f} ms  {kern['calls']:3d}x  {kern['kernel'][:90]}")
+                    record_kernels(row[name], name, steps[name])
             rows.append(row)
             del layers, steps, forwards, tl
             torch.cuda.empty_cache()

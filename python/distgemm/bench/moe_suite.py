@@ -129,6 +129,12 @@ def kernel_table(fn: Callable[[], None]) -> Tuple[List[dict], Dict[str, float]]:
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time_total > 0:
             kernels.setdefault(ev.name, []).append(ev.device_time_total)
+    return tabulate_kernels(kernels)
+
+
+def tabulate_kernels(kernels: Dict[str, List[float]]) -> Tuple[List[dict], Dict[str, float]]:
+    """Kernel name -> the GPU times of its calls (us), as rows (longest total first) and the
+    time per class of KERNEL_CLASSES ("other" for the rest)."""
     rows = sorted(({"kernel": k[:120], "calls": len(v), "us": round(sum(v), 1)} for k, v in kernels.items()),
                   key=lambda r: -r["us"])
     classes: Dict[str, float] = {}
@@ -137,6 +143,19 @@ def kernel_table(fn: Callable[[], None]) -> Tuple[List[dict], Dict[str, float]]:
         cls = next((c for c, keys in KERNEL_CLASSES if any(k in name for k in keys)), "other")
         classes[cls] = round(classes.get(cls, 0.0) + r["us"], 1)
     return rows, classes
+
+
+def record_kernels(entry: dict, name: str, fn: Callable[[], None]) -> None:
+    """Profiles one step of `fn`, keeps its longest kernels and its time per class in `entry`,
+    and prints them."""
+    table, classes = kernel_table(fn)
+    entry["kernels"] = table[:25]
+    entry["kernel_classes_us"] = classes
+    total = sum(classes.values())
+    print(f"    {name} GPU time by class ({total / 1e3:.2f} ms): " + ", ".join(
+        f"{c} {us / 1e3:.2f} ms ({100 * us / total:.0f}%)" for c, us in classes.items()))
+    for k in table[:8]:
+        print(f"      {k['us'] / 1e3:8.3f} ms  {k['calls']:3d}x  {k['kernel'][:90]}")
 
 
 def run(out_dir: str, quick: bool, activations=("swiglu", "gelu")) -> Dict[str, object]:
@@ -191,14 +210,7 @@ def run(out_dir: str, quick: bool, activations=("swiglu", "gelu")) -> Dict[str, 
                 print_row(label, cols)
                 if not skewed:
                     for name in ("distgemm block", "distgemm bf16"):
-                        table, classes = kernel_table(steps[name])
-                        total = sum(classes.values())
-                        row[name]["kernels"] = table[:25]
-                        row[name]["kernel_classes_us"] = classes
-                        print(f"    {name} GPU time by class ({total / 1e3:.2f} ms): " + ", ".join(
-                            f"{c} {us / 1e3:.2f} ms ({100 * us / total:.0f}%)" for c, us in classes.items()))
-                        for k in table[:8]:
-                            print(f"      {k['us'] / 1e3:8.3f} ms  {k['calls']:3d}x  {k['kernel'][:90]}")
+                        record_kernels(row[name], name, steps[name])
                 rows.append(row)
                 del layers, steps
                 torch.cuda.empty_cache()
