@@ -72,23 +72,29 @@ def _reference_values(x: torch.Tensor, code: int, dy: Optional[torch.Tensor], in
     return torch.cat([d * up * s * (1.0 + gate * (1.0 - s)), d * gate * s], dim=1).to(torch.bfloat16)
 
 
-def _check_activation_args(op, x, code, dy, offs, inner, transposed, fp8_dtype):
+def _check_activation_args(op, x, code, dy, offs, transposed, fp8_dtype) -> int:
+    """The activation's width, once the arguments are checked."""
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype != torch.bfloat16:
         raise ValueError(f"{op}: x must be a 2-D bfloat16 tensor, got "
                          f"{getattr(x, 'dtype', type(x).__name__)} of shape {tuple(getattr(x, 'shape', ()))}")
     if code in (SWIGLU, SWIGLU_BACKWARD) and x.shape[1] % 2:
         raise ValueError(f"{op}: SwiGLU takes x = [gate | up] with an even number of columns, got {x.shape[1]}")
+    inner = x.shape[1] // 2 if code in (SWIGLU, SWIGLU_BACKWARD) else x.shape[1]
     if dy is not None and (not isinstance(dy, torch.Tensor) or dy.dtype != torch.bfloat16
                            or tuple(dy.shape) != (x.shape[0], inner) or dy.device != x.device):
         raise ValueError(f"{op}: dy must be a bfloat16 tensor of shape {(x.shape[0], inner)} on {x.device}, got "
                          f"{getattr(dy, 'dtype', None)} {tuple(getattr(dy, 'shape', ()))}")
     if transposed:
         if not isinstance(offs, torch.Tensor) or offs.dtype != torch.int32 or offs.dim() != 1 or offs.numel() < 1:
-            raise ValueError(f"{op}: fp8_transposed needs offs, a 1-D int32 tensor of cumulative expert ends")
+            got = (f"{offs.dtype} of shape {tuple(offs.shape)}" if isinstance(offs, torch.Tensor)
+                   else type(offs).__name__)
+            raise ValueError(f"{op}: fp8_transposed needs offs, a 1-D int32 tensor of cumulative expert ends, "
+                             f"got {got}")
         if offs.device != x.device:
             raise ValueError(f"{op}: offs is on {offs.device} but x is on {x.device}")
     if fp8_dtype not in FP8_MAX:
         raise ValueError(f"{op}: fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {fp8_dtype}")
+    return inner
 
 
 def activation(x: torch.Tensor, kind: str = "identity", *, dy: Optional[torch.Tensor] = None,
@@ -100,8 +106,7 @@ def activation(x: torch.Tensor, kind: str = "identity", *, dy: Optional[torch.Te
     expert ends on x's device) is needed by ``fp8_transposed``. Not differentiable."""
     op = "distgemm.moe.activation"
     code = _act_code(op, kind, dy is not None)
-    inner = x.shape[1] // 2 if code in (SWIGLU, SWIGLU_BACKWARD) else x.shape[1]
-    _check_activation_args(op, x, code, dy, offs, inner, fp8_transposed, fp8_dtype)
+    inner = _check_activation_args(op, x, code, dy, offs, fp8_transposed, fp8_dtype)
     if not (bf16 or fp8_rows or fp8_transposed):
         raise ValueError(f"{op}: ask for at least one of bf16, fp8_rows and fp8_transposed")
     # A 1 x 128 block must not span the gate and up halves of the SwiGLU backward's rows.
@@ -461,14 +466,21 @@ def unpermute(y: torch.Tensor, row_map: torch.Tensor, topk_weights: torch.Tensor
     -1, when ``topk_ids`` and ``num_experts`` are given) contribute nothing, whatever their rows
     hold. Differentiable in y and topk_weights."""
     op = "distgemm.moe.unpermute"
-    if not isinstance(topk_weights, torch.Tensor) or topk_weights.dim() != 2:
-        raise ValueError(f"{op}: topk_weights must be a 2-D (T, k) tensor, got "
+    if (not isinstance(topk_weights, torch.Tensor) or topk_weights.dim() != 2
+            or not topk_weights.dtype.is_floating_point):
+        raise ValueError(f"{op}: topk_weights must be a 2-D (T, k) floating-point tensor, got "
+                         f"{getattr(topk_weights, 'dtype', type(topk_weights).__name__)} of shape "
                          f"{tuple(getattr(topk_weights, 'shape', ()))}")
     tokens, k = topk_weights.shape
+    if isinstance(topk_ids, torch.Tensor) and tuple(topk_ids.shape) != (tokens, k):
+        raise ValueError(f"{op}: topk_weights must have topk_ids' shape {tuple(topk_ids.shape)}, got {(tokens, k)}")
     if not isinstance(y, torch.Tensor) or y.dim() != 2 or y.shape[0] != tokens * k:
-        raise ValueError(f"{op}: y must be (T * k, hidden) = ({tokens * k}, ...), got {tuple(getattr(y, 'shape', ()))}")
-    if not isinstance(row_map, torch.Tensor) or tuple(row_map.shape) != (tokens * k,):
-        raise ValueError(f"{op}: row_map must be permute's (T * k,) = ({tokens * k},) row map, got "
+        raise ValueError(f"{op}: y must be (T * k, hidden) = ({tokens * k}, ...) for topk_weights {(tokens, k)}, got "
+                         f"{tuple(getattr(y, 'shape', ()))}")
+    if (not isinstance(row_map, torch.Tensor) or tuple(row_map.shape) != (tokens * k,)
+            or row_map.dtype not in (torch.int32, torch.int64)):
+        raise ValueError(f"{op}: row_map must be permute's (T * k,) = ({tokens * k},) int64 row map, got "
+                         f"{getattr(row_map, 'dtype', type(row_map).__name__)} of shape "
                          f"{tuple(getattr(row_map, 'shape', ()))}")
     for name, t in (("row_map", row_map), ("topk_weights", topk_weights)):
         if t.device != y.device:

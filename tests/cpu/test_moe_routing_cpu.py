@@ -137,3 +137,32 @@ def test_layer_bench_peer_is_the_same_layer(skewed):
     out.float().sum().backward()
     ref.float().sum().backward()
     assert rel(x.grad, xp.grad) < 0.02
+
+
+def test_bad_arguments_name_the_argument():
+    x = torch.randn(10, 16).bfloat16()
+    ids, w = torch.randint(0, 4, (10, 2)), torch.rand(10, 2)
+    p = moe.permute(x, ids, 4)
+    with pytest.raises(ValueError, match=r"topk_weights must have topk_ids' shape \(10, 2\), got \(10, 1\)"):
+        moe.unpermute(p.rows, p.row_map, w[:, :1], ids, 4)
+    with pytest.raises(ValueError, match="topk_weights must be a 2-D .* floating-point"):
+        moe.unpermute(p.rows, p.row_map, torch.ones(10, 2, dtype=torch.int64), ids, 4)
+    with pytest.raises(ValueError, match="row_map must be .* int64 row map, got torch.float32"):
+        moe.unpermute(p.rows, p.row_map.float(), w)
+    with pytest.raises(ValueError, match=r"y must be .* for topk_weights \(10, 2\)"):
+        moe.unpermute(p.rows[:19], p.row_map, w)
+    with pytest.raises(ValueError, match="topk_weights must have topk_ids' shape"):
+        MoEExperts(4, 16, 8)(x, ids, w[:, :1])
+
+
+def test_activation_bad_arguments_name_the_argument():
+    x = torch.randn(10, 16).bfloat16()
+    with pytest.raises(ValueError, match=r"x must be a 2-D bfloat16 tensor, got torch.bfloat16 of shape \(16,\)"):
+        moe.activation(x[0], "gelu")
+    with pytest.raises(ValueError, match="x must be a 2-D bfloat16 tensor, got list"):
+        moe.activation([1, 2], "gelu")
+    offs = torch.tensor([4, 10], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"needs offs, .* got torch.int64 of shape \(2,\)"):
+        moe.activation(x, "gelu", offs=offs.long(), fp8_transposed=True)
+    with pytest.raises(ValueError, match="needs offs, .* got NoneType"):
+        moe.activation(x, "gelu", fp8_transposed=True)
