@@ -143,6 +143,10 @@ def quantize_weight(w: torch.Tensor, recipe: str = "block", *, copies: str = "bo
         raise ValueError(f"{op}: recipe must be one of {FP8_RECIPES}, got {recipe!r}")
     if copies not in ("both", "forward", "dgrad"):
         raise ValueError(f"{op}: copies must be 'both', 'forward' or 'dgrad', got {copies!r}")
+    if w.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"{op}: w must be bfloat16, float16 or float32, got {w.dtype}")
+    if dtype not in FP8_MAX:
+        raise ValueError(f"{op}: dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}")
     fwd, dgrad = copies in ("both", "forward"), copies in ("both", "dgrad")
     w = w.detach()
     g, n, k = w.shape
@@ -344,6 +348,33 @@ def _check_layer(op, x, offs, w1, w2, b1, b2, kind, fp8, grad_dtype):
                              f"{tuple(getattr(b, 'shape', ()))}")
 
 
+def _check_fp8_weights(op, fp8_weights, fp8, w1, w2) -> tuple:
+    """fp8_weights as _GroupedMLP takes them (eight entries), once each is seen to be the
+    quantize_weight result of its weight."""
+    if fp8 is None:
+        raise ValueError(f"{op}: fp8_weights needs fp8='block' or 'row' (the layer runs in bf16 without it)")
+    if not isinstance(fp8_weights, (tuple, list)) or len(fp8_weights) != 2:
+        raise ValueError(f"{op}: fp8_weights must be (fc1's, fc2's) quantize_weight results, got "
+                         f"{type(fp8_weights).__name__}")
+    out = []
+    for i, (copies, w) in enumerate(zip(fp8_weights, (w1, w2))):
+        name = f"fp8_weights[{i}]"
+        if not isinstance(copies, (tuple, list)) or len(copies) != 4:
+            raise ValueError(f"{op}: {name} must be quantize_weight's (w_fp8, scale, wt_fp8, scale_t), got "
+                             f"{type(copies).__name__}")
+        g, n, k = w.shape
+        for j, want in ((0, (g, n, k)), (2, (g, k, n))):
+            t = copies[j]
+            if t is not None and (not isinstance(t, torch.Tensor) or t.dtype not in FP8_MAX or tuple(t.shape) != want):
+                raise ValueError(f"{op}: {name}[{j}] must be an FP8 tensor of shape {want} (its weight's "
+                                 f"{'copy' if j == 0 else 'transposed copy'}), got "
+                                 f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+        if copies[0] is None:
+            raise ValueError(f"{op}: {name} has no forward copy (quantize_weight(..., copies='both'))")
+        out.extend(copies)
+    return tuple(out)
+
+
 def grouped_mlp(x: torch.Tensor, offs: torch.Tensor, fc1_weight: torch.Tensor, fc2_weight: torch.Tensor, *,
                 activation: str = "swiglu", fc1_bias: Optional[torch.Tensor] = None,
                 fc2_bias: Optional[torch.Tensor] = None, fp8: Optional[str] = None,
@@ -370,8 +401,8 @@ def grouped_mlp(x: torch.Tensor, offs: torch.Tensor, fc1_weight: torch.Tensor, f
     if x.shape[0] == 0:  # no tokens: nothing to compute, and no weight gradient
         return x.new_zeros((0, fc2_weight.shape[1])) + x.sum()
     copies = (None,) * 8
-    if fp8 is not None and fp8_weights is not None:
-        copies = (*fp8_weights[0], *fp8_weights[1])
+    if fp8_weights is not None:
+        copies = _check_fp8_weights(op, fp8_weights, fp8, fc1_weight, fc2_weight)
     return _GroupedMLP.apply(x, offs, fc1_weight, fc2_weight, fc1_bias, fc2_bias, *copies, activation, fp8,
                              fp8_grad_dtype, fuse_wgrad_accumulation)
 

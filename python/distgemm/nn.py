@@ -44,6 +44,8 @@ class _FP8WeightCopies:
     def get(self, weight: torch.Tensor, is_first_microbatch: Optional[bool]):
         """Both copies, or None: the layer then makes each where it needs it (the forward's in
         the forward, the dgrad's in the backward), so that they are never alive together."""
+        if not (is_first_microbatch is None or isinstance(is_first_microbatch, bool)):
+            raise ValueError(f"is_first_microbatch must be None, True or False, got {is_first_microbatch!r}")
         capturing = weight.is_cuda and torch.cuda.is_current_stream_capturing()
         if is_first_microbatch is None or capturing:
             self.key = self.copies = None
@@ -139,6 +141,9 @@ class GroupedLinear(nn.Module):
         """``is_first_microbatch`` (FP8 only; TransformerEngine's contract): None re-quantizes
         the weight on every call; True re-quantizes and keeps the copies; False reuses them (the
         caller promises the weight has not changed since the last True)."""
+        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != self.in_features:
+            raise ValueError(f"GroupedLinear: x must be a 2-D (T, in_features={self.in_features}) tensor, got "
+                             f"{tuple(getattr(x, 'shape', ()))}")
         fuse = self.fuse_wgrad_accumulation and torch.is_grad_enabled() and self.weight.requires_grad
         if fuse and getattr(self.weight, "main_grad", None) is None:
             raise RuntimeError("GroupedLinear(fuse_wgrad_accumulation=True) needs weight.main_grad: "

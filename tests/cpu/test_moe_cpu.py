@@ -110,3 +110,33 @@ def test_grouped_mlp_with_no_tokens():
     y = layer(x, _offs([0, 0, 0]))
     y.float().sum().backward()
     assert y.shape == (0, 64) and x.grad.shape == (0, 64)
+
+
+def test_fp8_weight_arguments_are_checked():
+    # Caller-made FP8 weight copies and the micro-batch flag: each mistake names its argument.
+    from distgemm.nn import GroupedLinear
+
+    x = torch.randn(10, 16).bfloat16()
+    offs = torch.tensor([4, 10], dtype=torch.int32)
+    w1, w2 = torch.randn(2, 8, 16).bfloat16(), torch.randn(2, 16, 8).bfloat16()  # GELU: fc1 (G, ffn, hidden)
+    c1, c2 = moe.quantize_weight(w1), moe.quantize_weight(w2)
+    with pytest.raises(ValueError, match="fp8_weights needs fp8="):
+        moe.grouped_mlp(x, offs, w1, w2, activation="gelu", fp8_weights=(c1, c2))
+    with pytest.raises(ValueError, match=r"fp8_weights must be \(fc1's, fc2's\)"):
+        moe.grouped_mlp(x, offs, w1, w2, activation="gelu", fp8="block", fp8_weights=(1, 2, 3))
+    with pytest.raises(ValueError, match=r"fp8_weights\[1\] must be quantize_weight's"):
+        moe.grouped_mlp(x, offs, w1, w2, activation="gelu", fp8="block", fp8_weights=(c1, 2))
+    with pytest.raises(ValueError, match=r"fp8_weights\[0\]\[0\] must be an FP8 tensor of shape \(2, 8, 16\)"):
+        moe.grouped_mlp(x, offs, w1, w2, activation="gelu", fp8="block", fp8_weights=(c2, c2))
+    with pytest.raises(ValueError, match=r"fp8_weights\[1\] has no forward copy"):
+        moe.grouped_mlp(x, offs, w1, w2, activation="gelu", fp8="block",
+                        fp8_weights=(c1, moe.quantize_weight(w2, copies="dgrad")))
+    with pytest.raises(ValueError, match="w must be bfloat16, float16 or float32, got torch.int32"):
+        moe.quantize_weight(torch.ones(2, 32, 16, dtype=torch.int32))
+    with pytest.raises(ValueError, match="dtype must be torch.float8_e4m3fn or torch.float8_e5m2"):
+        moe.quantize_weight(w1, dtype=torch.float16)
+    layer = GroupedLinear(2, 16, 8, fp8="block")
+    with pytest.raises(ValueError, match="is_first_microbatch must be None, True or False, got 'yes'"):
+        layer(x, offs, is_first_microbatch="yes")
+    with pytest.raises(ValueError, match=r"x must be a 2-D \(T, in_features=16\) tensor, got \(10, 12\)"):
+        layer(torch.randn(10, 12).bfloat16(), offs)
