@@ -17,6 +17,11 @@ constexpr int64_t kInt32Limit = int64_t(1) << 31;
 
 int64_t blocks_of(int64_t n) { return n / kBlock + (n % kBlock != 0); }
 
+// The workspace dg_moe_activation needs: the groups' clamped ends, for the padded transpose only.
+size_t act_workspace_bytes(const dg_moe_act_desc& d) {
+  return d.yt_fp8 != nullptr ? static_cast<size_t>(d.num_groups) * sizeof(int32_t) : 0;
+}
+
 bool is_backward(int act) { return act == kSwigluBackward || act == kGeluBackward; }
 bool is_swiglu(int act) { return act == kSwiglu || act == kSwigluBackward; }
 
@@ -84,12 +89,11 @@ dg_status lower_act(const dg_moe_act_desc* desc, ActProblem* p) {
     DG_RETURN_IF_ERROR(check_extent(d.y_fp8, "y_fp8", {d.tokens, p->y_cols}, 1, 1));
     DG_RETURN_IF_ERROR(check_extent(d.y_scale, "y_scale", {blocks_of(p->y_cols), d.tokens}, 4, 4));
   }
-  size_t need = 0;
+  const size_t need = act_workspace_bytes(d);
   if (d.yt_fp8 != nullptr) {
     DG_RETURN_IF_ERROR(check_extent(d.yt_fp8, "yt_fp8", {p->y_cols, p->yt_ld}, 1, 1));
     DG_RETURN_IF_ERROR(check_extent(d.yt_scale, "yt_scale", {p->row_blocks, p->y_cols}, 4, 4));
     DG_RETURN_IF_ERROR(check_extent(d.offs, "offs", {d.num_groups}, 4, 4));
-    need = static_cast<size_t>(d.num_groups) * sizeof(int32_t);
     DG_REQUIRE(d.workspace_bytes >= need, "workspace of ", d.workspace_bytes, " bytes is smaller than the ",
                need, " needed");
     DG_RETURN_IF_ERROR(check_extent(d.workspace, "workspace", {static_cast<int64_t>(need)}, 1, 4));
@@ -151,7 +155,7 @@ extern "C" dg_status dg_moe_activation_workspace_size(const dg_moe_act_desc* des
   DG_REQUIRE(bytes != nullptr, "bytes must not be NULL");
   ActProblem p;
   DG_RETURN_IF_ERROR(check_act_shape(*desc, &p));
-  *bytes = desc->yt_fp8 != nullptr ? static_cast<size_t>(desc->num_groups) * sizeof(int32_t) : 0;
+  *bytes = act_workspace_bytes(*desc);
   return DG_SUCCESS;
 }
 
