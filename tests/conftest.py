@@ -1,6 +1,7 @@
 """Shared test setup: GPU markers, and the NVLink-multicast-off environment for every
 process the tests start (NVLS objects can take shared GPU hosts down)."""
 
+import contextlib
 import os
 import tempfile
 
@@ -43,14 +44,23 @@ def _seed():
 
 
 @pytest.fixture
-def autotune_cache(tmp_path, monkeypatch):
+def use_settings():
+    """use_settings(**overrides): distgemm.settings changed from there to the end of the test
+    (None: back to the default)."""
+    import distgemm
+
+    with contextlib.ExitStack() as stack:
+        yield lambda **overrides: stack.enter_context(distgemm.settings(**overrides))
+
+
+@pytest.fixture
+def autotune_cache(tmp_path, monkeypatch, use_settings):
     """Autotuning on, with a cache file of this test's own (the choices in memory forgotten
     before and after, the remembered repeat calls with them); yields the file's path."""
     from distgemm import autotune
 
     path = tmp_path / "autotune.json"
-    monkeypatch.setenv("DISTGEMM_AUTOTUNE_CACHE", str(path))
-    monkeypatch.setattr(autotune, "_ENABLED", True)
+    use_settings(autotune_cache=str(path), autotune=True)  # one stack of changes with the test's own
     autotune.clear()
     monkeypatch.setattr(autotune, "_LOADED", False)
     yield path

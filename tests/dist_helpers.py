@@ -22,8 +22,11 @@ def free_port() -> int:
 
 
 def _worker(rank, world, backend, port, fn, args, env, errors):
+    import distgemm
+
     os.environ.update(SAFE_ENV)
-    os.environ.update(env)
+    os.environ.update(env)  # the parent's settings for this rank, read again here
+    distgemm.reload_settings()
     faulthandler.enable()  # a crashing rank prints where it was
     try:
         if backend == "nccl":

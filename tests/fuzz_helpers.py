@@ -284,32 +284,14 @@ def is_cuda_fatal(exc: BaseException) -> bool:
 
 
 @contextlib.contextmanager
-def env_set(values: dict):
-    """Sets environment variables (None removes one) and restores the previous values."""
-    old = {k: os.environ.get(k) for k in values}
-    try:
-        for k, v in values.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = str(v)
-        _reload_tp_settings(values)
+def settings_of(variables: dict):
+    """Runs a block under distgemm.settings with these DISTGEMM_* variables' values (None: the
+    default), the previous settings restored after it."""
+    import distgemm
+
+    overrides = {distgemm._settings.variable_field(k): v for k, v in variables.items()}
+    with distgemm.settings(**overrides):
         yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        _reload_tp_settings(values)
-
-
-def _reload_tp_settings(values: dict) -> None:
-    """distgemm reads its tensor-parallel settings once: re-read them where they changed."""
-    if any(k.startswith(("DISTGEMM_TP_", "DISTGEMM_RS_")) for k in values):
-        import distgemm.tp
-
-        distgemm.tp.reload_settings()
 
 
 # ---------------------------------------------------------------- tallies

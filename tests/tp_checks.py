@@ -3,7 +3,6 @@ The same checks run on CPU with gloo (the collectives path) and on GPUs with NCC
 fused path). Every rank draws the full operands from one seed and keeps its shard, so the
 reference is the plain single-device product."""
 
-import os
 import time
 
 import torch
@@ -69,9 +68,7 @@ def check_all_gather_matmul_fp8(rank, world):
     assert_close(out, ref(a_full, b, sa=rowwise, sb=sb), torch.float8_e4m3fn)
     if dist.get_backend() != "nccl":  # the algorithms are the fused backend's
         return
-    os.environ["DISTGEMM_TP_ALGO"] = "decomposed"  # cuBLASLt FP8 pieces, each shard with its own scale
-    distgemm.tp.reload_settings()
-    try:
+    with distgemm.settings(tp_algo="decomposed"):  # cuBLASLt FP8 pieces, each shard with its own scale
         sb_tensor = sb[:1].clone()
         out = distgemm.all_gather_matmul(a, b, scale_a=sa_full[rank * m:rank * m + 1].clone(), scale_b=sb_tensor)
         assert_close(out, ref(a_full, b, sa=sa_full, sb=sb_tensor.expand(n)), torch.float8_e4m3fn)
@@ -81,9 +78,6 @@ def check_all_gather_matmul_fp8(rank, world):
             assert "no algorithm" in str(e), e
         else:
             assert_close(out, ref(a_full, b, sa=rowwise, sb=sb), torch.float8_e4m3fn)
-    finally:
-        del os.environ["DISTGEMM_TP_ALGO"]
-        distgemm.tp.reload_settings()
 
 
 # (m_local, N, K_local); 520 rows: four pieces of a chunk where they are asked for, the last of 8 rows
@@ -213,21 +207,17 @@ def check_mismatched_shapes(rank, world):
                          "rows differing on a later call")
     # a malformed split setting is refused by name before anything is enqueued (no peer waits)
     a = full((256, 128), torch.bfloat16, dev, 403)
-    os.environ.update(DISTGEMM_TP_ALGO="decomposed", DISTGEMM_TP_PIECES="5")
-    try:  # read with the environment: by reload_settings here, at the first TP call of a process
-        distgemm.tp.reload_settings()
-        distgemm.all_gather_matmul(a, b)
-    except (ValueError, RuntimeError) as e:
-        assert "DISTGEMM_TP_PIECES must be 'auto', N or Nt" in str(e), e
+    try:
+        with distgemm.settings(tp_algo="decomposed", tp_pieces=5):
+            distgemm.all_gather_matmul(a, b)
+    except ValueError as e:
+        assert "tp_pieces must be 'auto', N or Nt" in str(e), e
     else:
-        raise AssertionError("DISTGEMM_TP_PIECES=5 was not refused")
+        raise AssertionError("tp_pieces=5 was not refused")
     # settings that differ between the ranks: every rank names the disagreement
-    os.environ["DISTGEMM_TP_PIECES"] = "2" if rank == 0 else "3"
-    distgemm.tp.reload_settings()
     a_big = full((1024, 128), torch.bfloat16, dev, 404)
-    _expect_disagreement(dev, lambda: distgemm.all_gather_matmul(a_big, b), "DISTGEMM_TP_PIECES differing")
-    del os.environ["DISTGEMM_TP_ALGO"], os.environ["DISTGEMM_TP_PIECES"]
-    distgemm.tp.reload_settings()
+    with distgemm.settings(tp_algo="decomposed", tp_pieces="2" if rank == 0 else "3"):
+        _expect_disagreement(dev, lambda: distgemm.all_gather_matmul(a_big, b), "tp_pieces differing")
     out = distgemm.all_gather_matmul(a, b)  # and the next call runs
     assert_close(out, ref(torch.cat([a] * world), b))
 
@@ -241,8 +231,7 @@ def check_recover_after_a_timed_out_exchange(rank, world):
     dev = device_for(rank)
     group = dist.group.WORLD
     state = tp._state(group)
-    os.environ["DISTGEMM_TIMEOUT_S"] = "2"
-    try:
+    with distgemm.settings(timeout_s=2):
         if rank == 0:
             try:
                 state.exchange("size", "1")
@@ -260,8 +249,6 @@ def check_recover_after_a_timed_out_exchange(rank, world):
         a_all = torch.cat([full((16, 64), torch.bfloat16, dev, 450 + r) for r in range(world)])
         assert_close(out, ref(a_all, b))
         assert state.exchange("after", str(rank)) == [str(r) for r in range(world)]
-    finally:
-        del os.environ["DISTGEMM_TIMEOUT_S"]
 
 
 def check_gathered_gradient_on_some_ranks_only(rank, world):
@@ -305,11 +292,8 @@ def check_collectives_path_on_every_rank(rank, world):
     assert_close(out, world * ref(rs_a, b_narrow)[rank * 64:(rank + 1) * 64])
     assert_close(distgemm.all_gather_matmul(a, b), ref(torch.cat([a] * world), b))  # fused again
     if dist.get_backend() != "nccl":
-        os.environ["DISTGEMM_TP_BACKEND"] = "collectives" if rank == 1 else "auto"
-        try:
+        with distgemm.settings(tp_backend="collectives" if rank == 1 else "auto"):
             assert_close(distgemm.all_gather_matmul(a, b), ref(torch.cat([a] * world), b))
-        finally:
-            del os.environ["DISTGEMM_TP_BACKEND"]
 
 
 def check_fp8_block_scales(rank, world):

@@ -34,7 +34,7 @@ import torch.multiprocessing as mp
 
 import distgemm
 from tests.dist_helpers import SAFE_ENV, free_port
-from tests.fuzz_helpers import env_set
+from tests.fuzz_helpers import settings_of
 from tests.reference import rel_error, tolerance
 
 KILLED_EXIT = 17
@@ -75,7 +75,8 @@ class RankCtx:
 
 def _worker(rank, world, port, body, args, env, queue, side, backend):
     os.environ.update(SAFE_ENV)
-    os.environ.update(env)
+    os.environ.update(env)  # the parent's settings for this rank, read again here
+    distgemm.reload_settings()
     faulthandler.enable()  # a crashing rank prints where it was
     try:
         nccl = backend == "nccl"
@@ -157,7 +158,7 @@ def spawn(body, *args, world: int = 2, env: Optional[dict] = None, deadline_s: f
 
 
 def timeout_s() -> float:
-    return float(os.environ.get("DISTGEMM_TIMEOUT_S", "600"))
+    return distgemm.current_settings().timeout_s
 
 
 def _full(shape, dtype, dev, seed, scale=1.0):
@@ -209,7 +210,7 @@ def attempt(ctx: RankCtx, problem: Problem, env: Optional[dict] = None) -> dict:
     out = None
     info = {"error": None, "message": "", "raised_by": None, "poisoned": None, "wrong": ""}
     try:
-        with env_set(env or {}):
+        with settings_of(env or {}):
             out = problem.call()
             info["raised_by"] = "synchronize"
             torch.cuda.synchronize(ctx.dev)

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 import distgemm
-from tests.fuzz_helpers import (Bound, Tally, accumulation_eps, bitwise_equal, canary_report, compare, env_set,
+from tests.fuzz_helpers import (Bound, Tally, accumulation_eps, bitwise_equal, canary_report, compare, settings_of,
                                 is_cuda_fatal, place, write_report_line)
 from tests.reference import ref_gemm
 
@@ -251,7 +251,7 @@ def fuzz(rank: int, world: int, n_cases: int, seed: int, time_cap, report: bool 
     for i in range(n_cases):
         case = draw_case(random.Random(seed * 1_000_003 + i))
         try:
-            with env_set(case["env"]):
+            with settings_of(case["env"]):
                 status = run_case(case, rank, world, dev)
         except Exception as e:
             status = {"problems": [f"exception {type(e).__name__}: {str(e)[:400]}"], "exception": type(e).__name__,

@@ -59,10 +59,6 @@ def warn_once(message: str) -> None:
     warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
-def env_flag(name: str) -> bool:
-    return os.environ.get(name, "0").lower() not in ("", "0", "false", "no")
-
-
 def needs_autograd(*tensors) -> bool:
     """Whether a call must record autograd: grad mode on and any argument requiring grad
     (None and non-tensors count as not: the argument checks name the latter)."""

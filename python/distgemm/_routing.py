@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ._library import env_flag
+from . import _settings
 
 
 def group_bounds(offs: torch.Tensor, tokens: int):
@@ -32,7 +32,7 @@ def check_offs_values(op: str, offs: torch.Tensor, tokens: int, rows: str = "row
     the kernels clamp them (in bounds, unspecified results)."""
     if torch.compiler.is_compiling() or offs.device.type == "meta":
         return
-    if offs.device.type != "cpu" and not env_flag("DISTGEMM_DEBUG"):
+    if offs.device.type != "cpu" and not _settings.current().debug:
         return
     ends = offs.tolist()
     if any(e < 0 for e in ends) or any(b < a for a, b in zip(ends, ends[1:])):

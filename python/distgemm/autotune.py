@@ -4,13 +4,14 @@ through PyTorch: cuBLAS for bf16/fp16, torch._scaled_mm for FP8) on the call's o
 remembers the fastest, in memory and on disk; the vendor's keeps near-ties (PREFER_MARGIN).
 
 - Keys: device arch and name, M, N, K, dtypes, b's layout and the epilogue's form; the file is
-  per GPU model, torch version and distgemm build (``$DISTGEMM_CACHE``, default
-  ``~/.cache/distgemm``; ``DISTGEMM_AUTOTUNE_CACHE`` names the file itself).
+  per GPU model, torch version and distgemm build (setting ``cache_dir``, ``$DISTGEMM_CACHE``,
+  default ``~/.cache/distgemm``; ``autotune_cache`` / ``DISTGEMM_AUTOTUNE_CACHE`` names the file
+  itself).
 - Never during CUDA-graph capture or torch.compile tracing: those take the cached choice or,
   for a shape never timed, the tile heuristic. The first call of a shape synchronizes the
   device once (it times with CUDA events).
-- ``DISTGEMM_AUTOTUNE=0`` turns it off (the heuristic's configuration, no vendor path); it is
-  read when distgemm is imported (``distgemm.autotune.reload_settings()`` reads it again).
+- ``DISTGEMM_AUTOTUNE=0`` (or ``distgemm.settings(autotune=False)``) turns it off (the
+  heuristic's configuration, no vendor path).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from typing import Callable, Dict, Optional
 
 import torch
 
+from . import _settings
+
 _LOCK = threading.Lock()
 _CHOICES: Dict[str, str] = {}
 _LOADED = False
@@ -35,32 +38,18 @@ _LAST: Optional[str] = None  # the implementation the last dense call ran, for t
 _ON_CLEAR: list = []  # what else forgets the choices with clear() (dense's table of repeat calls)
 
 
-def _read_enabled() -> bool:
-    return os.environ.get("DISTGEMM_AUTOTUNE", "1") != "0"
-
-
-_ENABLED = _read_enabled()  # read once: every repeated GEMM asks (an environment read costs ~2 us)
-
-
 def enabled() -> bool:
-    return _ENABLED
-
-
-def reload_settings() -> None:
-    """Reads DISTGEMM_AUTOTUNE again (it is read when distgemm is imported)."""
-    global _ENABLED
-    _ENABLED = _read_enabled()
+    return _settings.current().autotune
 
 
 def _cache_file() -> Path:
-    explicit = os.environ.get("DISTGEMM_AUTOTUNE_CACHE")
-    if explicit:
-        return Path(explicit)
+    settings = _settings.current()
+    if settings.autotune_cache:
+        return Path(settings.autotune_cache)
     from ._build_info import BUILD_ID  # noqa: PLC0415 (written by the build)
 
-    root = Path(os.environ.get("DISTGEMM_CACHE", Path.home() / ".cache" / "distgemm"))
     gpu = torch.cuda.get_device_name().replace(" ", "_").replace("/", "_")
-    return root / f"autotune-{gpu}-torch{torch.__version__}-{BUILD_ID[:12]}.json"
+    return settings.cache_dir / f"autotune-{gpu}-torch{torch.__version__}-{BUILD_ID[:12]}.json"
 
 
 def _read_choices(path: Path, warn: bool = True) -> Dict[str, str]:

@@ -9,18 +9,16 @@ kernel (no host sync, CUDA-graph safe); ``cublas`` a multi-stream cuBLAS loop in
 
 from __future__ import annotations
 
-import os
 from typing import Callable, Optional, Tuple
 
 import torch
 
-from . import autotune, grouped_autotune
-from ._library import aligned16, device_arch, is_aligned16, env_flag, has_kernels, needs_autograd, ops, warn_once
+from . import _settings, autotune, grouped_autotune
+from ._library import aligned16, device_arch, is_aligned16, has_kernels, needs_autograd, ops, warn_once
 from ._repeat_calls import RepeatCalls
 from ._routing import check_offs_tensor, check_offs_values, group_bounds
 from .grouped_fp8 import FLOAT8, grouped_mm_fp8, grouped_mm_wgrad_fp8
 
-_BACKENDS = ("auto", "cutlass", "cublas", "torch")
 _CUTLASS, _CUBLAS = 0, 1
 FLOAT16 = (torch.bfloat16, torch.float16)
 
@@ -86,9 +84,7 @@ def _backend(op: str, device, n: int, k: int, in_dtype, out_dtype, kind: int,
     """The backend for this call: the requested one when it applies, else the best that
     does (warning once, with the reason); and whether torch._grouped_mm may stand in for
     distgemm's kernel when the autotuner times it faster (backend auto only)."""
-    requested = os.environ.get("DISTGEMM_GROUPED_BACKEND", "auto").lower()
-    if requested not in _BACKENDS:
-        raise ValueError(f"DISTGEMM_GROUPED_BACKEND must be one of {_BACKENDS}, got {requested!r}")
+    requested = _settings.current().grouped_backend
     reasons = {}
     if device.type != "cuda":
         reasons = {b: "the inputs are not on a CUDA device" for b in ("cutlass", "cublas", "torch")}
@@ -145,27 +141,17 @@ def reference_grouped_mm_wgrad(dy, x, offs, out, accumulate):
 
 # Forward/dgrad calls (16-bit, no out, no scales, no autograd) whose checks passed and which ran
 # distgemm's kernel on x and w in place: the checks and the backend choice are functions of the
-# signature (the environment variables they read included).
+# signature and of the settings (the table is cleared when those change).
 _REPEAT_CALLS = RepeatCalls()
 autotune.on_clear(_REPEAT_CALLS.clear)  # a remembered runner holds the autotuner's choice
-
-
-# The environment as the signature reads it: os.environ.get costs ~0.9 us a variable (Mapping.get,
-# key encoding), as much as the rest of a repeated call's lookup. On POSIX CPython os.environ
-# keeps its values in a plain dict of bytes (os.environ._data, which os.environ's own writes
-# and deletions update); the signature only compares the values, so it reads that dict.
-if os.name == "posix" and isinstance(getattr(os.environ, "_data", None), dict):
-    _ENVIRON, _BACKEND_VAR, _DEBUG_VAR = os.environ._data, b"DISTGEMM_GROUPED_BACKEND", b"DISTGEMM_DEBUG"
-else:
-    _ENVIRON, _BACKEND_VAR, _DEBUG_VAR = os.environ, "DISTGEMM_GROUPED_BACKEND", "DISTGEMM_DEBUG"
+_settings.on_change(_REPEAT_CALLS.clear)  # and the backend the settings asked for
 
 
 def _call_signature(x, w, offs, out_dtype, trans_w) -> Optional[tuple]:
     try:
         return (x.shape, x.stride(), x.dtype, x.device, w.shape, w.stride(), w.dtype, w.device,
                 offs.shape, offs.stride(), offs.dtype, offs.device, out_dtype, trans_w,
-                (x.data_ptr() | w.data_ptr()) & 15 == 0,  # eager only: the lookup and put skip tracing
-                _ENVIRON.get(_BACKEND_VAR), _ENVIRON.get(_DEBUG_VAR))
+                (x.data_ptr() | w.data_ptr()) & 15 == 0)  # eager only: the lookup and put skip tracing
     except AttributeError:  # not tensors: the checks name the argument
         return None
 
@@ -272,7 +258,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *,
         elif out is None and code == _CUTLASS and not torch.compiler.is_compiling() and not autograd:
             run = _kernel_forward(n, out_dtype, trans_w, config, choice)
         if run is not None:
-            if in_place and settled and not torch.compiler.is_compiling() and not env_flag("DISTGEMM_DEBUG"):
+            if in_place and settled and not torch.compiler.is_compiling() and not _settings.current().debug:
                 _REPEAT_CALLS.put(_call_signature(x, w, offs, requested_dtype, trans_w), run)
             return run(x, w, offs)
         autotune.record(choice)

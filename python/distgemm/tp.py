@@ -20,8 +20,6 @@ from __future__ import annotations
 import atexit
 import datetime
 import functools
-import math
-import os
 import threading
 import zlib
 from typing import Optional, Tuple
@@ -29,18 +27,17 @@ from typing import Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from . import _settings
 from ._library import aligned16, device_arch, has_kernels, needs_autograd, ops, warn_once
 from .dense import (FLOAT8, _block_scaled_gemm, _flat, check_operands, check_scalars, gemm_unchecked, grad_of_c,
                     is_block_scaled, kernel_out_dtype, kernel_ready, require_fp8_scales)
 
 # distgemm never uses NVLink multicast: symmetric memory must not create multicast objects.
-os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
+_settings.set_environment({"TORCH_SYMM_MEM_DISABLE_MULTICAST": _settings.MULTICAST_OFF["TORCH_SYMM_MEM_DISABLE_MULTICAST"]})
 
 _AG, _RS = 1, 2
 _OP_NAMES = {_AG: "distgemm.all_gather_matmul", _RS: "distgemm.matmul_reduce_scatter"}
-_BACKENDS = ("auto", "fused", "collectives")
 _ALGOS = {"auto": 0, "fused": 1, "decomposed": 2}  # dg_tp_algo
-_DEFAULT_TIMEOUT_S = 600.0  # NCCL's default: a slow but live peer is not failed sooner
 
 # Error word (see csrc/tp/tp_kernels.cuh): reason << 24 | op << 16 | (peer + 1).
 _REASONS = {
@@ -57,14 +54,8 @@ _REASONS = {
 
 
 def timeout_s() -> float:
-    value = os.environ.get("DISTGEMM_TIMEOUT_S", str(_DEFAULT_TIMEOUT_S))
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = -1.0
-    if not (seconds > 0 and math.isfinite(seconds)):
-        raise ValueError(f"DISTGEMM_TIMEOUT_S must be a finite positive number of seconds, got {value!r}")
-    return seconds
+    """How long a call waits on a peer (``distgemm.settings(timeout_s=...)``, DISTGEMM_TIMEOUT_S)."""
+    return _settings.current().timeout_s
 
 
 def check_errors(device: Optional[torch.device] = None) -> None:
@@ -174,68 +165,30 @@ def _state(group: dist.ProcessGroup) -> _GroupState:
 
 
 def _backend() -> str:
-    value = os.environ.get("DISTGEMM_TP_BACKEND", "auto").lower()
-    if value not in _BACKENDS:
-        raise ValueError(f"DISTGEMM_TP_BACKEND must be one of {_BACKENDS}, got {value!r}")
-    return value
+    return _settings.current().tp_backend
 
 
-_MAX_PIECES = 4  # DG_TP_MAX_PIECES
-
-
-def _read_settings() -> list:
+def _core_settings(settings: _settings.Settings) -> list:
     """The TP settings the core takes as descriptor fields (dg_tp_settings: algo, pieces, tapered,
-    rs_split_gflops), read from the environment:
-
-    - DISTGEMM_TP_ALGO: how the fused backend hides the communication. `fused`: one CUTLASS
-      GEMM per ring step waiting on per-tile-row flags; `decomposed`: one cuBLASLt GEMM per chunk
-      piece after a bounded wait for it (bf16/fp16, and FP8 with per-tensor scales, or row-wise
-      ones where cuBLASLt scales by outer vectors); `auto` (default): decomposed where it
-      applies, except reduce-scatters of under ~50 GFLOP per rank.
-    - DISTGEMM_TP_PIECES: `auto`, N or Nt (tapered), N in [1, 4]: how many pieces a chunk of
-      the decomposed algorithm travels in.
-    - DISTGEMM_RS_SPLIT_GFLOPS: the fused reduce-scatter halves a ring step when each half is at
-      least this many GFLOP (default 25; 0 halves every step)."""
-    algo = os.environ.get("DISTGEMM_TP_ALGO", "auto").lower()
-    if algo not in _ALGOS:
-        raise ValueError(f"DISTGEMM_TP_ALGO must be one of {tuple(_ALGOS)}, got {algo!r}")
-    pieces_env = os.environ.get("DISTGEMM_TP_PIECES", "auto").strip() or "auto"
+    rs_split_gflops), from tp_algo, tp_pieces and rs_split_gflops (see distgemm._settings)."""
     pieces, tapered = 0, False
-    if pieces_env != "auto":
-        tapered = pieces_env.endswith("t")
-        digits = pieces_env[:-1] if tapered else pieces_env
-        if not digits.isdigit() or not 1 <= int(digits) <= _MAX_PIECES:
-            raise ValueError(f"DISTGEMM_TP_PIECES must be 'auto', N or Nt (tapered) with N in [1, {_MAX_PIECES}], "
-                             f"got {pieces_env!r}")
-        pieces = int(digits)
-    split_env = os.environ.get("DISTGEMM_RS_SPLIT_GFLOPS", "").strip()
-    split = 0.0  # the core's default (25 GFLOP)
-    if split_env:
-        try:
-            gflops = float(split_env)
-        except ValueError:
-            gflops = -1.0
-        if not math.isfinite(gflops) or gflops < 0:
-            raise ValueError(f"DISTGEMM_RS_SPLIT_GFLOPS must be a non-negative number of GFLOP, got {split_env!r}")
-        split = gflops if gflops > 0 else -1.0  # the core: negative halves every step
-    return [float(_ALGOS[algo]), float(pieces), 1.0 if tapered else 0.0, split]
+    if settings.tp_pieces != "auto":
+        tapered = settings.tp_pieces.endswith("t")
+        pieces = int(settings.tp_pieces[:-1] if tapered else settings.tp_pieces)
+    split = settings.rs_split_gflops
+    split = 0.0 if split is None else (split if split > 0 else -1.0)  # 0: the core's default; < 0 halves every step
+    return [float(_ALGOS[settings.tp_algo]), float(pieces), 1.0 if tapered else 0.0, split]
 
 
-_settings: Optional[list] = None
-
-
-def reload_settings() -> None:
-    """Reads DISTGEMM_TP_ALGO / DISTGEMM_TP_PIECES / DISTGEMM_RS_SPLIT_GFLOPS again (they are read
-    once, at the first tensor-parallel call). Every rank must hold the same settings: a call
-    whose ranks differ fails on every rank with a ValueError naming them."""
-    global _settings
-    _settings = _read_settings()
+_core_settings_of: Tuple[Optional[_settings.Settings], list] = (None, [])
 
 
 def _tp_settings() -> list:
-    if _settings is None:
-        reload_settings()
-    return _settings
+    global _core_settings_of
+    settings = _settings.current()
+    if _core_settings_of[0] is not settings:
+        _core_settings_of = (settings, _core_settings(settings))
+    return _core_settings_of[1]
 
 
 def _use_fused(group: dist.ProcessGroup, device: torch.device) -> bool:

@@ -17,7 +17,7 @@ import torch
 import distgemm
 from distgemm import autotune
 from distgemm._library import device_arch, ops
-from distgemm.bench.common import Timer, env_info, sustained_ms, with_env
+from distgemm.bench.common import Timer, env_info, sustained_ms, with_settings
 from distgemm.bench.grouped_suite import counts_for
 
 # (name, groups, mean tokens per group, N, K, routing, pass): the suite's rows whose figures
@@ -73,9 +73,9 @@ def main() -> None:
             autotune.clear()
             if os.path.exists(cache):
                 os.remove(cache)
-            with_env("DISTGEMM_GROUPED_BACKEND", "cutlass", api)()
+            with_settings({"grouped_backend": "cutlass"}, api)()
             choices.append(autotune.last_backend())
-        tuned = with_env("DISTGEMM_GROUPED_BACKEND", "cutlass", api)
+        tuned = with_settings({"grouped_backend": "cutlass"}, api)
         fastest = fns[min(names, key=times.get)]
         times.update(timer.compare({"api_after_tuning": tuned, "fastest_config": fastest}, warmup=3, reps=15))
         flops = 2.0 * t * n * k

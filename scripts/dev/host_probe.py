@@ -14,7 +14,7 @@ import torch
 import distgemm
 from distgemm._library import ops
 
-from distgemm.bench.common import env_info, host_ms, with_env
+from distgemm.bench.common import env_info, host_ms, with_settings
 
 
 def host_us(fn) -> float:
@@ -63,9 +63,9 @@ def tensor_parallel(rank: int, world: int) -> dict:
     res = {}
     for name in ("fused", "decomposed"):
         algo = tp._ALGOS[name]
-        res[f"ag_{name}"] = host_us(with_env("DISTGEMM_TP_ALGO", name,
+        res[f"ag_{name}"] = host_us(with_settings({"tp_algo": name},
                                              lambda: distgemm.all_gather_matmul(a_ag, b_ag)))
-        res[f"rs_{name}"] = host_us(with_env("DISTGEMM_TP_ALGO", name,
+        res[f"rs_{name}"] = host_us(with_settings({"tp_algo": name},
                                              lambda: distgemm.matmul_reduce_scatter(a_rs, b_rs)))
         ag = rs = tp._state(dist.group.WORLD).workspace  # one workspace serves both ops
         res[f"ops_ag_{name}"] = host_us(lambda: ops.tp_all_gather_gemm(

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import distgemm
 
-from distgemm.bench.common import parse_variants, with_envs
+from distgemm.bench.common import parse_variants, with_settings
 from distgemm.bench.tp_suite import graphed, shapes, shard_operands
 
 
@@ -103,7 +103,7 @@ def main(argv=None):
         torch.manual_seed(0)
         _, _, call = shard_operands(kind, m, k, n, world, group)
         for name, envs in variants.items():
-            events = profile_calls(with_envs(envs, call), args.calls, args.graph)
+            events = profile_calls(with_settings(envs, call), args.calls, args.graph)
             slug = label.replace(" ", "_")
             with open(os.path.join(args.out, f"timeline_{slug}_{name}_rank{rank}.json"), "w") as f:
                 json.dump({"label": label, "variant": name, "env": envs, "calls": args.calls,

@@ -219,7 +219,7 @@ def _tp_rank(rank, world, port, errors):
             env = {"DISTGEMM_TP_ALGO": algo}
             env.update({"DISTGEMM_RS_SPLIT_GFLOPS": "0"} if algo == "fused" else {"DISTGEMM_TP_PIECES": "3t"})
             os.environ.update(env)
-            distgemm.tp.reload_settings()
+            distgemm.reload_settings()
             for dtype in (BF16, FP16):
                 a_full = rnd((m * world, k), dtype, dev, seed=30)
                 b = rnd((n, k), dtype, dev, 0.1, seed=31 + rank)
@@ -239,7 +239,7 @@ def _tp_rank(rank, world, port, errors):
                 check(what, out, expected, 1e-3)
             for key in env:
                 del os.environ[key]
-            distgemm.tp.reload_settings()
+            distgemm.reload_settings()
         # float8 (the fused algorithm) with row-wise / per-tensor scales
         a_full = rnd((m * world, k), E4M3, dev, seed=70)
         b = rnd((n, k), E4M3, dev, seed=71 + rank)

@@ -245,7 +245,7 @@ def set_env(env: dict, keys=("DISTGEMM_TP_ALGO", "DISTGEMM_TP_PIECES")) -> None:
             os.environ[key] = env[key]
         else:
             os.environ.pop(key, None)
-    distgemm.tp.reload_settings()  # read once otherwise
+    distgemm.reload_settings()  # read once otherwise
 
 
 def run(op, calls, n_calls, dev, deadline, tp=False):

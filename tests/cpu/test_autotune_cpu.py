@@ -3,17 +3,16 @@ wins, except that the preferred one (the vendor library) keeps near-ties."""
 
 import json
 import multiprocessing
-import os
 
 import pytest
 
+import distgemm
 from distgemm import autotune
 
 
 @pytest.fixture
 def timed(monkeypatch, tmp_path):
     """choose() with each candidate's measured time given by the test."""
-    monkeypatch.setenv("DISTGEMM_AUTOTUNE_CACHE", str(tmp_path / "cache.json"))
     monkeypatch.setattr(autotune, "may_time", lambda: True)
     monkeypatch.setattr(autotune, "_LOADED", True)
     autotune.clear()
@@ -24,7 +23,8 @@ def timed(monkeypatch, tmp_path):
         return t.pop(0) if isinstance(t, list) else t
     monkeypatch.setattr(autotune, "_time_ms", time_ms)
     monkeypatch.setattr(autotune, "flush_buffer", lambda: None)
-    yield times
+    with distgemm.settings(autotune_cache=str(tmp_path / "cache.json")):
+        yield times
     autotune.clear()
 
 
@@ -67,12 +67,13 @@ def test_a_clear_win_is_not_timed_again(timed):
 
 def _remember_many(path, prefix, count, barrier):
     """A process that stores `count` choices one by one into the cache file at `path`."""
-    os.environ["DISTGEMM_AUTOTUNE_CACHE"] = path
+    import distgemm
     from distgemm import autotune as tuner
 
-    barrier.wait()
-    for i in range(count):
-        tuner.remember(f"{prefix}-{i}", f"choice-{prefix}-{i}")
+    with distgemm.settings(autotune_cache=path):
+        barrier.wait()
+        for i in range(count):
+            tuner.remember(f"{prefix}-{i}", f"choice-{prefix}-{i}")
 
 
 def test_two_processes_storing_at_once_keep_both_sides_choices(tmp_path):
@@ -97,13 +98,13 @@ def test_two_processes_storing_at_once_keep_both_sides_choices(tmp_path):
 def test_a_corrupt_cache_file_is_treated_as_empty(monkeypatch, tmp_path, content):
     path = tmp_path / "cache.json"
     path.write_text(content)
-    monkeypatch.setenv("DISTGEMM_AUTOTUNE_CACHE", str(path))
     monkeypatch.setattr(autotune, "_LOADED", False)
     autotune.clear()
     try:
-        with pytest.warns(RuntimeWarning, match="ignoring the cache file"):
-            assert autotune.lookup("k") is None
-        autotune.remember("k", "v")  # rewrites the file whole
-        assert json.loads(path.read_text()) == {"k": "v"}
+        with distgemm.settings(autotune_cache=str(path)):
+            with pytest.warns(RuntimeWarning, match="ignoring the cache file"):
+                assert autotune.lookup("k") is None
+            autotune.remember("k", "v")  # rewrites the file whole
+            assert json.loads(path.read_text()) == {"k": "v"}
     finally:
         autotune.clear()

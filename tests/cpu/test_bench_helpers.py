@@ -4,14 +4,15 @@ import os
 
 import pytest
 
-from distgemm.bench.common import parse_variants, shuffled, with_envs
+import distgemm
+from distgemm.bench.common import parse_variants, shuffled, with_settings
 
 
 def test_parse_variants_reads_names_and_settings():
-    spec = "p2:DISTGEMM_TP_PIECES=2; p3t:DISTGEMM_TP_PIECES=3t,DISTGEMM_TP_ALGO=decomposed;"
+    spec = "p2:DISTGEMM_TP_PIECES=2; p3t:tp_pieces=3t,DISTGEMM_TP_ALGO=decomposed;"
     assert parse_variants(spec) == {
-        "p2": {"DISTGEMM_TP_PIECES": "2"},
-        "p3t": {"DISTGEMM_TP_PIECES": "3t", "DISTGEMM_TP_ALGO": "decomposed"},
+        "p2": {"tp_pieces": "2"},
+        "p3t": {"tp_pieces": "3t", "tp_algo": "decomposed"},
     }
     assert parse_variants("") == {}
 
@@ -19,6 +20,14 @@ def test_parse_variants_reads_names_and_settings():
 @pytest.mark.parametrize("spec", ["p2", "p2:", ":DISTGEMM_TP_PIECES=2", "p2:DISTGEMM_TP_PIECES"])
 def test_parse_variants_refuses_malformed_specs(spec):
     with pytest.raises(ValueError, match="variant"):
+        parse_variants(spec)
+
+
+@pytest.mark.parametrize("spec, match", [("p:DISTGEMM_TP_WHAT=2", "DISTGEMM_TP_WHAT.* is not a distgemm setting"),
+                                         ("p:tp_what=2", "unknown setting 'tp_what'"),
+                                         ("p:tp_pieces=9", "tp_pieces must be")])
+def test_parse_variants_names_a_bad_setting_before_anything_runs(spec, match):
+    with pytest.raises((ValueError, TypeError), match=match):
         parse_variants(spec)
 
 
@@ -34,14 +43,13 @@ def test_shuffled_order_is_the_same_on_every_rank_and_changes_between_rounds():
         assert len(before) > 1
 
 
-def test_with_envs_restores_the_previous_environment():
-    os.environ["DISTGEMM_TEST_A"] = "old"
-    os.environ.pop("DISTGEMM_TEST_B", None)
-    seen = with_envs({"DISTGEMM_TEST_A": "new", "DISTGEMM_TEST_B": "set"},
-                     lambda: (os.environ["DISTGEMM_TEST_A"], os.environ["DISTGEMM_TEST_B"]))()
-    assert seen == ("new", "set")
-    assert os.environ["DISTGEMM_TEST_A"] == "old" and "DISTGEMM_TEST_B" not in os.environ
-    del os.environ["DISTGEMM_TEST_A"]
+def test_with_settings_restores_the_previous_settings():
+    before = distgemm.current_settings()
+    seen = with_settings({"grouped_backend": "torch", "tp_pieces": 2},
+                         lambda: (distgemm.current_settings().grouped_backend, distgemm.current_settings().tp_pieces))
+    assert seen() == ("torch", "2")
+    assert distgemm.current_settings() is before
+    assert seen() == ("torch", "2")  # each call under the overrides
 
 
 # ---------------------------------------------------------------- FP8 grouped suite helpers

@@ -6,6 +6,7 @@ timed when autotuning is off."""
 import pytest
 import torch
 
+import distgemm
 from distgemm import autotune, grouped_autotune
 
 BF16 = torch.bfloat16
@@ -13,15 +14,14 @@ BF16 = torch.bfloat16
 
 @pytest.fixture
 def timed(monkeypatch, tmp_path):
-    monkeypatch.setenv("DISTGEMM_AUTOTUNE_CACHE", str(tmp_path / "cache.json"))
     monkeypatch.setattr(autotune, "may_time", lambda: True)
     monkeypatch.setattr(autotune, "_LOADED", True)
-    monkeypatch.setattr(autotune, "_ENABLED", True)
     monkeypatch.setattr(autotune, "flush_buffer", lambda: None)
     autotune.clear()
     times = {}
     monkeypatch.setattr(autotune, "_time_ms", lambda fn, reps, flush: times[fn()])
-    yield times
+    with distgemm.settings(autotune_cache=str(tmp_path / "cache.json"), autotune=True):
+        yield times
     autotune.clear()
 
 
@@ -84,9 +84,8 @@ def test_choice_is_remembered_per_problem(timed):
 
 def test_nothing_is_timed_when_disabled(timed, monkeypatch):
     names()
-    monkeypatch.setattr(autotune, "_ENABLED", False)
-    assert choose(timed) is None  # timed is empty: a timing would have raised KeyError
-    monkeypatch.setattr(autotune, "_ENABLED", True)
+    with distgemm.settings(autotune=False):
+        assert choose(timed) is None  # timed is empty: a timing would have raised KeyError
     monkeypatch.setattr(autotune, "may_time", lambda: False)  # graph capture, compile
     assert choose(timed) is None
 

@@ -108,15 +108,15 @@ BAD_OFFS = [([5, 3, 20], "offs must be non-negative and non-decreasing, got \\[5
 
 @pytest.mark.parametrize("offs, match", BAD_OFFS)
 @pytest.mark.parametrize("debug", ["0", "1"])
-def test_bad_offsets_on_cpu_raise_with_or_without_debug(monkeypatch, offs, match, debug):
+def test_bad_offsets_on_cpu_raise_with_or_without_debug(offs, match, debug):
     # On CPU tensors the host reads offs anyway, so the check costs nothing and always runs.
-    monkeypatch.setenv("DISTGEMM_DEBUG", debug)
     x, w = torch.zeros(20, 16).bfloat16(), torch.zeros(3, 8, 16).bfloat16()
-    with pytest.raises(ValueError, match=match):
-        distgemm.grouped_mm(x, w, torch.tensor(offs, dtype=torch.int32))
     dy = torch.zeros(20, 8).bfloat16()
-    with pytest.raises(ValueError, match=match):
-        distgemm.grouped_mm_wgrad(dy, x, torch.tensor(offs, dtype=torch.int32))
+    with distgemm.settings(debug=debug):
+        with pytest.raises(ValueError, match=match):
+            distgemm.grouped_mm(x, w, torch.tensor(offs, dtype=torch.int32))
+        with pytest.raises(ValueError, match=match):
+            distgemm.grouped_mm_wgrad(dy, x, torch.tensor(offs, dtype=torch.int32))
 
 
 @pytest.mark.parametrize("offs, match", BAD_OFFS)
@@ -140,12 +140,20 @@ def test_backend_env(monkeypatch):
     x, w, offs = torch.randn(8, 16).bfloat16(), torch.randn(2, 8, 16).bfloat16(), torch.tensor([4, 8], dtype=torch.int32)
     monkeypatch.setenv("DISTGEMM_GROUPED_BACKEND", "fastest")
     with pytest.raises(ValueError, match="DISTGEMM_GROUPED_BACKEND must be one of"):
-        distgemm.grouped_mm(x, w, offs)
+        distgemm.reload_settings()
+    with pytest.raises(ValueError, match="distgemm.settings: grouped_backend must be one of"):
+        with distgemm.settings(grouped_backend="fastest"):
+            pass
     monkeypatch.setenv("DISTGEMM_GROUPED_BACKEND", "cutlass")
-    distgemm._library.warn_once.cache_clear()
-    with pytest.warns(RuntimeWarning, match="backend 'cutlass' unavailable"):
-        out = distgemm.grouped_mm(x, w, offs)
-    assert_close(out, loop_forward(x, w, offs))
+    distgemm.reload_settings()
+    try:
+        distgemm._library.warn_once.cache_clear()
+        with pytest.warns(RuntimeWarning, match="backend 'cutlass' unavailable"):
+            out = distgemm.grouped_mm(x, w, offs)
+        assert_close(out, loop_forward(x, w, offs))
+    finally:
+        monkeypatch.undo()
+        distgemm.reload_settings()
 
 
 def test_autograd_through_the_op():
@@ -244,21 +252,20 @@ def test_grouped_linear_fp8_gradients_on_the_reference_path(grad_dtype, band):
         GroupedLinear(3, 128, 256, fp8="block", fp8_grad_dtype=torch.bfloat16)
 
 
-def test_the_repeat_signature_follows_the_backend_and_debug_variables(monkeypatch):
-    # A remembered call must not outlive a change of DISTGEMM_GROUPED_BACKEND or DISTGEMM_DEBUG
-    # made through os.environ (monkeypatch, with_env): the signature reads both.
-    from distgemm.grouped import _call_signature
+def test_remembered_calls_are_forgotten_when_the_settings_change():
+    # A remembered call must not outlive a change of the backend or of debug: the table of
+    # repeat calls is cleared with every change of the settings (and not otherwise).
+    from distgemm import grouped
 
-    x, w, offs = torch.zeros(4, 8), torch.zeros(2, 8, 8), torch.tensor([2, 4], dtype=torch.int32)
-    monkeypatch.delenv("DISTGEMM_GROUPED_BACKEND", raising=False)
-    monkeypatch.delenv("DISTGEMM_DEBUG", raising=False)
-    plain = _call_signature(x, w, offs, None, True)
-    assert _call_signature(x, w, offs, None, True) == plain
-    monkeypatch.setenv("DISTGEMM_GROUPED_BACKEND", "torch")
-    backend = _call_signature(x, w, offs, None, True)
-    monkeypatch.setenv("DISTGEMM_DEBUG", "1")
-    debug = _call_signature(x, w, offs, None, True)
-    assert len({plain, backend, debug}) == 3
-    monkeypatch.delenv("DISTGEMM_GROUPED_BACKEND")
-    monkeypatch.delenv("DISTGEMM_DEBUG")
-    assert _call_signature(x, w, offs, None, True) == plain
+    def run(*args):
+        return None
+
+    grouped._REPEAT_CALLS.put(("a signature",), run)
+    with distgemm.settings():  # nothing changed: kept
+        assert grouped._REPEAT_CALLS.get(("a signature",)) is run
+    for change in ({"grouped_backend": "torch"}, {"debug": True}, {"autotune": False}):
+        grouped._REPEAT_CALLS.put(("a signature",), run)
+        with distgemm.settings(**change):
+            assert not grouped._REPEAT_CALLS, change
+            grouped._REPEAT_CALLS.put(("another",), run)
+        assert not grouped._REPEAT_CALLS, change  # and again when the block ends

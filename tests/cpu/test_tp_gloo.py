@@ -3,6 +3,8 @@ users run: 2, 4 and 8 ranks."""
 
 import pytest
 
+import distgemm
+
 from tests import tp_checks
 from tests.dist_helpers import run_ranks
 
@@ -54,13 +56,21 @@ def test_backend_settings_that_differ_are_named():
                                        ("DISTGEMM_TIMEOUT_S", "-1"), ("DISTGEMM_TIMEOUT_S", "soon"),
                                        ("DISTGEMM_TP_PIECES", "5"), ("DISTGEMM_TP_PIECES", "2x"),
                                        ("DISTGEMM_RS_SPLIT_GFLOPS", "-3"), ("DISTGEMM_RS_SPLIT_GFLOPS", "nan")])
-def test_malformed_environment_is_named(monkeypatch, var, value):
-    from distgemm import tp
+def test_malformed_setting_is_named(monkeypatch, var, value):
+    """From the environment (read again by reload_settings, which keeps the settings in force)
+    and as an override of distgemm.settings: a ValueError naming the variable or the setting."""
+    from distgemm import _settings
 
+    before = distgemm.current_settings()
     monkeypatch.setenv(var, value)
-    read = {"DISTGEMM_TP_BACKEND": tp._backend, "DISTGEMM_TIMEOUT_S": tp.timeout_s}.get(var, tp.reload_settings)
     with pytest.raises(ValueError, match=var):
-        read()
+        distgemm.reload_settings()
+    assert distgemm.current_settings() is before
+    field = _settings.variable_field(var)
+    with pytest.raises(ValueError, match=f"distgemm.settings: {field} must be"):
+        with distgemm.settings(**{field: value}):
+            raise AssertionError("the block ran with a malformed setting")
+    assert distgemm.current_settings() is before
 
 
 @pytest.mark.parametrize("env,settings", [
@@ -79,14 +89,23 @@ def test_environment_maps_to_the_c_api_settings(monkeypatch, env, settings):
         monkeypatch.delenv(var, raising=False)
     for var, value in env.items():
         monkeypatch.setenv(var, value)
-    tp.reload_settings()
+    distgemm.reload_settings()
     try:
         assert tp._tp_settings() == [float(v) for v in settings]
         monkeypatch.setenv("DISTGEMM_TP_PIECES", "2")  # not read again until reload_settings
         assert tp._tp_settings() == [float(v) for v in settings]
     finally:
         monkeypatch.undo()
-        tp.reload_settings()
+        distgemm.reload_settings()
+    overrides = {_settings_field(var): value for var, value in env.items()}
+    with distgemm.settings(**overrides):  # the same through the settings
+        assert tp._tp_settings() == [float(v) for v in settings]
+
+
+def _settings_field(variable: str) -> str:
+    from distgemm import _settings
+
+    return _settings.variable_field(variable)
 
 
 def test_workspace_sizes_follow_the_layout():

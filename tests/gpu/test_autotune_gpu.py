@@ -62,8 +62,8 @@ def test_graph_capture_never_times(cache):
     assert not cache.exists() or "640x2048x1024" not in cache.read_text()
 
 
-def test_disabled_keeps_the_heuristic(cache, monkeypatch):
-    monkeypatch.setattr(autotune, "_ENABLED", False)  # DISTGEMM_AUTOTUNE=0 at import
+def test_disabled_keeps_the_heuristic(cache, use_settings):
+    use_settings(autotune=False)  # as DISTGEMM_AUTOTUNE=0
     a = torch.randn(256, 512, device=DEV, dtype=torch.float16)
     b = torch.randn(384, 512, device=DEV, dtype=torch.float16)
     out = distgemm.gemm(a, b)
@@ -194,13 +194,13 @@ def test_the_tuner_and_the_benchmark_flush_the_gpu_l2():
 
 
 @pytest.mark.parametrize("discipline", ["interleaved", "sequential", "sustained"])
-def test_every_benchmark_timing_discipline_times_each_candidate(monkeypatch, discipline):
+def test_every_benchmark_timing_discipline_times_each_candidate(use_settings, discipline):
     """Each of DISTGEMM_BENCH_TIMING's disciplines calls every candidate warmup + reps times,
     returns a positive median per candidate (the longer GEMM timed longer), and the results'
     env names the discipline."""
     from distgemm.bench.common import Timer, env_info
 
-    monkeypatch.setenv("DISTGEMM_BENCH_TIMING", discipline)
+    use_settings(bench_timing=discipline)
     small = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
     large = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
     calls = {"small": 0, "large": 0}

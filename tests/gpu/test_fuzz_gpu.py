@@ -39,7 +39,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 import distgemm  # noqa: E402
 from tests.fuzz_helpers import (Bound, Placed, Tally, accumulation_eps, canary_report, compare,  # noqa: E402
-                                compare_segments, env_set, fuzz_examples, fuzz_time_cap, is_cuda_fatal, place, place_out,
+                                compare_segments, settings_of, fuzz_examples, fuzz_time_cap, is_cuda_fatal, place, place_out,
                                 same_values, sentinel_fill)
 from tests.reference import ref_gemm  # noqa: E402
 
@@ -302,7 +302,7 @@ def grouped_cases(draw, wgrad: bool):
 def _run_grouped_case(op, args, kwargs, case, operands, out, shape, out_dtype):
     """Runs a grouped op under the case's backend: (result, problems, refused); the result is
     None when the op refused (as the case allows) or returned the wrong shape or dtype."""
-    with env_set({"DISTGEMM_GROUPED_BACKEND": case["backend"]}):
+    with settings_of({"DISTGEMM_GROUPED_BACKEND": case["backend"]}):
         try:
             y = op(*args, **kwargs)
             if DEV == "cuda":

@@ -89,8 +89,8 @@ def test_graph_capture_never_times(autotune_cache):
     assert _tuned(autotune.last_backend())
 
 
-def test_disabled_keeps_the_cost_model(autotune_cache, monkeypatch):
-    monkeypatch.setattr(autotune, "_ENABLED", False)
+def test_disabled_keeps_the_cost_model(autotune_cache, use_settings):
+    use_settings(autotune=False)
     counts = random_counts(3, 500, ())
     offs = make_offs(counts)
     x, w = torch.randn(500, 256, device=DEV).bfloat16(), torch.randn(3, 512, 256, device=DEV).bfloat16()

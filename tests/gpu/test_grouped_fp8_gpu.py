@@ -330,12 +330,12 @@ def test_wgrad_block_scales_into_fp32_main_grad(routing, accumulate, dy_dtype):
 
 @pytest.mark.parametrize("accumulate", [False, True])
 @pytest.mark.parametrize("through", ["api", "op"])
-def test_wgrad_operands_quantized_without_offs_give_nan(accumulate, through, monkeypatch):
+def test_wgrad_operands_quantized_without_offs_give_nan(accumulate, through, use_settings):
     # quantize_fp8(..., transpose=True) without offs gives (N, T): with T a multiple of 128 and
     # T >= 128 G it passes every shape check, and the kernel would sum the wrong columns (0.85
     # relative error measured, no NaN). The device reads offs[G-1] > Tp - 128 G and fills out
     # with NaN; the same operands quantized with offs are right.
-    monkeypatch.delenv("DISTGEMM_DEBUG", raising=False)
+    use_settings(debug=False)
     counts, n, k = [300, 212, 500, 12], 256, 256
     offs, t = make_offs(counts), sum(counts)
     assert t % 128 == 0 and t >= 128 * len(counts)
@@ -362,7 +362,7 @@ def test_wgrad_operands_quantized_without_offs_give_nan(accumulate, through, mon
     assert torch.isfinite(out).all()
     assert float((out - ref).norm() / ref.norm()) < 0.1
     # DISTGEMM_DEBUG reads offs on the host and names the problem instead.
-    monkeypatch.setenv("DISTGEMM_DEBUG", "1")
+    use_settings(debug=True)
     dy_t, s_dy = distgemm.quantize_fp8(dy, (1, 128), transpose=True)
     x_t, s_x = distgemm.quantize_fp8(x, (1, 128), transpose=True)
     with pytest.raises(ValueError, match=r"offs\[-1\] = 1024 is past the 512 tokens the padded layout"):
@@ -549,8 +549,8 @@ def test_dense_block_gemm_graph_replay(warm, autotune_cache):
         bound_check(out, ad @ bd.T, ad.abs() @ bd.abs().T)
 
 
-def test_dense_block_gemm_without_autotuning_runs_ours(autotune_cache, monkeypatch):
-    monkeypatch.setattr(distgemm.autotune, "_ENABLED", False)
+def test_dense_block_gemm_without_autotuning_runs_ours(autotune_cache, use_settings):
+    use_settings(autotune=False)
     a, b = fp8(1024, 512), fp8(512, 512)
     sa, sb = scales(4, 1024).t(), scales(4, 4)
     out = distgemm.gemm(a, b, scale_a=sa, scale_b=sb)

@@ -225,8 +225,8 @@ def test_wgrad_every_config_keeps_other_tokens_out(accumulate):
 
 
 @pytest.mark.parametrize("backend", ["cutlass", "cublas", "torch"])
-def test_backends_agree(backend, monkeypatch):
-    monkeypatch.setenv("DISTGEMM_GROUPED_BACKEND", backend)
+def test_backends_agree(backend, use_settings):
+    use_settings(grouped_backend=backend)
     counts = random_counts(6, 900, (1,))
     offs = make_offs(counts)
     x, w = torch.randn(900, 256, device=DEV).bfloat16(), torch.randn(6, 512, 256, device=DEV).bfloat16()
@@ -431,7 +431,7 @@ def test_more_groups_than_one_builder_grid():
         assert_close(main_grad[e], 1 + dy[a:b].double().T @ x[a:b].double())
 
 
-def test_repeated_calls_take_the_remembered_runner(monkeypatch):
+def test_repeated_calls_take_the_remembered_runner(use_settings):
     """A repeated forward/dgrad call with the same signature skips the checks through one
     lookup and gives the same result; new routing in the same offs is read on the device; a
     changed backend setting, autograd and bad input take the full path."""
@@ -452,9 +452,9 @@ def test_repeated_calls_take_the_remembered_runner(monkeypatch):
     w_kn = w.transpose(1, 2).contiguous()  # dgrad layout: another signature
     for _ in range(2):
         assert_close(distgemm.grouped_mm(x, w_kn, offs, trans_w=False), ref_forward(x, w_kn, new_counts, False))
-    monkeypatch.setenv("DISTGEMM_GROUPED_BACKEND", "torch")
+    use_settings(grouped_backend="torch")
     assert_close(distgemm.grouped_mm(x, w, offs), ref_forward(x, w, new_counts))
-    monkeypatch.delenv("DISTGEMM_GROUPED_BACKEND")
+    use_settings(grouped_backend=None)
     leaf = x.clone().requires_grad_()
     distgemm.grouped_mm(leaf, w, offs).float().sum().backward()
     assert leaf.grad is not None and torch.isfinite(leaf.grad).all()

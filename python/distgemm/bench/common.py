@@ -11,10 +11,12 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
+from distgemm import _settings
+
 
 def commit() -> str:
-    if os.environ.get("DISTGEMM_COMMIT"):
-        return os.environ["DISTGEMM_COMMIT"]
+    if _settings.current().commit:
+        return _settings.current().commit
     try:
         here = os.path.dirname(os.path.abspath(__file__))
         return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=here, text=True,
@@ -31,9 +33,9 @@ def gpu_slug(gpus: int) -> str:
 
 
 def timing_discipline() -> str:
-    """How Timer.compare times (DISTGEMM_BENCH_TIMING): "interleaved" (default), "sequential"
-    or "sustained"."""
-    return os.environ.get("DISTGEMM_BENCH_TIMING") or "interleaved"
+    """How Timer.compare times (setting bench_timing, DISTGEMM_BENCH_TIMING): "interleaved"
+    (default), "sequential" or "sustained"."""
+    return _settings.current().bench_timing
 
 
 def env_info(gpus: int = 1) -> dict:
@@ -143,52 +145,34 @@ def host_ms(fn: Callable[[], object], calls: int = 20, before: Optional[Callable
     return elapsed / calls * 1e3
 
 
-def with_env(var: str, value: str, fn: Callable[[], object]) -> Callable[[], object]:
-    """`fn` run with the environment variable `var` set to `value` (the previous value, or its
-    absence, restored after each call): how the suites time one backend or algorithm."""
-    return with_envs({var: value}, fn)
-
-
-def with_envs(envs: Dict[str, str], fn: Callable[[], object]) -> Callable[[], object]:
-    """`fn` run with every variable of `envs` set, the previous values restored after each call."""
+def with_settings(overrides: Dict[str, object], fn: Callable[[], object]) -> Callable[[], object]:
+    """`fn` run under ``distgemm.settings(**overrides)``, the previous settings restored after each
+    call: how the suites time one backend or algorithm."""
     def call():
-        old = {var: os.environ.get(var) for var in envs}
-        os.environ.update(envs)
-        reload_tp_settings()
-        try:
+        with _settings.settings(**overrides):
             return fn()
-        finally:
-            for var, value in old.items():
-                if value is None:
-                    del os.environ[var]
-                else:
-                    os.environ[var] = value
-            reload_tp_settings()
     return call
 
 
-def reload_tp_settings() -> None:
-    """distgemm reads its tensor-parallel settings (DISTGEMM_TP_*) once: re-read them."""
-    import distgemm.tp
-
-    distgemm.tp.reload_settings()
-
-
 def parse_variants(spec: str) -> Dict[str, Dict[str, str]]:
-    """'name:VAR=value,VAR2=value;name2:VAR=value' -> {name: {VAR: value, ...}, ...}: extra
-    columns of a suite, each the default call run under its own environment."""
+    """'name:VAR=value,VAR2=value;name2:VAR=value' -> {name: {setting: value, ...}, ...}: extra
+    columns of a suite, each the default call run under its own settings (VAR: a setting's name,
+    e.g. tp_algo, or its environment variable, e.g. DISTGEMM_TP_ALGO)."""
     variants = {}
     for item in filter(None, (s.strip() for s in spec.split(";"))):
         name, _, assigns = item.partition(":")
-        envs = {}
+        overrides = {}
         for assign in filter(None, assigns.split(",")):
             var, eq, value = assign.partition("=")
+            var = var.strip()
             if not eq or not var:
                 raise ValueError(f"variant {name!r}: expected VAR=value, got {assign!r}")
-            envs[var.strip()] = value.strip()
-        if not name or not envs:
+            field = _settings.variable_field(var) if var.startswith("DISTGEMM_") else var
+            _settings.replaced(**{field: value.strip()})  # a bad name or value is named here
+            overrides[field] = value.strip()
+        if not name or not overrides:
             raise ValueError(f"variant {item!r}: expected name:VAR=value[,VAR=value...]")
-        variants[name.strip()] = envs
+        variants[name.strip()] = overrides
     return variants
 
 

@@ -31,11 +31,11 @@ from __future__ import annotations
 
 import inspect
 import math
-import os
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from distgemm import _settings
 from .common import Timer, entry, geomean, gpu_slug, host_ms, plot_ratios, print_row, write_results
 from .grouped_suite import counts_for
 from .._torch_block_scaled import cublas_scale_a, cublas_scale_b
@@ -564,7 +564,7 @@ def _quant_row(timer, x: torch.Tensor, counts: List[int], routing: str, transpos
 def _quant_rows(timer, quick: bool, device) -> List[dict]:
     """The quantization table: the activations of the 8x4096 problems (T = 32768), K = 7168
     (and 2048), plain, and transposed + padded per expert (balanced, and Zipf)."""
-    use_compile = os.environ.get("DISTGEMM_BENCH_COMPILE", "1") != "0"
+    use_compile = _settings.current().bench_compile
     g, mean = QUANT_EXPERTS
     rows = []
     for k in (QUANT_K[:1] if quick else QUANT_K):

@@ -10,7 +10,7 @@ from tqdm import tqdm
 
 import distgemm
 
-from .common import Timer, entry, geomean, gpu_slug, host_ms, plot_ratios, print_row, with_env, write_results
+from .common import Timer, entry, geomean, gpu_slug, host_ms, plot_ratios, print_row, with_settings, write_results
 
 # (name, experts G, mean tokens per expert, N, K, routing)
 SUITE = [
@@ -39,7 +39,7 @@ def counts_for(groups: int, mean: int, routing: str) -> list:
 
 
 def _backend_call(name: str, fn):
-    return with_env("DISTGEMM_GROUPED_BACKEND", name, fn)
+    return with_settings({"grouped_backend": name}, fn)
 
 
 def _rel(x, y):

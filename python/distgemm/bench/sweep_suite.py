@@ -43,7 +43,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .common import Timer, entry, geomean, gpu_slug, print_row, shuffled, with_env, write_results
+from .common import Timer, entry, geomean, gpu_slug, print_row, shuffled, with_settings, write_results
 
 # ------------------------------------------------------------------------------ shape lists
 
@@ -529,7 +529,7 @@ def run_grouped(timer: Timer, configs: List[dict]) -> Tuple[List[dict], str]:
                                    "bmm": lambda: torch.bmm(dy.view(g, per, n).transpose(1, 2), x.view(g, per, k),
                                                             **wgrad_kw)}
             for impls in passes.values():  # distgemm's own kernels alone, tuned among themselves
-                impls[KERNEL] = with_env("DISTGEMM_GROUPED_BACKEND", "cutlass", impls["distgemm"])
+                impls[KERNEL] = with_settings({"grouped_backend": "cutlass"}, impls["distgemm"])
         except (RuntimeError, ValueError, TypeError, NotImplementedError) as e:
             rows.append({"shape": {**base, "pass": "forward"}, "error": f"{type(e).__name__}: {e}"[:500]})
             print(f"{i:3d} {label}: FAILED {rows[-1]['error']}", flush=True)

@@ -22,9 +22,10 @@ import torch.distributed as dist
 import torch.distributed._symmetric_memory  # noqa: F401  (registers torch.ops.symm_mem)
 
 import distgemm
+from distgemm import _settings
 
 from .common import (entry, geomean, gpu_slug, host_ms, median, parse_variants, plot_ratios, print_row, shuffled,
-                     with_env, with_envs, write_results)
+                     with_settings, write_results)
 
 # Llama-3 TP layers: (model, hidden, ffn, q heads, kv heads, head dim)
 MODELS = [("llama3-8b", 4096, 14336, 32, 8, 128), ("llama3-70b", 8192, 28672, 64, 8, 128)]
@@ -194,7 +195,7 @@ ALGOS = {"distgemm_fused": "fused", "distgemm_decomposed": "decomposed"}
 
 
 def _algo_variants(call):
-    return {name: with_env("DISTGEMM_TP_ALGO", algo, call) for name, algo in ALGOS.items()}
+    return {name: with_settings({"tp_algo": algo}, call) for name, algo in ALGOS.items()}
 
 
 def graphed(fn, calls: int = 1):
@@ -232,8 +233,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     variants = parse_variants(args.variants)
     only = [s for s in args.only.split(",") if s]
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    rank, world, local_rank = _settings.launcher_ranks()
+    torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
     group = dist.group.WORLD
     fp8 = args.dtype == "fp8"
@@ -249,7 +250,7 @@ def main(argv=None):
         impls, check, flops = made["impls"], made["check"], made["flops"]
         ours = impls["distgemm"]
         impls.update(_algo_variants(ours))
-        impls.update({name: with_envs(envs, ours) for name, envs in variants.items()})
+        impls.update({name: with_settings(overrides, ours) for name, overrides in variants.items()})
         if args.graph:
             impls["distgemm_graph"] = graphed(ours)
         errs, refused = {}, {}
