@@ -34,4 +34,18 @@ dg_status launch_portable(const char* what, Launch&& launch) {
   return DG_SUCCESS;
 }
 
+// A plain-CUDA C API entry: desc checked into a Problem by lower(desc, &problem) (a dg_status),
+// then launch(problem, stream) (a cudaError_t) through launch_portable, with the device's SM count
+// in problem.sm_count.
+template <class Problem, class Desc, class Lower, class Launch>
+dg_status check_and_launch_portable(const char* what, const Desc* desc, Lower&& lower, Launch&& launch,
+                                    cudaStream_t stream) {
+  Problem p;
+  DG_RETURN_IF_ERROR(lower(desc, &p));
+  return launch_portable(what, [&](int sm_count) {
+    p.sm_count = sm_count;
+    return launch(p, stream);
+  });
+}
+
 }  // namespace distgemm

@@ -160,19 +160,10 @@ extern "C" dg_status dg_moe_activation_workspace_size(const dg_moe_act_desc* des
 }
 
 extern "C" dg_status dg_moe_activation(const dg_moe_act_desc* desc, cudaStream_t stream) {
-  ActProblem p;
-  DG_RETURN_IF_ERROR(lower_act(desc, &p));
-  return launch_portable("MoE activation", [&](int sm_count) {
-    p.sm_count = sm_count;
-    return launch_act(p, stream);
-  });
+  return check_and_launch_portable<ActProblem>("MoE activation", desc, lower_act, launch_act, stream);
 }
 
 extern "C" dg_status dg_quantize_fp8_weight(const dg_quantize_weight_desc* desc, cudaStream_t stream) {
-  WeightProblem p;
-  DG_RETURN_IF_ERROR(lower_weight(desc, &p));
-  return launch_portable("FP8 weight quantization", [&](int sm_count) {
-    p.sm_count = sm_count;
-    return launch_weight_quantize(p, stream);
-  });
+  return check_and_launch_portable<WeightProblem>("FP8 weight quantization", desc, lower_weight,
+                                                  launch_weight_quantize, stream);
 }

@@ -155,10 +155,5 @@ extern "C" dg_status dg_quantize_fp8_sizes(const dg_quantize_desc* desc, dg_quan
 }
 
 extern "C" dg_status dg_quantize_fp8(const dg_quantize_desc* desc, cudaStream_t stream) {
-  QuantizeProblem p;
-  DG_RETURN_IF_ERROR(lower(desc, &p));
-  return launch_portable("FP8 quantization", [&](int sm_count) {
-    p.sm_count = sm_count;
-    return launch_quantize_fp8(p, stream);
-  });
+  return check_and_launch_portable<QuantizeProblem>("FP8 quantization", desc, lower, launch_quantize_fp8, stream);
 }
