@@ -37,7 +37,11 @@ KIND = {"forward": 0, "dgrad": 1, "wgrad": 2}
 
 def main() -> None:
     cache = os.path.join(tempfile.mkdtemp(), "autotune.json")
-    os.environ["DISTGEMM_AUTOTUNE_CACHE"] = cache
+    with distgemm.settings(autotune_cache=cache):
+        probe(cache)
+
+
+def probe(cache: str) -> None:
     timer = Timer()
     arch = device_arch(torch.device("cuda"))
     bf = torch.bfloat16

@@ -11,12 +11,19 @@
 # summary (timed out, crashed, or the sanitizer could not attach: it refuses the GPU on gVisor
 # machines, 'Device not supported'). "exit" is the worst exit code of the parts (124: timeout).
 #
-# Flags: --error-exitcode 1 --target-processes all --print-limit 100 everywhere; memcheck with
+# Flags: --error-exitcode 1 --target-processes all --print-limit 100 (initcheck: below); memcheck with
 # --leak-check no (the caching allocators keep memory until exit) and --report-api-errors no
 # (NCCL and torch probe CUDA APIs that fail on purpose); memcheck and initcheck run with
 # PYTORCH_NO_CUDA_MEMORY_CACHING=1, so that every tensor is its own allocation and an access
 # past one is seen. SANITIZER_EXTRA_<TOOL> adds flags to a tool (e.g. SANITIZER_EXTRA_INITCHECK=
 # "--kernel-name-exclude kns=nccl").
+#
+# initcheck: the driver fills every tensor torch allocates before its first use
+# (--fill-uninitialized; SANITIZER_INITCHECK_FILLED=0 turns it off), because initcheck does not
+# count TMA stores as writes: without the fill, every read of a GEMM's output is a report
+# (262,144 for one 512 x 512 torch.mm, scripts/dev/initcheck_probe.py). Its reports are printed
+# up to SANITIZER_INITCHECK_LIMIT (default 1,000,000) and tallied by kernel, distgemm's own
+# apart, into initcheck_tally.json (scripts/reliability/initcheck_tally.py).
 #
 # Time (H200 x2, estimates: instrumenting the first launch of each CUTLASS kernel dominates):
 # the four single-GPU parts run at once (two per GPU), <= SANITIZER_SINGLE_S (default 100 s);
@@ -57,6 +64,11 @@ run() {
   if [ "$part" = single ] && { [ "$all_configs" = all ] || [ "$all_configs" = "$tool" ]; }; then
     extra=(--all-configs)
   fi
+  local limit=100
+  if [ "$tool" = initcheck ]; then
+    limit="${SANITIZER_INITCHECK_LIMIT:-1000000}"
+    [ "$part" = single ] && [ "${SANITIZER_INITCHECK_FILLED:-1}" = 1 ] && extra+=(--fill-uninitialized)
+  fi
   rm -f "$out/${tool}_${part}".*.sanitizer.log
   start=$(date +%s)
   (
@@ -68,7 +80,7 @@ run() {
     fi
     # shellcheck disable=SC2046
     timeout -k 10 "$secs" "$san" $(tool_flags "$tool") --error-exitcode 1 --target-processes all \
-      --print-limit 100 --log-file "$out/${tool}_${part}.%p.sanitizer.log" \
+      --print-limit "$limit" --log-file "$out/${tool}_${part}.%p.sanitizer.log" \
       python3 scripts/reliability/sanitizer_driver.py "$part" ${extra[@]+"${extra[@]}"}
   ) > "$out/${tool}_${part}.log" 2>&1
   rc=$?
@@ -96,6 +108,11 @@ else
   else
     echo "sanitizer: the TP parts need two GPUs; not run" | tee "$out/tp_not_run.txt"
   fi
+fi
+
+if ls "$out"/initcheck_*.sanitizer.log > /dev/null 2>&1; then
+  python3 "$repo/scripts/reliability/initcheck_tally.py" "$out"/initcheck_*.sanitizer.log \
+    --out "$out/initcheck_tally.json" > "$out/initcheck_tally.txt" 2>&1
 fi
 
 python3 - "$out" <<'EOF'

@@ -9,6 +9,10 @@ is silently wrong under the sanitizer fails the run too).
       Grouped: forward, dgrad and wgrad on the CUTLASS backend (out bf16 / fp32, zero-token
       experts, unrouted tail rows, out= with accumulate) and the cuBLAS backend once.
       --all-configs: every compiled tile configuration of each (heuristic choice otherwise).
+      FP8 and MoE: quantize_fp8 at every granularity, the FP8 grouped forward and wgrad, each
+      MoE activation pass (forward and backward, every form), the weight copies and an FP8
+      expert-MLP step, at ragged token counts with an empty expert.
+      --fill-uninitialized: every tensor torch allocates is filled first (for initcheck).
   python scripts/reliability/sanitizer_driver.py tp
       2 ranks (spawned, NCCL): all_gather_matmul and matmul_reduce_scatter with
       DISTGEMM_TP_ALGO fused and decomposed (pieces 3t, reduce-scatter split in halves), bias
@@ -190,16 +194,75 @@ def grouped(dev, all_configs: bool):
         what = f"wgrad {dtype} accumulate into main_grad"
         guarded(what, lambda: check(what, distgemm.grouped_mm_wgrad(dy, x, offs, out=main_grad, accumulate=True),
                                     base + expected, 1e-4))
-        os.environ["DISTGEMM_GROUPED_BACKEND"] = "cublas"
-        try:
+        with distgemm.settings(grouped_backend="cublas"):
             what = f"grouped cuBLAS backend {dtype}"
             w = rnd((groups, n, k), dtype, dev, 0.25, seed=24)
             guarded(what, lambda: check(what, distgemm.grouped_mm(x, w, offs, out_dtype=FP32)[:routed],
                                         _grouped_ref(x, w, counts, True), 1e-4))
             guarded(what + " wgrad", lambda: check(what + " wgrad", distgemm.grouped_mm_wgrad(dy, x, offs),
                                                    expected, 1e-4))
-        finally:
-            del os.environ["DISTGEMM_GROUPED_BACKEND"]
+
+
+def moe_and_fp8(dev):
+    """FP8 quantization (every granularity, the transposed per-group copy), the FP8 grouped
+    forward and wgrad, the MoE passes (each activation and its backward, every form) and weight
+    copies, and the FP8 expert MLP's step, at ragged token counts with an empty expert."""
+    from distgemm import moe
+
+    counts = [130, 0, 1, 255]
+    offs = torch.tensor(counts, device=dev).cumsum(0).to(torch.int32)
+    tokens, hidden, ffn = sum(counts), 256, 384
+    x = rnd((tokens, hidden), BF16, dev, seed=100)
+    from distgemm.grouped_fp8 import dequantize_blocks
+
+    blocks = {"tensor": (tokens, hidden), "row": (1, hidden), (1, 128): (1, 128), (128, 128): (128, 128)}
+    for gran, (br, bc) in blocks.items():
+        what = f"quantize_fp8 {gran}"
+
+        def dequantized(gran=gran, br=br, bc=bc):
+            q, s = distgemm.quantize_fp8(x, gran)
+            return dequantize_blocks(q, s.reshape(-(-tokens // br), -(-hidden // bc)), br, bc)
+        guarded(what, lambda: check(what, dequantized(), x.double(), 0.08))
+    xt8, sxt = distgemm.quantize_fp8(x, (1, 128), transpose=True, offs=offs)
+    for kind, dy in (("identity", None), ("swiglu", None), ("gelu", None),
+                     ("swiglu", rnd((tokens, ffn), BF16, dev, seed=101)), ("gelu", rnd((tokens, ffn), BF16, dev, seed=102))):
+        h = rnd((tokens, 2 * ffn if kind == "swiglu" else (hidden if kind == "identity" else ffn)), BF16, dev, seed=103)
+        what = f"moe.activation {kind}{' backward' if dy is not None else ''}"
+
+        def forms(kind=kind, h=h, dy=dy):
+            out = moe.activation(h, kind, dy=dy, offs=offs, bf16=True, fp8_rows=True, fp8_transposed=True)
+            rows8, _ = distgemm.quantize_fp8(out.y, (1, 128))
+            if not torch.equal(out.y_fp8.view(torch.uint8), rows8.view(torch.uint8)):
+                raise AssertionError("the FP8 rows differ from quantize_fp8 of the bf16 values")
+            return out.y.float()
+        guarded(what, lambda: check(what, forms(), forms().double(), 0.0))
+    w = rnd((4, ffn, hidden), BF16, dev, 0.1, seed=104)
+    what = "moe.quantize_weight both copies"
+    guarded(what, lambda: check(what, moe.quantize_weight(w, "block")[2].float().transpose(1, 2),
+                                moe.quantize_weight(w, "block")[0].double(), 0.0))
+    x8, sx = distgemm.quantize_fp8(x, (1, 128))
+    w8, sw = distgemm.quantize_fp8(w, (128, 128))
+    ref_fwd = torch.cat([x[a:b].double() @ w[g].double().T for g, (a, b) in
+                         enumerate(zip([0] + offs.tolist()[:-1], offs.tolist()))])
+    what = "grouped_mm fp8 block forward"
+    guarded(what, lambda: check(what, distgemm.grouped_mm(x8, w8, offs, scale_x=sx, scale_w=sw), ref_fwd, 0.08))
+    dy = rnd((tokens, ffn), BF16, dev, seed=105)
+    dyt8, sdyt = distgemm.quantize_fp8(dy, (1, 128), transpose=True, offs=offs)
+    ref_wgrad = torch.stack([dy[a:b].double().T @ x[a:b].double() for a, b in
+                             zip([0] + offs.tolist()[:-1], offs.tolist())])
+    what = "grouped_mm_wgrad fp8 block"
+    guarded(what, lambda: check(what, distgemm.grouped_mm_wgrad(dyt8, xt8, offs, scale_dy=sdyt, scale_x=sxt),
+                                ref_wgrad, 0.08))
+    what = "grouped_mlp fp8 block step"
+
+    def step(fp8):
+        w1 = rnd((4, 2 * ffn, hidden), BF16, dev, 0.05, seed=106).requires_grad_()
+        w2 = rnd((4, hidden, ffn), BF16, dev, 0.05, seed=107).requires_grad_()
+        xg = x.clone().requires_grad_()
+        y = moe.grouped_mlp(xg, offs, w1, w2, activation="swiglu", fp8=fp8)
+        y.float().square().sum().backward()
+        return torch.cat([t.detach().reshape(-1).float() for t in (y, xg.grad, w1.grad, w2.grad)])
+    guarded(what, lambda: check(what, step("block"), step(None).double(), 0.15))
 
 
 # ---------------------------------------------------------------- tensor parallel (2 ranks)
@@ -216,30 +279,26 @@ def _tp_rank(rank, world, port, errors):
                                 device_id=dev)
         m, k, n = 100, 256, 264
         for algo in ("fused", "decomposed"):
-            env = {"DISTGEMM_TP_ALGO": algo}
-            env.update({"DISTGEMM_RS_SPLIT_GFLOPS": "0"} if algo == "fused" else {"DISTGEMM_TP_PIECES": "3t"})
-            os.environ.update(env)
-            distgemm.reload_settings()
-            for dtype in (BF16, FP16):
-                a_full = rnd((m * world, k), dtype, dev, seed=30)
-                b = rnd((n, k), dtype, dev, 0.1, seed=31 + rank)
-                bias = rnd((n,), dtype, dev, seed=33)
-                what = f"all_gather_matmul {algo} {dtype}"
-                out, gathered = distgemm.all_gather_matmul(a_full[rank * m:(rank + 1) * m], b, c=bias, beta=1.0,
-                                                           return_gathered=True)
-                check(what, out, ref(a_full, b, bias, 1.0, 1.0), TOL[dtype])
-                if not torch.equal(gathered, a_full):
-                    FAILURES.append(f"{what}: return_gathered differs")
-                parts = [(rnd((m * world, k), dtype, dev, seed=40 + q), rnd((n, k), dtype, dev, 0.1, seed=50 + q))
-                         for q in range(world)]
-                c = rnd((m, n), dtype, dev, seed=60 + rank)
-                what = f"matmul_reduce_scatter {algo} {dtype}"
-                out = distgemm.matmul_reduce_scatter(parts[rank][0], parts[rank][1], c=c, beta=-1.0, out_dtype=FP32)
-                expected = sum(ref(a, bb) for a, bb in parts)[rank * m:(rank + 1) * m] - c.double()
-                check(what, out, expected, 1e-3)
-            for key in env:
-                del os.environ[key]
-            distgemm.reload_settings()
+            overrides = {"tp_algo": algo}
+            overrides.update({"rs_split_gflops": 0} if algo == "fused" else {"tp_pieces": "3t"})
+            with distgemm.settings(**overrides):
+                for dtype in (BF16, FP16):
+                    a_full = rnd((m * world, k), dtype, dev, seed=30)
+                    b = rnd((n, k), dtype, dev, 0.1, seed=31 + rank)
+                    bias = rnd((n,), dtype, dev, seed=33)
+                    what = f"all_gather_matmul {algo} {dtype}"
+                    out, gathered = distgemm.all_gather_matmul(a_full[rank * m:(rank + 1) * m], b, c=bias, beta=1.0,
+                                                               return_gathered=True)
+                    check(what, out, ref(a_full, b, bias, 1.0, 1.0), TOL[dtype])
+                    if not torch.equal(gathered, a_full):
+                        FAILURES.append(f"{what}: return_gathered differs")
+                    parts = [(rnd((m * world, k), dtype, dev, seed=40 + q), rnd((n, k), dtype, dev, 0.1, seed=50 + q))
+                             for q in range(world)]
+                    c = rnd((m, n), dtype, dev, seed=60 + rank)
+                    what = f"matmul_reduce_scatter {algo} {dtype}"
+                    out = distgemm.matmul_reduce_scatter(parts[rank][0], parts[rank][1], c=c, beta=-1.0, out_dtype=FP32)
+                    expected = sum(ref(a, bb) for a, bb in parts)[rank * m:(rank + 1) * m] - c.double()
+                    check(what, out, expected, 1e-3)
         # float8 (the fused algorithm) with row-wise / per-tensor scales
         a_full = rnd((m * world, k), E4M3, dev, seed=70)
         b = rnd((n, k), E4M3, dev, seed=71 + rank)
@@ -313,12 +372,19 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("part", choices=["single", "tp"])
     ap.add_argument("--all-configs", action="store_true")
+    ap.add_argument("--fill-uninitialized", action="store_true",
+                    help="every tensor torch allocates filled first (NaN), so that initcheck reports only reads "
+                         "of memory nothing wrote (its TMA stores do not count as writes)")
     args = ap.parse_args()
+    if args.fill_uninitialized:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.utils.deterministic.fill_uninitialized_memory = True
     if args.part == "single":
         dev = torch.device("cuda", 0)
         torch.cuda.set_device(dev)
         dense(dev, args.all_configs)
         grouped(dev, args.all_configs)
+        moe_and_fp8(dev)
         torch.cuda.synchronize()
     else:
         tp()
