@@ -1,7 +1,8 @@
 """Developer probe: the MoE memory-bound passes (distgemm.moe.activation in each form, the weight
-quantization) in GB/s of bytes moved, beside a plain device copy of the same bytes, on the
-shapes of the moe suite. Writes PROBE_OUT (JSON) when set. With --ncu, runs each kernel once
-inside a profiler range (for `ncu --profile-from-start off`)."""
+quantization, and the routing: permute's gather, unpermute's combine and both backwards) in GB/s
+of bytes moved, beside a plain device copy of the same bytes, on the shapes of the moe and
+moe_layer suites. Writes PROBE_OUT (JSON) when set. With --ncu, runs each kernel once inside a
+profiler range (for `ncu --profile-from-start off`)."""
 
 import json
 import os
@@ -14,6 +15,35 @@ from distgemm.bench.common import Timer
 
 T = 32768
 SHAPES = ((8, 7168, 2048), (64, 2048, 768))
+
+
+def routing_cases(x, experts, k=4):
+    """permute / unpermute of x's tokens to `experts` experts, top-k (uniform routing), forward
+    and backward, with the bytes a single pass must move: the gather reads and writes T * k rows;
+    the combine reads T * k rows and writes T; its backward reads T rows (and T * k for the
+    weights' gradient) and writes T * k."""
+    tokens, hidden = x.shape
+    gen = torch.Generator(device=x.device).manual_seed(0)
+    ids = torch.randint(experts, (tokens, k), generator=gen, device=x.device)
+    weights = torch.rand(tokens, k, generator=gen, device=x.device)
+    rows = tokens * k * hidden * 2
+    p = moe.permute(x, ids, experts)
+    y = p.rows.clone()
+    yg = y.clone().requires_grad_()
+    wg = weights.clone().requires_grad_()
+    out = moe.unpermute(yg, p.row_map, wg, ids, experts)
+    dout = torch.randn_like(out)
+    xg = x.clone().requires_grad_()
+    rows_g = moe.permute(xg, ids, experts).rows
+    drows = torch.randn_like(rows_g)
+    return {
+        f"permute (top-{k})": (lambda: moe.permute(x, ids, experts), 2 * rows),
+        f"unpermute (top-{k})": (lambda: moe.unpermute(y, p.row_map, weights, ids, experts), rows + rows // k),
+        f"unpermute backward (top-{k})": (lambda: torch.autograd.grad(out, (yg, wg), dout, retain_graph=True),
+                                          rows // k + 2 * rows),
+        f"permute backward (top-{k})": (lambda: torch.autograd.grad(rows_g, xg, drows, retain_graph=True),
+                                        rows + rows // k),
+    }
 
 
 def main():
@@ -40,6 +70,7 @@ def main():
             "weight: both copies": (lambda: moe.quantize_weight(w1, "block"), 4 * w1.numel()),
             "weight: forward copy": (lambda: moe.quantize_weight(w1, "block", copies="forward"), 3 * w1.numel()),
         }
+        cases.update(routing_cases(x, experts))
         for name, (fn, nbytes) in cases.items():
             src = torch.empty(nbytes // 2, dtype=torch.uint8, device=dev)
             dst = torch.empty_like(src)
