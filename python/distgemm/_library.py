@@ -59,6 +59,14 @@ def warn_once(message: str) -> None:
     warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
+def check_flags(op: str, **flags) -> None:
+    """Each flag True or False (a Python int 0 or 1, or a NumPy bool, too), or a TypeError naming it."""
+    for name, v in flags.items():
+        if not (isinstance(v, bool) or (type(v) is int and v in (0, 1)) or type(v).__name__ == "bool_"):
+            shown = f"a tensor of shape {tuple(v.shape)}" if isinstance(v, torch.Tensor) else f"{type(v).__name__} {v!r}"
+            raise TypeError(f"{op}: {name} must be True or False, got {shown}")
+
+
 def needs_autograd(*tensors) -> bool:
     """Whether a call must record autograd: grad mode on and any argument requiring grad
     (None and non-tensors count as not: the argument checks name the latter)."""

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from . import autotune
-from ._library import aligned16, device_arch, has_kernels, needs_autograd, ops, warn_once
+from ._library import aligned16, check_flags, device_arch, has_kernels, needs_autograd, ops, warn_once
 from ._repeat_calls import RepeatCalls
 
 FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -151,13 +151,14 @@ def gemm(
     of b, promoted to FP32 every 128 of K (the grouped FP8 kernel with one group).
     Differentiable for bfloat16/float16 in a, b and c.
     """
-    plain = scale_a is None and scale_b is None and not use_fast_accum
+    plain = scale_a is None and scale_b is None and use_fast_accum is False
     if plain:  # a repeated call skips the checks too (they are functions of its signature)
         run = _repeat_call(a, b, c, alpha, beta, out_dtype)
         if run is not None:
             return run(a, b, c)
     autograd = needs_autograd(a, b, c)
     looked_up = plain and not autograd
+    check_flags("distgemm.gemm", use_fast_accum=use_fast_accum)
     alpha, beta = check_scalars("distgemm.gemm", alpha=alpha, beta=beta)
     out_dtype = check_operands("distgemm.gemm", a, b, c, out_dtype, scale_a, scale_b)
     require_fp8_scales("distgemm.gemm", a, scale_a, scale_b)

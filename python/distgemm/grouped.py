@@ -14,7 +14,7 @@ from typing import Callable, Optional, Tuple
 import torch
 
 from . import _settings, autotune, grouped_autotune
-from ._library import aligned16, device_arch, is_aligned16, has_kernels, needs_autograd, ops, warn_once
+from ._library import aligned16, check_flags, device_arch, is_aligned16, has_kernels, needs_autograd, ops, warn_once
 from ._repeat_calls import RepeatCalls
 from ._routing import check_offs_tensor, check_offs_values, group_bounds
 from .grouped_fp8 import FLOAT8, grouped_mm_fp8, grouped_mm_wgrad_fp8
@@ -51,6 +51,8 @@ def _check_out(op, out, shape, dtype, device, accumulate):
 
 
 def _out_dtype(op, dtype, out_dtype, out):
+    if out is not None and not isinstance(out, torch.Tensor):
+        raise TypeError(f"{op}: out must be a torch.Tensor or None, got {type(out).__name__}")
     if out_dtype is None:
         out_dtype = out.dtype if out is not None else dtype
     if out_dtype not in (dtype, torch.float32):
@@ -208,7 +210,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *,
     (``use_fast_accum`` is accepted and changes nothing). Not differentiable.
     """
     op = "distgemm.grouped_mm"
-    plain = out is None and not accumulate and scale_x is None and scale_w is None
+    plain = out is None and accumulate is False and scale_x is None and scale_w is None
     if plain and _REPEAT_CALLS and not torch.compiler.is_compiling() and not needs_autograd(x, w):
         try:
             run = _REPEAT_CALLS.get(_call_signature(x, w, offs, out_dtype, trans_w))
@@ -216,6 +218,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *,
             run = None
         if run is not None:
             return run(x, w, offs)
+    check_flags(op, accumulate=accumulate, trans_w=trans_w, use_fast_accum=use_fast_accum)
     if isinstance(x, torch.Tensor) and x.dtype in FLOAT8:
         if scale_x is None or scale_w is None:
             raise ValueError(f"{op}: float8 x needs scale_x and scale_w")
@@ -297,6 +300,7 @@ def grouped_mm_wgrad(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, *,
     padded by ``quantize_fp8(t, (1, 128), transpose=True, offs=offs)``: dy (N, Tp), x (K, Tp)
     with ``scale_dy`` (N, Tp/128) and ``scale_x`` (K, Tp/128); float32 out."""
     op = "distgemm.grouped_mm_wgrad"
+    check_flags(op, accumulate=accumulate)
     if isinstance(dy, torch.Tensor) and dy.dtype in FLOAT8:
         if scale_dy is None or scale_x is None:
             raise ValueError(f"{op}: float8 dy needs scale_dy and scale_x")

@@ -22,7 +22,7 @@ from typing import NamedTuple, Optional, Tuple
 
 import torch
 
-from ._library import has_kernels, ops
+from ._library import check_flags, has_kernels, ops
 from .grouped import grouped_mm, grouped_mm_wgrad
 from .quantize import FP8_MAX, quantize_fp8
 
@@ -105,6 +105,7 @@ def activation(x: torch.Tensor, kind: str = "identity", *, dy: Optional[torch.Te
     gradients), in the forms asked for (see the module docstring). ``offs`` (int32 cumulative
     expert ends on x's device) is needed by ``fp8_transposed``. Not differentiable."""
     op = "distgemm.moe.activation"
+    check_flags(op, bf16=bf16, fp8_rows=fp8_rows, fp8_transposed=fp8_transposed)
     code = _act_code(op, kind, dy is not None)
     inner = _check_activation_args(op, x, code, dy, offs, fp8_transposed, fp8_dtype)
     if not (bf16 or fp8_rows or fp8_transposed):
@@ -392,6 +393,7 @@ def grouped_mlp(x: torch.Tensor, offs: torch.Tensor, fc1_weight: torch.Tensor, f
     backward (so that they are never alive together). With
     ``fuse_wgrad_accumulation`` the weight gradients are added into ``weight.main_grad`` (FP32)."""
     op = "distgemm.moe.grouped_mlp"
+    check_flags(op, fuse_wgrad_accumulation=fuse_wgrad_accumulation)
     _check_layer(op, x, offs, fc1_weight, fc2_weight, fc1_bias, fc2_bias, activation, fp8, fp8_grad_dtype)
     if fuse_wgrad_accumulation and torch.is_grad_enabled():
         for name, w in (("fc1_weight", fc1_weight), ("fc2_weight", fc2_weight)):

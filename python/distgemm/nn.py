@@ -31,6 +31,13 @@ class _GroupedLinearMainGrad(torch.autograd.Function):
         return dx, _weight_grad(weight, True, grad, x, offs), None
 
 
+def _check_sizes(op: str, **sizes) -> None:
+    """Each size an int >= 1, or a ValueError naming it."""
+    for name, v in sizes.items():
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{op}: {name} must be an int >= 1, got {v!r}")
+
+
 class _FP8WeightCopies:
     """A weight's FP8 copies (forward, and stored transposed for the dgrad) kept across
     micro-batches on the caller's word (TransformerEngine's ``is_first_microbatch``): True
@@ -113,8 +120,7 @@ class GroupedLinear(nn.Module):
                  fuse_wgrad_accumulation: bool = False, fp8: Optional[str] = None,
                  fp8_grad_dtype: torch.dtype = torch.float8_e4m3fn):
         super().__init__()
-        if num_experts < 1 or in_features < 1 or out_features < 1:
-            raise ValueError("GroupedLinear: num_experts, in_features and out_features must be >= 1")
+        _check_sizes("GroupedLinear", num_experts=num_experts, in_features=in_features, out_features=out_features)
         if fp8 is not None and fp8 not in FP8_RECIPES:
             raise ValueError(f"GroupedLinear: fp8 must be None or one of {FP8_RECIPES}, got {fp8!r}")
         if fp8_grad_dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
@@ -185,9 +191,7 @@ class GroupedMLP(nn.Module):
                  fuse_wgrad_accumulation: bool = False, fp8: Optional[str] = None,
                  fp8_grad_dtype: torch.dtype = torch.float8_e4m3fn):
         super().__init__()
-        for name, v in (("num_experts", num_experts), ("hidden", hidden), ("ffn", ffn)):
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"GroupedMLP: {name} must be an int >= 1, got {v!r}")
+        _check_sizes("GroupedMLP", num_experts=num_experts, hidden=hidden, ffn=ffn)
         if activation not in ACTIVATIONS:
             raise ValueError(f"GroupedMLP: activation must be one of {ACTIVATIONS}, got {activation!r}")
         if fp8 is not None and fp8 not in FP8_RECIPES:

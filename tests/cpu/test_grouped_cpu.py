@@ -269,3 +269,27 @@ def test_remembered_calls_are_forgotten_when_the_settings_change():
             assert not grouped._REPEAT_CALLS, change
             grouped._REPEAT_CALLS.put(("another",), run)
         assert not grouped._REPEAT_CALLS, change  # and again when the block ends
+
+
+@pytest.mark.parametrize("call, name", [
+    (lambda v: distgemm.grouped_mm(torch.zeros(4, 8).bfloat16(), torch.zeros(2, 8, 8).bfloat16(),
+                                   torch.tensor([2, 4], dtype=torch.int32), accumulate=v), "accumulate"),
+    (lambda v: distgemm.grouped_mm(torch.zeros(4, 8).bfloat16(), torch.zeros(2, 8, 8).bfloat16(),
+                                   torch.tensor([2, 4], dtype=torch.int32), trans_w=v), "trans_w"),
+    (lambda v: distgemm.grouped_mm_wgrad(torch.zeros(4, 8).bfloat16(), torch.zeros(4, 8).bfloat16(),
+                                         torch.tensor([2, 4], dtype=torch.int32), accumulate=v), "accumulate"),
+    (lambda v: distgemm.gemm(torch.zeros(4, 8).bfloat16(), torch.zeros(4, 8).bfloat16(), use_fast_accum=v),
+     "use_fast_accum"),
+])
+@pytest.mark.parametrize("value", [torch.ones(3), "yes", 2, None])
+def test_a_flag_that_is_not_a_bool_is_named(call, name, value):
+    with pytest.raises(TypeError, match=f"{name} must be True or False"):
+        call(value)
+
+
+def test_out_that_is_not_a_tensor_is_named():
+    x, w, offs = torch.zeros(4, 8).bfloat16(), torch.zeros(2, 8, 8).bfloat16(), torch.tensor([2, 4], dtype=torch.int32)
+    with pytest.raises(TypeError, match="out must be a torch.Tensor or None, got int"):
+        distgemm.grouped_mm(x, w, offs, out=3)
+    with pytest.raises(TypeError, match="out must be a torch.Tensor or None, got list"):
+        distgemm.grouped_mm_wgrad(x, x, offs, out=[1])

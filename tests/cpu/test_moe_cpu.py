@@ -102,6 +102,16 @@ def test_grouped_mlp_refuses_bad_arguments():
         moe.activation(x, "tanh")
     with pytest.raises(ValueError, match="copies"):
         moe.quantize_weight(layer.fc1_weight, copies="all")
+    with pytest.raises(TypeError, match="fp8_rows must be True or False, got a tensor"):
+        moe.activation(x, "gelu", fp8_rows=torch.ones(2))
+    with pytest.raises(TypeError, match="fuse_wgrad_accumulation must be True or False"):
+        moe.grouped_mlp(x, _offs([5, 5]), layer.fc1_weight, layer.fc2_weight, fuse_wgrad_accumulation="yes")
+    from distgemm.nn import GroupedLinear
+
+    with pytest.raises(ValueError, match="GroupedLinear: num_experts must be an int >= 1, got tensor"):
+        GroupedLinear(torch.ones(3), 16, 8)
+    with pytest.raises(ValueError, match="GroupedLinear: out_features must be an int >= 1, got 0"):
+        GroupedLinear(2, 16, 0)
 
 
 def test_grouped_mlp_with_no_tokens():
