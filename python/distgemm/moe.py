@@ -22,6 +22,7 @@ from typing import NamedTuple, Optional, Tuple
 
 import torch
 
+from . import _settings
 from ._library import check_flags, has_kernels, ops
 from .grouped import grouped_mm, grouped_mm_wgrad
 from .quantize import FP8_MAX, quantize_fp8
@@ -492,12 +493,39 @@ def permute(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int) -> Permut
     return Permuted(rows, offs, row_map)
 
 
+def _check_row_map(op: str, row_map: torch.Tensor) -> None:
+    """row_map a permutation of [0, T * k) (permute's), checked on the host where that is free:
+    CPU tensors always, GPU ones with the debug setting (a device sync). Elsewhere a malformed
+    one gives unspecified rows, read and written in bounds."""
+    if torch.compiler.is_compiling() or row_map.device.type == "meta":
+        return
+    if row_map.device.type != "cpu" and not _settings.current().debug:
+        return
+    n = row_map.numel()
+    if n and not torch.equal(torch.sort(row_map.long()).values.cpu(), torch.arange(n)):
+        raise ValueError(f"{op}: row_map must be a permutation of [0, {n}) (permute's row map), got values in "
+                         f"[{int(row_map.min())}, {int(row_map.max())}]"
+                         + (" with repeats" if int(row_map.min()) >= 0 and int(row_map.max()) < n else ""))
+
+
+def _slot_rows(row_map: torch.Tensor) -> torch.Tensor:
+    """The row of each (token, slot): row_map's inverse (int64). A slot no row names (a row_map
+    that is not a permutation; entries out of range are ignored) gets -1 - n, n = T * k."""
+    n = row_map.numel()
+    rows = row_map.long()
+    target = torch.where((rows >= 0) & (rows < n), rows, n)
+    slot_row = torch.full((n + 1,), -1 - n, dtype=torch.int64, device=row_map.device)
+    return slot_row.scatter_(0, target, torch.arange(n, device=row_map.device))[:n]
+
+
 def unpermute(y: torch.Tensor, row_map: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: Optional[torch.Tensor] = None, num_experts: Optional[int] = None) -> torch.Tensor:
     """The inverse of :func:`permute` with the router's combine: out[t] = sum_j topk_weights[t, j]
     * y[row of (t, j)], in FP32, returned in y's dtype. Copies dropped by the router (topk_ids
     -1, when ``topk_ids`` and ``num_experts`` are given) contribute nothing, whatever their rows
-    hold. Differentiable in y and topk_weights."""
+    hold. Differentiable in y and topk_weights. ``row_map`` must be permute's (a permutation of
+    [0, T * k)): checked on CPU tensors, and on GPU ones with ``distgemm.settings(debug=True)``
+    (a device sync); otherwise a malformed one gives unspecified rows, read in bounds."""
     op = "distgemm.moe.unpermute"
     if (not isinstance(topk_weights, torch.Tensor) or topk_weights.dim() != 2
             or not topk_weights.dtype.is_floating_point):
@@ -518,8 +546,9 @@ def unpermute(y: torch.Tensor, row_map: torch.Tensor, topk_weights: torch.Tensor
     for name, t in (("row_map", row_map), ("topk_weights", topk_weights)):
         if t.device != y.device:
             raise ValueError(f"{op}: {name} is on {t.device} but y is on {y.device}")
-    # Row of each (token, slot): the inverse of row_map.
-    slot_row = torch.empty_like(row_map).scatter_(0, row_map, torch.arange(row_map.numel(), device=y.device))
+    _check_row_map(op, row_map)
+    # Row of each (token, slot): the inverse of row_map (clamped in bounds for a malformed one).
+    slot_row = _slot_rows(row_map).clamp(min=0)
     per_slot = y.index_select(0, slot_row).view(tokens, k, y.shape[1]).float()
     weights = topk_weights.float()
     if topk_ids is not None:

@@ -166,3 +166,19 @@ def test_activation_bad_arguments_name_the_argument():
         moe.activation(x, "gelu", offs=offs.long(), fp8_transposed=True)
     with pytest.raises(ValueError, match="needs offs, .* got NoneType"):
         moe.activation(x, "gelu", fp8_transposed=True)
+
+
+@pytest.mark.parametrize("row_map, what", [(torch.zeros(20, dtype=torch.long), "with repeats"),
+                                           (torch.arange(20) + 5, r"values in \[5, 24\]"),
+                                           (torch.arange(20) - 1, r"values in \[-1, 18\]")])
+def test_unpermute_names_a_row_map_that_is_not_a_permutation(row_map, what):
+    with pytest.raises(ValueError, match=f"row_map must be a permutation of \\[0, 20\\).*{what}"):
+        moe.unpermute(torch.randn(20, 16), row_map, torch.rand(10, 2))
+
+
+def test_slot_rows_of_a_malformed_row_map_stay_in_bounds():
+    # What the GPU path gets without the debug setting: each slot's row, or -1 - n where no row
+    # names the slot; entries out of range are ignored.
+    slot = moe._slot_rows(torch.tensor([2, 0, 7, -3]))
+    assert slot.tolist() == [1, -5, 0, -5]
+    assert moe._slot_rows(torch.tensor([2, 0, 3, 1])).tolist() == [1, 3, 0, 2]

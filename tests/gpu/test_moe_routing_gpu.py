@@ -86,3 +86,15 @@ def test_permute_matches_a_sort_on_the_host():
     order = torch.sort(keys, stable=True).indices
     assert torch.equal(p.row_map.cpu(), order)
     assert p.offs.cpu().tolist() == torch.bincount(flat[flat >= 0], minlength=16).cumsum(0).tolist()
+
+
+def test_a_malformed_row_map_is_read_in_bounds_and_named_with_debug(use_settings):
+    y = torch.randn(20, 16, device=DEV)
+    w = torch.rand(10, 2, device=DEV)
+    for bad in (torch.arange(20, device=DEV) + 5, torch.zeros(20, dtype=torch.long, device=DEV)):
+        out = moe.unpermute(y, bad, w)
+        torch.cuda.synchronize()  # no device-side assert: the context is still usable
+        assert out.shape == (10, 16)
+    use_settings(debug=True)
+    with pytest.raises(ValueError, match="row_map must be a permutation"):
+        moe.unpermute(y, torch.arange(20, device=DEV) + 5, w)
