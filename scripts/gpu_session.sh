@@ -81,6 +81,12 @@ for step in ${STEPS:-}; do
       --max-seconds "${SOAK_S:-90}" > "$OUT/soak.log" 2>&1; tail -5 "$OUT/soak.log" ;;
     sanitizer) SANITIZER_SINGLE_S="${SANITIZER_SINGLE_S:-150}" timeout "${T:-200}" \
       bash scripts/reliability/sanitizer.sh "$OUT/sanitizer" > "$OUT/sanitizer.log" 2>&1; tail -3 "$OUT/sanitizer.log" ;;
+    initcheck) SANITIZER_TOOLS=initcheck SANITIZER_SINGLE_S="${SANITIZER_SINGLE_S:-240}" timeout "${T:-300}" \
+      bash scripts/reliability/sanitizer.sh "$OUT/initcheck" > "$OUT/initcheck.log" 2>&1
+      rm -f "$OUT"/initcheck/initcheck_*.sanitizer.log  # tallied into initcheck_tally.json (too large to bring back)
+      tail -3 "$OUT/initcheck.log"; cat "$OUT/initcheck/initcheck_tally.txt" 2>/dev/null | head -30 ;;
+    moebw) PROBE_OUT="$OUT/moe_bandwidth.json" timeout "${T:-200}" python3 scripts/dev/moe_bandwidth.py \
+      > "$OUT/moe_bandwidth.log" 2>&1; tail -30 "$OUT/moe_bandwidth.log" ;;
     *) stamp "unknown step $step" ;;
   esac
   stamp "step $step rc=$?"
