@@ -3,8 +3,10 @@
 ``distgemm.settings(**overrides)`` changes some of them for a block. No other module of distgemm
 reads the environment.
 
-A changed setting reaches every later call: the tables of repeat calls that depend on settings
-are cleared (:func:`on_change`). The settings are process-wide, not per thread. Every rank of a
+A changed setting reaches every later call: equal settings are one object (interned), and the
+tables of repeat calls that depend on settings key their entries by it, so that a block under
+other settings and the calls after it each find their own. The settings are process-wide, not
+per thread. Every rank of a
 tensor-parallel group must hold the same ``tp_algo``, ``tp_pieces`` and ``rs_split_gflops``: a
 call whose ranks differ fails on every rank with a ValueError naming them.
 """
@@ -16,7 +18,7 @@ import dataclasses
 import math
 import os
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, Optional, Tuple
 
 GROUPED_BACKENDS = ("auto", "cutlass", "cublas", "torch")
 TP_BACKENDS = ("auto", "fused", "collectives")
@@ -173,26 +175,26 @@ def variable_field(variable: str) -> str:
     raise ValueError(f"{variable!r} is not a distgemm setting; they are {[f.variable for f in _FIELDS.values()]}")
 
 
-_current: Settings = from_environment()
-_listeners: List[Callable[[], None]] = []
+# Equal settings as one object: id(current()) keys what depends on them (never freed, so an id
+# is never reused; a process holds a handful).
+_interned: Dict[Settings, Settings] = {}
+
+
+def _canonical(s: Settings) -> Settings:
+    return _interned.setdefault(s, s)
+
+
+_current: Settings = _canonical(from_environment())
 
 
 def current() -> Settings:
-    """The settings in force."""
+    """The settings in force (equal settings are the same object)."""
     return _current
-
-
-def on_change(fn: Callable[[], None]) -> None:
-    """Calls fn() whenever the settings change (tables of repeat calls keyed without them)."""
-    _listeners.append(fn)
 
 
 def _install(new: Settings) -> None:
     global _current
-    if new != _current:
-        _current = new
-        for fn in _listeners:
-            fn()
+    _current = _canonical(new)
 
 
 def reload_settings() -> Settings:

@@ -13,7 +13,8 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
-from . import _settings, autotune, grouped_autotune
+from . import autotune, grouped_autotune
+from ._settings import current as _current_settings
 from ._library import aligned16, check_flags, device_arch, is_aligned16, has_kernels, needs_autograd, ops, warn_once
 from ._repeat_calls import RepeatCalls
 from ._routing import check_offs_tensor, check_offs_values, group_bounds
@@ -86,7 +87,7 @@ def _backend(op: str, device, n: int, k: int, in_dtype, out_dtype, kind: int,
     """The backend for this call: the requested one when it applies, else the best that
     does (warning once, with the reason); and whether torch._grouped_mm may stand in for
     distgemm's kernel when the autotuner times it faster (backend auto only)."""
-    requested = _settings.current().grouped_backend
+    requested = _current_settings().grouped_backend
     reasons = {}
     if device.type != "cuda":
         reasons = {b: "the inputs are not on a CUDA device" for b in ("cutlass", "cublas", "torch")}
@@ -143,17 +144,17 @@ def reference_grouped_mm_wgrad(dy, x, offs, out, accumulate):
 
 # Forward/dgrad calls (16-bit, no out, no scales, no autograd) whose checks passed and which ran
 # distgemm's kernel on x and w in place: the checks and the backend choice are functions of the
-# signature and of the settings (the table is cleared when those change).
+# signature, the settings (the backend, debug) included.
 _REPEAT_CALLS = RepeatCalls()
 autotune.on_clear(_REPEAT_CALLS.clear)  # a remembered runner holds the autotuner's choice
-_settings.on_change(_REPEAT_CALLS.clear)  # and the backend the settings asked for
 
 
 def _call_signature(x, w, offs, out_dtype, trans_w) -> Optional[tuple]:
     try:
         return (x.shape, x.stride(), x.dtype, x.device, w.shape, w.stride(), w.dtype, w.device,
                 offs.shape, offs.stride(), offs.dtype, offs.device, out_dtype, trans_w,
-                (x.data_ptr() | w.data_ptr()) & 15 == 0)  # eager only: the lookup and put skip tracing
+                (x.data_ptr() | w.data_ptr()) & 15 == 0,  # eager only: the lookup and put skip tracing
+                id(_current_settings()))  # equal settings are one object
     except AttributeError:  # not tensors: the checks name the argument
         return None
 
@@ -261,7 +262,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *,
         elif out is None and code == _CUTLASS and not torch.compiler.is_compiling() and not autograd:
             run = _kernel_forward(n, out_dtype, trans_w, config, choice)
         if run is not None:
-            if in_place and settled and not torch.compiler.is_compiling() and not _settings.current().debug:
+            if in_place and settled and not torch.compiler.is_compiling() and not _current_settings().debug:
                 _REPEAT_CALLS.put(_call_signature(x, w, offs, requested_dtype, trans_w), run)
             return run(x, w, offs)
         autotune.record(choice)

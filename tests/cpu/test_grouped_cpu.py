@@ -252,23 +252,23 @@ def test_grouped_linear_fp8_gradients_on_the_reference_path(grad_dtype, band):
         GroupedLinear(3, 128, 256, fp8="block", fp8_grad_dtype=torch.bfloat16)
 
 
-def test_remembered_calls_are_forgotten_when_the_settings_change():
-    # A remembered call must not outlive a change of the backend or of debug: the table of
-    # repeat calls is cleared with every change of the settings (and not otherwise).
-    from distgemm import grouped
+def test_the_repeat_signature_follows_the_settings():
+    # A remembered call must not outlive a change of the backend or of debug: the signature holds
+    # the settings (equal settings are one object), so a block under other settings and the calls
+    # after it each find their own entries.
+    from distgemm.grouped import _call_signature
 
-    def run(*args):
-        return None
-
-    grouped._REPEAT_CALLS.put(("a signature",), run)
-    with distgemm.settings():  # nothing changed: kept
-        assert grouped._REPEAT_CALLS.get(("a signature",)) is run
-    for change in ({"grouped_backend": "torch"}, {"debug": True}, {"autotune": False}):
-        grouped._REPEAT_CALLS.put(("a signature",), run)
-        with distgemm.settings(**change):
-            assert not grouped._REPEAT_CALLS, change
-            grouped._REPEAT_CALLS.put(("another",), run)
-        assert not grouped._REPEAT_CALLS, change  # and again when the block ends
+    x, w, offs = torch.zeros(4, 8), torch.zeros(2, 8, 8), torch.tensor([2, 4], dtype=torch.int32)
+    plain = _call_signature(x, w, offs, None, True)
+    assert _call_signature(x, w, offs, None, True) == plain
+    with distgemm.settings(grouped_backend="torch"):
+        backend = _call_signature(x, w, offs, None, True)
+        with distgemm.settings(debug=True):
+            debug = _call_signature(x, w, offs, None, True)
+    assert len({plain, backend, debug}) == 3
+    assert _call_signature(x, w, offs, None, True) == plain
+    with distgemm.settings(grouped_backend="torch"):  # the same settings again: the same entry
+        assert _call_signature(x, w, offs, None, True) == backend
 
 
 @pytest.mark.parametrize("call, name", [

@@ -93,21 +93,14 @@ def test_an_unknown_setting_is_named():
         _settings.variable_field("DISTGEMM_NOPE")
 
 
-def test_listeners_run_on_a_change_only():
-    calls = []
-    _settings.on_change(lambda: calls.append(distgemm.current_settings().debug))
-    try:
-        with distgemm.settings():
-            pass
-        with distgemm.settings(debug=distgemm.current_settings().debug):
-            pass
-        assert calls == []
-        flipped = not distgemm.current_settings().debug
-        with distgemm.settings(debug=flipped):
-            pass
-        assert calls == [flipped, not flipped]
-    finally:
-        _settings._listeners.pop()
+def test_equal_settings_are_one_object():
+    before = distgemm.current_settings()
+    with distgemm.settings(debug=not before.debug, tp_pieces=2) as first:
+        pass
+    with distgemm.settings(tp_pieces="2", debug=not before.debug) as again:
+        assert again is first
+    with distgemm.settings():
+        assert distgemm.current_settings() is before
 
 
 def test_reload_reads_the_environment_and_a_bad_value_keeps_the_settings(monkeypatch):
