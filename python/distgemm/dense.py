@@ -156,6 +156,10 @@ def gemm(
         run = _repeat_call(a, b, c, alpha, beta, out_dtype)
         if run is not None:
             return run(a, b, c)
+    elif _REPEAT_SCALED and scale_a is not None and scale_b is not None:  # float8 with scales: the same
+        run = _repeat_scaled(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, use_fast_accum)
+        if run is not None:
+            return run(a, b, c, scale_a, scale_b)
     autograd = needs_autograd(a, b, c)
     looked_up = plain and not autograd
     check_flags("distgemm.gemm", use_fast_accum=use_fast_accum)
@@ -163,7 +167,7 @@ def gemm(
     out_dtype = check_operands("distgemm.gemm", a, b, c, out_dtype, scale_a, scale_b)
     require_fp8_scales("distgemm.gemm", a, scale_a, scale_b)
     if is_block_scaled(a, b, scale_a, scale_b):
-        return _block_scaled_gemm(a, b, alpha, scale_a, scale_b)
+        return _block_scaled_gemm(a, b, alpha, beta, out_dtype, scale_a, scale_b, use_fast_accum)
     if autograd:
         return _GemmFunction.apply(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, use_fast_accum)
     return gemm_unchecked(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, use_fast_accum, looked_up=looked_up)
@@ -209,53 +213,104 @@ def _remember_call(a, b, c, alpha, beta, out_dtype, run: Callable) -> None:
 
 autotune.on_clear(_REPEAT_CALLS.clear)
 
+# Float8 calls with scales (per tensor, row-wise, 128-block) that the checks accepted and the
+# autotuner settled: the vendor call with its scale forms, or our kernel on operands it reads in
+# place; run(a, b, c, scale_a, scale_b). The checks skipped are functions of the signature.
+_REPEAT_SCALED = RepeatCalls()
+autotune.on_clear(_REPEAT_SCALED.clear)
+
+
+def _scaled_signature(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum) -> Optional[tuple]:
+    """The key of a scaled call (out_dtype None: bfloat16, float8's default); None for non-tensors."""
+    try:
+        return (a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype, b.device,
+                None if c is None else (c.shape, c.stride(), c.dtype, c.device), alpha, beta,
+                torch.bfloat16 if out_dtype is None else out_dtype, scale_a.shape, scale_a.stride(), scale_a.dtype,
+                scale_a.device, scale_b.shape, scale_b.stride(), scale_b.dtype, scale_b.device, fast_accum)
+    except AttributeError:
+        return None
+
+
+def _repeat_scaled(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum) -> Optional[Callable]:
+    """_repeat_call for float8 calls with scales."""
+    if _is_compiling() or not autotune.enabled():
+        return None
+    try:
+        run = _REPEAT_SCALED.get(_scaled_signature(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum))
+    except TypeError:  # an unhashable argument: the checks name it
+        return None
+    if run is None or (torch.is_grad_enabled()
+                       and (a.requires_grad or b.requires_grad or (c is not None and c.requires_grad))):
+        return None
+    return run
+
+
+def _remember_scaled(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, choice: str,
+                     run: Callable) -> None:
+    """Remembers run(a, b, c, scale_a, scale_b) for the calls of this one's signature (eager only)."""
+    if _is_compiling():
+        return
+
+    def remembered(a, b, c, scale_a, scale_b):
+        autotune.record_eager(choice)
+        return run(a, b, c, scale_a, scale_b)
+    _REPEAT_SCALED.put(_scaled_signature(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum), remembered)
+
 
 _TORCH_BLOCK = "F.scaled_mm"  # the autotuner's name for cuBLAS's block-scaled GEMM
 
 
-def _block_scaled_gemm(a, b, alpha, scale_a, scale_b):
+def _block_scaled_gemm(a, b, alpha, beta, out_dtype, scale_a, scale_b, fast_accum):
     """128-block-scaled a @ b.T in bfloat16: our FP8 grouped kernel with one group, or cuBLAS's
-    block-scaled GEMM where the autotuner timed that faster for this shape."""
+    block-scaled GEMM where the autotuner timed that faster for this shape; a settled choice is
+    remembered for the calls of this signature."""
+    ours = _block_scaled_ours(a.shape[0], a.device)
+    peer = None if torch.compiler.is_compiling() or not autotune.enabled() else _block_scaled_peer(a, b)
+    choice = None
+    if peer is not None:
+        choice = _block_scaled_choice(a, b, lambda: ours(a, b, scale_a, scale_b), lambda: peer(a, b, scale_a, scale_b))
+    name = _TORCH_BLOCK if choice == _TORCH_BLOCK else autotune.CUTLASS_PREFIX + "grouped"
+    chosen = peer if choice == _TORCH_BLOCK else ours
+
+    def run(a, b, c, scale_a, scale_b):
+        out = chosen(a, b, scale_a, scale_b)
+        return out if alpha == 1.0 else (out.float() * alpha).to(out.dtype)
+    autotune.record(name)
+    if choice is not None:  # settled (timed now or before): later calls of this signature skip all of this
+        _remember_scaled(a, b, None, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, name, run)
+    return run(a, b, None, scale_a, scale_b)
+
+
+def _block_scaled_ours(m: int, device) -> Callable:
+    """run(a, b, scale_a, scale_b) on our FP8 grouped kernel with one group of m rows."""
     from .grouped_fp8 import grouped_mm_fp8
 
-    def ours():
-        offs = torch.full((1,), a.shape[0], dtype=torch.int32, device=a.device)
+    offs = torch.full((1,), m, dtype=torch.int32, device=device)
+
+    def run(a, b, scale_a, scale_b):
         return grouped_mm_fp8(a, b.unsqueeze(0), offs, scale_x=scale_a, scale_w=scale_b.unsqueeze(0))
-
-    out = _block_scaled_runner(a, b, scale_a, scale_b, ours)()
-    return out if alpha == 1.0 else (out.float() * alpha).to(out.dtype)
+    return run
 
 
-def _block_scaled_peer(a, b, scale_a, scale_b) -> Optional[Callable]:
-    """The same call through F.scaled_mm (BlockWise1x128 x BlockWise128x128), or None where it
-    cannot take it (a CPU tensor, e5m2, K or N not a multiple of 16, no rows)."""
+def _block_scaled_peer(a, b) -> Optional[Callable]:
+    """run(a, b, scale_a, scale_b) through F.scaled_mm (BlockWise1x128 x BlockWise128x128) for
+    calls of a's and b's shapes, or None where it cannot take them (a CPU tensor, e5m2, K or N not
+    a multiple of 16, no rows)."""
     m, k, n = a.shape[0], a.shape[1], b.shape[0]
     if (not a.is_cuda or a.dtype != torch.float8_e4m3fn or b.dtype != a.dtype
             or k % 16 or n % 16 or m == 0):
         return None
     from ._torch_block_scaled import cublas_scale_a, cublas_scale_b, scaled_mm_block
 
-    def run():
+    def run(a, b, scale_a, scale_b):
         return scaled_mm_block(a.contiguous(), b.contiguous().t(), cublas_scale_a(scale_a),
                                cublas_scale_b(scale_b))
     return run
 
 
-def _block_scaled_runner(a, b, scale_a, scale_b, ours: Callable) -> Callable:
-    """`ours` or the F.scaled_mm peer, whichever the autotuner chose for this shape (timed on
-    the first eager call). Ours under torch.compile, with autotuning off, in graph capture of an
-    untimed shape, and where the peer refuses the call."""
-    if torch.compiler.is_compiling():
-        return ours
-    peer = _block_scaled_peer(a, b, scale_a, scale_b) if autotune.enabled() else None
-    if peer is not None and _block_scaled_choice(a, b, ours, peer) == _TORCH_BLOCK:
-        autotune.record(_TORCH_BLOCK)
-        return peer
-    autotune.record(autotune.CUTLASS_PREFIX + "grouped")
-    return ours
-
-
 def _block_scaled_choice(a, b, ours: Callable, peer: Callable) -> Optional[str]:
+    """The autotuner's choice between ours and the F.scaled_mm peer for this shape (timed on the
+    first eager call); None where it has none (graph capture of an untimed shape): ours runs."""
     m, k, n = a.shape[0], a.shape[1], b.shape[0]
     # torch's version in the key: a cached choice of F.scaled_mm must not outlive the torch
     # that took the call (its block-scaled API is recent).
@@ -267,7 +322,7 @@ def _block_scaled_choice(a, b, ours: Callable, peer: Callable) -> Optional[str]:
         peer()  # PyTorch's own checks differ by version: a refusal leaves ours
     except (RuntimeError, TypeError, ValueError, ImportError, AttributeError):
         autotune.remember(key, autotune.CUTLASS_PREFIX + "grouped")
-        return None
+        return autotune.CUTLASS_PREFIX + "grouped"
     return autotune.choose(key, {autotune.CUTLASS_PREFIX + "grouped": ours, _TORCH_BLOCK: peer},
                            prefer=_TORCH_BLOCK, device=a.device)
 
@@ -287,6 +342,7 @@ def gemm_unchecked(a, b, c, alpha, beta, out_dtype, scale_a=None, scale_b=None, 
                       "running the PyTorch reference")
         return reference_gemm(a, b, c, alpha, beta, out_dtype, scale_a, scale_b)
     arch = device_arch(a.device)
+    asked_fast = fast_accum  # the caller's flag: the key of a remembered call
     kernel_dtype, fast_accum = kernel_out_dtype(a.dtype, b.dtype, out_dtype, arch, fast_accum)
     if kernel_dtype is None:
         warn_once(f"distgemm: no kernel in this build for {a.dtype} x {b.dtype} -> {out_dtype} (nor float32 "
@@ -298,7 +354,7 @@ def gemm_unchecked(a, b, c, alpha, beta, out_dtype, scale_a=None, scale_b=None, 
             return out
     if a.dtype in FLOAT8 and autotune.enabled():
         out = _autotuned_fp8_gemm(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum,
-                                  kernel_dtype, arch)
+                                  kernel_dtype, arch, asked_fast)
         if out is not None:
             return out
     a, b, c, scale_b, n = _kernel_operands(a, b, c, kernel_dtype, scale_b)
@@ -380,12 +436,13 @@ def _row_wise(scale_a, scale_b) -> bool:
     return any(s is not None and s.numel() > 1 for s in (scale_a, scale_b))
 
 
-def _scaled_mm_peer(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum) -> Optional[Callable]:
-    """The same FP8 call through torch._scaled_mm (cuBLAS for per-tensor scales, PyTorch's
-    row-wise kernel), the FP8 autotuner's peer candidate; None where it cannot compute it: alpha,
-    a c other than a bias with beta 1, K or N not a multiple of 16, operands not contiguous,
-    row-wise scales other than e4m3 x e4m3 to bfloat16. The scales and bias are put in
-    torch._scaled_mm's forms when it runs, not when a call that runs our kernel asks."""
+def _scaled_mm_runner(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum) -> Optional[Callable]:
+    """run(a, b, c, scale_a, scale_b) through torch._scaled_mm (cuBLAS for per-tensor scales,
+    PyTorch's row-wise kernel) for calls of this one's signature, the FP8 autotuner's peer
+    candidate; None where it cannot compute it: alpha, a c other than a bias with beta 1, K or N
+    not a multiple of 16, operands not contiguous, row-wise scales other than e4m3 x e4m3 to
+    bfloat16. The scales and bias are put in torch._scaled_mm's forms when it runs, not when a
+    call that runs our kernel asks."""
     m, k, n = a.shape[0], a.shape[1], b.shape[0]
     if c is not None and (beta != 1.0 or out_dtype not in FLOAT16 or c.numel() != n
                           or not (c.dim() == 1 or c.shape[0] == 1)):
@@ -396,33 +453,39 @@ def _scaled_mm_peer(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accu
     if row_wise and (out_dtype != torch.bfloat16 or a.dtype != torch.float8_e4m3fn or b.dtype != a.dtype):
         return None
 
-    def as_scale(s, shape):  # torch._scaled_mm's forms: 0-D per tensor; (M, 1) and (1, N) row-wise
+    def as_scale(s, shape, device):  # torch._scaled_mm's forms: 0-D per tensor; (M, 1) and (1, N) row-wise
         if s is None:
-            s = torch.ones((), device=a.device, dtype=torch.float32)
+            s = torch.ones((), device=device, dtype=torch.float32)
         if not row_wise:
             return s.reshape(())
         return (s.reshape(1, 1).expand(shape) if s.numel() == 1 else s.reshape(shape)).contiguous()
 
-    def run():
+    def run(a, b, c, scale_a, scale_b):
         bias = None if c is None else c.reshape(-1).to(out_dtype)
-        return torch._scaled_mm(a, b.t(), as_scale(scale_a, (m, 1)), as_scale(scale_b, (1, n)), bias=bias,
-                                out_dtype=out_dtype, use_fast_accum=fast_accum)
+        return torch._scaled_mm(a, b.t(), as_scale(scale_a, (m, 1), a.device), as_scale(scale_b, (1, n), a.device),
+                                bias=bias, out_dtype=out_dtype, use_fast_accum=fast_accum)
     return run
 
 
-def _autotuned_fp8_gemm(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, kernel_dtype, arch):
+def _autotuned_fp8_gemm(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, kernel_dtype, arch,
+                        asked_fast=None):
     """An FP8 GEMM (per-tensor or row-wise scales) on the fastest of distgemm's compiled tile
     configurations and torch._scaled_mm where that computes the same call; None where the
-    autotuner cannot choose (then the tile heuristic runs)."""
+    autotuner cannot choose (then the tile heuristic runs). A settled choice is remembered for
+    the calls of this signature (asked_fast: the caller's use_fast_accum, part of it)."""
     if torch.compiler.is_compiling():
         return None
     m, k, n = a.shape[0], a.shape[1], b.shape[0]
-    peer = _scaled_mm_peer(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum)
+    runner = _scaled_mm_runner(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum)
+    peer = (lambda: runner(a, b, c, scale_a, scale_b)) if runner is not None else None
     scales = "row" if _row_wise(scale_a, scale_b) else "tensor"
     key = (f"sm{arch}|{m}x{n}x{k}|{a.dtype}x{b.dtype}->{out_dtype}|scales:{scales}|fast:{int(fast_accum)}"
            f"|c:{_c_form(c, m)}|peer:{int(peer is not None)}")
+    remember = (lambda choice, run: _remember_scaled(a, b, c, alpha, beta, out_dtype, scale_a, scale_b,
+                                                     fast_accum if asked_fast is None else asked_fast, choice, run))
     choice = autotune.lookup(key)
     if choice == _SCALED_MM and peer is not None:
+        remember(choice, runner)
         autotune.record(choice)
         return peer()
     ka, kb, kc, kscale_b, _ = _kernel_operands(a, b, c, kernel_dtype, scale_b)
@@ -450,9 +513,16 @@ def _autotuned_fp8_gemm(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_
         if choice is None:
             return None
         if choice == _SCALED_MM:
+            remember(choice, runner)
             autotune.record(choice)
             return peer()
         index = autotune.config_index(choice, names)
+    if ka is a and kb is b and kc is c:  # operands read in place: a later call needs no copies either
+
+        def run_ours(a, b, c, scale_a, scale_b):
+            return _trim(ops.gemm(a, b, c, alpha, beta, kernel_dtype, _flat(scale_a), _flat(scale_b), fast_accum,
+                                  index), n, kernel_dtype, out_dtype)
+        remember(choice, run_ours)
     autotune.record(choice)
     return ours(index)()
 

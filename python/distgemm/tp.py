@@ -464,7 +464,7 @@ def _local_gemm(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, m
     """The GEMM of a collectives call (or of a group of one) on this rank: the 128-block-scaled
     kernel for block scales (bfloat16 out, no c: check_operands refused others), else gemm."""
     if mode == "block":
-        out = _block_scaled_gemm(a, b, alpha, scale_a, scale_b)
+        out = _block_scaled_gemm(a, b, alpha, beta, torch.bfloat16, scale_a, scale_b, fast_accum)
         return out if out_dtype == out.dtype else out.float()  # the reduce-scatter's partial sums
     return gemm_unchecked(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum)
 
