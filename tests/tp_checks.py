@@ -222,6 +222,36 @@ def check_mismatched_shapes(rank, world):
     assert_close(out, ref(torch.cat([a] * world), b))
 
 
+def check_arguments_are_named(rank, world):
+    """Bad arguments of the TP ops and modules are named, on every rank alike, before anything
+    is exchanged (the ranks then still agree on a call)."""
+    import pytest
+
+    dev = device_for(rank)
+    a, b = full((16, 64), torch.bfloat16, dev, 500), full((32, 64), torch.bfloat16, dev, 501)
+    cases = [
+        (lambda: distgemm.all_gather_matmul("a", b), TypeError, "a must be a torch.Tensor"),
+        (lambda: distgemm.all_gather_matmul(None, b), TypeError, "a must be a torch.Tensor"),
+        (lambda: distgemm.matmul_reduce_scatter(3, b), TypeError, "a must be a torch.Tensor"),
+        (lambda: distgemm.dist_matmul([1], b), TypeError, "a must be a torch.Tensor"),
+        (lambda: distgemm.all_gather_matmul(a, b, group=3), TypeError, "group must be a torch.distributed"),
+        (lambda: distgemm.all_gather_matmul(a, b, group="no such group"), ValueError, "names no process group"),
+        (lambda: distgemm.recover(torch.ones(2)), TypeError, "group must be a torch.distributed"),
+        (lambda: distgemm.all_gather_matmul(a, b, return_gathered=torch.ones(2)), TypeError,
+         "return_gathered must be True or False"),
+        (lambda: distgemm.matmul_reduce_scatter(a, b, use_fast_accum="no"), TypeError,
+         "use_fast_accum must be True or False"),
+        (lambda: ColumnParallelLinear(64, 32 * world, device=dev)(None), ValueError,
+         r"ColumnParallelLinear: x must be a \(\.\.\., 64\) tensor, got NoneType"),
+        (lambda: RowParallelLinear(64 * world, 32, device=dev)(torch.ones(4, 63, device=dev)), ValueError,
+         r"RowParallelLinear: x must be a \(\.\.\., 64\) tensor, got \(4, 63\)"),
+    ]
+    for call, kind, match in cases:
+        with pytest.raises(kind, match=match):
+            call()
+    assert_close(distgemm.all_gather_matmul(a, b), ref(torch.cat([a] * world), b))  # still paired
+
+
 def check_recover_after_a_timed_out_exchange(rank, world):
     """A set-up exchange that timed out on one rank (its peers never reached it: they failed
     before) leaves that rank's exchange count ahead of theirs; recover() still pairs every rank

@@ -294,6 +294,14 @@ def _init_parallel_linear(layer, in_features, out_features, bias, group, sequenc
         nn.init.uniform_(layer.bias, -bound, bound)
 
 
+def _parallel_input(op: str, x, features: int) -> torch.Size:
+    """x's shape: a tensor of at least one dimension whose last is this rank's `features`."""
+    if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != features:
+        raise ValueError(f"{op}: x must be a (..., {features}) tensor, got "
+                         f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    return x.shape
+
+
 class _CopyToParallel(torch.autograd.Function):
     """Identity forward, all-reduce of the gradient (the input of a column-parallel layer
     without sequence parallelism is replicated)."""
@@ -346,7 +354,7 @@ class ColumnParallelLinear(nn.Module):
         from .dense import gemm
         from .tp import all_gather_matmul
 
-        shape = x.shape
+        shape = _parallel_input("ColumnParallelLinear", x, self.weight.shape[1])
         x2 = x.reshape(-1, shape[-1])
         if self.sequence_parallel:
             y = all_gather_matmul(x2, self.weight, group=self.group, c=self.bias,
@@ -375,7 +383,7 @@ class RowParallelLinear(nn.Module):
         from .dense import gemm
         from .tp import matmul_reduce_scatter
 
-        shape = x.shape
+        shape = _parallel_input("RowParallelLinear", x, self.weight.shape[1])
         x2 = x.reshape(-1, shape[-1])
         beta = 1.0 if self.bias is not None else 0.0
         if self.sequence_parallel:

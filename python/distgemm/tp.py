@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from . import _settings
-from ._library import aligned16, device_arch, has_kernels, needs_autograd, ops, warn_once
+from ._library import aligned16, check_flags, device_arch, has_kernels, needs_autograd, ops, warn_once
 from .dense import (FLOAT8, _block_scaled_gemm, _flat, check_operands, check_scalars, gemm_unchecked, grad_of_c,
                     is_block_scaled, kernel_out_dtype, kernel_ready, require_fp8_scales)
 
@@ -327,6 +327,8 @@ def recover(group=None) -> None:
 
 
 def _resolve(group) -> dist.ProcessGroup:
+    """The process group a call runs on: `group`, the one registered under that name, or the
+    default group for None; a ValueError / TypeError naming `group` otherwise."""
     if group is None:
         if not dist.is_initialized():
             raise ValueError("distgemm: torch.distributed is not initialized (and no group was given)")
@@ -334,7 +336,13 @@ def _resolve(group) -> dist.ProcessGroup:
     if isinstance(group, str):
         from torch.distributed.distributed_c10d import _resolve_process_group
 
-        return _resolve_process_group(group)
+        try:
+            return _resolve_process_group(group)
+        except (RuntimeError, ValueError, KeyError) as e:
+            raise ValueError(f"distgemm: group {group!r} names no process group ({e})") from None
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"distgemm: group must be a torch.distributed ProcessGroup, its name, or None, got "
+                        f"{type(group).__name__}")
     return group
 
 
@@ -492,10 +500,11 @@ def _kernel_c(c, beta, out_dtype):
     return aligned16(c.reshape(-1).to(out_dtype).contiguous()), beta
 
 
-def _check_tp(op, a, b, c, out_dtype, scale_a, scale_b, c_rows: int):
+def _check_tp(op, a, b, c, out_dtype, scale_a, scale_b, c_rows_of):
+    """check_operands for a TP call; c_rows_of(a's rows): the rows of the output c is added to."""
     out_dtype = check_operands(op, a, b, None, out_dtype, scale_a, scale_b)
     require_fp8_scales(op, a, scale_a, scale_b)
-    n = b.shape[0]
+    n, c_rows = b.shape[0], c_rows_of(a.shape[0])
     if c is not None:
         if not isinstance(c, torch.Tensor) or not c.is_floating_point() or c.device != a.device:
             raise ValueError(f"{op}: c must be a floating-point tensor on {a.device}")
@@ -683,9 +692,10 @@ def all_gather_matmul(a: torch.Tensor, b: torch.Tensor, *, group=None, c: Option
     scale_b as in :func:`distgemm.gemm`. Differentiable for bfloat16/float16.
     """
     op = _OP_NAMES[_AG]
+    check_flags(op, return_gathered=return_gathered, use_fast_accum=use_fast_accum)
     alpha, beta = check_scalars(op, alpha=alpha, beta=beta)
     group = _resolve(group)
-    out_dtype = _check_tp(op, a, b, c, out_dtype, scale_a, scale_b, a.shape[0] * _state(group).size)
+    out_dtype = _check_tp(op, a, b, c, out_dtype, scale_a, scale_b, lambda m: m * _state(group).size)
     if needs_autograd(a, b, c):
         if a.dtype in FLOAT8:
             raise NotImplementedError(f"{op}: autograd through float8 inputs is not supported")
@@ -708,12 +718,13 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, *, group=None, c: Op
     c: this rank's (M/P, N) output rows or a bias (N,). Returns (M/P, N).
     """
     op = _OP_NAMES[_RS]
+    check_flags(op, use_fast_accum=use_fast_accum)
     alpha, beta = check_scalars(op, alpha=alpha, beta=beta)
     group = _resolve(group)
     world = _state(group).size
     if isinstance(a, torch.Tensor) and a.dim() == 2 and a.shape[0] % world:
         raise ValueError(f"{op}: a's {a.shape[0]} rows must divide evenly by the group size {world}")
-    out_dtype = _check_tp(op, a, b, c, out_dtype, scale_a, scale_b, a.shape[0] // world)
+    out_dtype = _check_tp(op, a, b, c, out_dtype, scale_a, scale_b, lambda m: m // world)
     if needs_autograd(a, b, c):
         if a.dtype in FLOAT8:
             raise NotImplementedError(f"{op}: autograd through float8 inputs is not supported")

@@ -18,6 +18,10 @@ def test_mismatched_shapes_are_reported():
     run_ranks(tp_checks.check_mismatched_shapes, 2, "gloo")
 
 
+def test_bad_arguments_are_named_on_every_rank():
+    run_ranks(tp_checks.check_arguments_are_named, 2, "gloo")
+
+
 def test_recover_after_a_set_up_exchange_timed_out_on_one_rank():
     run_ranks(tp_checks.check_recover_after_a_timed_out_exchange, 2, "gloo", timeout=120)
 
