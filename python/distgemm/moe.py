@@ -456,8 +456,10 @@ def _check_routing(op, topk_ids, tokens, num_experts):
                          f"{tuple(getattr(topk_ids, 'shape', ()))}")
     if topk_ids.shape[0] != tokens:
         raise ValueError(f"{op}: topk_ids must have one row per token ({tokens}), got {topk_ids.shape[0]}")
-    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
-        raise ValueError(f"{op}: num_experts must be an int >= 1, got {num_experts!r}")
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or not 1 <= num_experts < 2 ** 31:
+        raise ValueError(f"{op}: num_experts must be an int in [1, 2^31) (int32 offs), got {num_experts!r}")
+    if topk_ids.numel() >= 2 ** 31:
+        raise ValueError(f"{op}: T * k = {topk_ids.numel()} routed copies must be fewer than 2^31 (int32 offs)")
     if not topk_ids.is_cuda and topk_ids.numel() and (int(topk_ids.min()) < -1 or int(topk_ids.max()) >= num_experts):
         raise ValueError(f"{op}: topk_ids must be expert indices in [0, {num_experts}) or -1 (dropped), got "
                          f"values in [{int(topk_ids.min())}, {int(topk_ids.max())}]")

@@ -182,3 +182,9 @@ def test_slot_rows_of_a_malformed_row_map_stay_in_bounds():
     slot = moe._slot_rows(torch.tensor([2, 0, 7, -3]))
     assert slot.tolist() == [1, -5, 0, -5]
     assert moe._slot_rows(torch.tensor([2, 0, 3, 1])).tolist() == [1, 3, 0, 2]
+
+
+def test_a_num_experts_past_int32_offs_is_named():
+    ids = torch.zeros(4, 2, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"num_experts must be an int in \[1, 2\^31\)"):
+        moe.permute(torch.randn(4, 8), ids, 2 ** 40)  # would have allocated 8 TiB of counts
