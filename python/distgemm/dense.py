@@ -156,8 +156,8 @@ def gemm(
         run = _repeat_call(a, b, c, alpha, beta, out_dtype)
         if run is not None:
             return run(a, b, c)
-    elif _REPEAT_SCALED and scale_a is not None and scale_b is not None:  # float8 with scales: the same
-        run = _repeat_scaled(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, use_fast_accum)
+    elif scale_a is not None and scale_b is not None:  # float8 with scales: the same
+        run = _repeat_call(a, b, c, alpha, beta, out_dtype, (scale_a, scale_b, use_fast_accum))
         if run is not None:
             return run(a, b, c, scale_a, scale_b)
     autograd = needs_autograd(a, b, c)
@@ -173,32 +173,42 @@ def gemm(
     return gemm_unchecked(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, use_fast_accum, looked_up=looked_up)
 
 
-# 16-bit calls without scales that the checks accepted and the autotuner settled (operands read
-# in place): the checks are functions of the signature, and so is the choice.
+# Calls the checks accepted and the autotuner settled: 16-bit ones without scales (operands read
+# in place), and float8 ones with scales (per tensor, row-wise, 128-block: the vendor call with
+# its scale forms, or our kernel on operands it reads in place). The checks are functions of the
+# signature, and so is the choice.
 _REPEAT_CALLS = RepeatCalls()
 _is_compiling = torch.compiler.is_compiling
 
 
-def _call_signature(a, b, c, alpha, beta, out_dtype) -> Optional[tuple]:
-    """The key of a call in _REPEAT_CALLS (out_dtype None: a's dtype); None for non-tensors,
-    which the checks will name."""
+def _call_signature(a, b, c, alpha, beta, out_dtype, scales=None) -> Optional[tuple]:
+    """The key of a call in _REPEAT_CALLS (out_dtype None: a's dtype, bfloat16 for float8);
+    scales: (scale_a, scale_b, use_fast_accum) of a float8 call. None for non-tensors, which
+    the checks will name."""
     try:
-        return (a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype, b.device,
-                None if c is None else (c.shape, c.stride(), c.dtype, c.device), alpha, beta,
-                a.dtype if out_dtype is None else out_dtype)
+        key = (a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype, b.device,
+               None if c is None else (c.shape, c.stride(), c.dtype, c.device), alpha, beta,
+               out_dtype if out_dtype is not None else a.dtype if scales is None else torch.bfloat16)
+        if scales is None:
+            return key
+        scale_a, scale_b, fast_accum = scales
+        return key + (scale_a.shape, scale_a.stride(), scale_a.dtype, scale_a.device,
+                      scale_b.shape, scale_b.stride(), scale_b.dtype, scale_b.device, fast_accum)
     except AttributeError:
         return None
 
 
-def _repeat_call(a, b, c, alpha, beta, out_dtype) -> Optional[Callable]:
-    """The runner of a call (no scales) seen before with this signature, where it may run as is
-    (eager, no autograd to record, autotuning on); else None (the full path). Every call of a
-    few-microsecond GEMM comes through here: each step is written for host time (C-level dict
-    checks, no helper calls: each Python frame costs ~0.1-0.3 us on the H200's host)."""
+def _repeat_call(a, b, c, alpha, beta, out_dtype, scales=None) -> Optional[Callable]:
+    """The runner of a call seen before with this signature, where it may run as is (eager, no
+    autograd to record, autotuning on); else None (the full path). run(a, b, c), or with scales
+    (a float8 call's (scale_a, scale_b, use_fast_accum)) run(a, b, c, scale_a, scale_b). Every
+    call of a few-microsecond GEMM comes through here: each step is written for host time
+    (C-level dict checks, no helper calls: each Python frame costs ~0.1-0.3 us on the H200's
+    host)."""
     if not _REPEAT_CALLS or _is_compiling() or not autotune.enabled():
         return None
     try:
-        run = _REPEAT_CALLS.get(_call_signature(a, b, c, alpha, beta, out_dtype))
+        run = _REPEAT_CALLS.get(_call_signature(a, b, c, alpha, beta, out_dtype, scales))
     except TypeError:  # an unhashable argument: the checks name it
         return None
     if run is None or (torch.is_grad_enabled()
@@ -207,54 +217,25 @@ def _repeat_call(a, b, c, alpha, beta, out_dtype) -> Optional[Callable]:
     return run
 
 
-def _remember_call(a, b, c, alpha, beta, out_dtype, run: Callable) -> None:
-    _REPEAT_CALLS.put(_call_signature(a, b, c, alpha, beta, out_dtype), run)
+def _remember_call(a, b, c, alpha, beta, out_dtype, run: Callable, scales=None) -> None:
+    _REPEAT_CALLS.put(_call_signature(a, b, c, alpha, beta, out_dtype, scales), run)
 
 
 autotune.on_clear(_REPEAT_CALLS.clear)
 
-# Float8 calls with scales (per tensor, row-wise, 128-block) that the checks accepted and the
-# autotuner settled: the vendor call with its scale forms, or our kernel on operands it reads in
-# place; run(a, b, c, scale_a, scale_b). The checks skipped are functions of the signature.
-_REPEAT_SCALED = RepeatCalls()
-autotune.on_clear(_REPEAT_SCALED.clear)
-
-
-def _scaled_signature(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum) -> Optional[tuple]:
-    """The key of a scaled call (out_dtype None: bfloat16, float8's default); None for non-tensors."""
-    try:
-        return (a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype, b.device,
-                None if c is None else (c.shape, c.stride(), c.dtype, c.device), alpha, beta,
-                torch.bfloat16 if out_dtype is None else out_dtype, scale_a.shape, scale_a.stride(), scale_a.dtype,
-                scale_a.device, scale_b.shape, scale_b.stride(), scale_b.dtype, scale_b.device, fast_accum)
-    except AttributeError:
-        return None
-
-
-def _repeat_scaled(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum) -> Optional[Callable]:
-    """_repeat_call for float8 calls with scales."""
-    if _is_compiling() or not autotune.enabled():
-        return None
-    try:
-        run = _REPEAT_SCALED.get(_scaled_signature(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum))
-    except TypeError:  # an unhashable argument: the checks name it
-        return None
-    if run is None or (torch.is_grad_enabled()
-                       and (a.requires_grad or b.requires_grad or (c is not None and c.requires_grad))):
-        return None
-    return run
-
 
 def _remember_scaled(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, choice: str,
                      run: Callable) -> None:
-    """Remembers run(a, b, c, scale_a, scale_b) for the calls of this one's signature (eager only)."""
+    """Remembers run(a, b, c, scale_a, scale_b), a float8 call's settled choice (the vendor call
+    with its scale forms, or our kernel on operands it reads in place), for the calls of this
+    one's signature (eager only)."""
     if _is_compiling():
         return
 
     def remembered(a, b, c, scale_a, scale_b):
         autotune.record_eager(choice)
         return run(a, b, c, scale_a, scale_b)
-    _REPEAT_SCALED.put(_scaled_signature(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum), remembered)
+    _remember_call(a, b, c, alpha, beta, out_dtype, remembered, (scale_a, scale_b, fast_accum))
 
 
 _TORCH_BLOCK = "F.scaled_mm"  # the autotuner's name for cuBLAS's block-scaled GEMM

@@ -85,11 +85,11 @@ def test_nothing_is_remembered_without_autotuning_or_under_a_choice_not_made(gpu
     monkeypatch.setattr(dense.ops, "gemm", lambda a, b, c, alpha, beta, out, sa, sb, fast, *cfg:
                         dense.reference_gemm(a, b, c, alpha, beta, out, sa, sb), raising=False)
     distgemm.gemm(a, b, scale_a=sa, scale_b=sb)
-    assert not dense._REPEAT_SCALED
+    assert not dense._REPEAT_CALLS
     use_settings(autotune=True)
     monkeypatch.setattr(autotune, "may_time", lambda: False)  # graph capture of an untimed shape
     distgemm.gemm(a, b, scale_a=sa, scale_b=sb)
-    assert not dense._REPEAT_SCALED
+    assert not dense._REPEAT_CALLS
 
 
 def test_block_scaled_calls_remember_their_choice(gpu_like, monkeypatch):
