@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import distgemm
-from distgemm import autotune
+from distgemm import autotune, dense
 from tests.reference import assert_close, ref_gemm
 
 pytestmark = pytest.mark.gpu
@@ -216,3 +216,49 @@ def test_every_benchmark_timing_discipline_times_each_candidate(use_settings, di
     assert set(times) == {"small", "large"} and all(t > 0 for t in times.values())
     assert times["large"] > times["small"]
     assert env_info()["timing"] == discipline
+
+
+@pytest.mark.parametrize("scales", ["tensor", "row", "mixed", "block"])
+@pytest.mark.parametrize("forced", [None, "ours"])
+def test_fp8_repeated_calls_take_the_remembered_runner(cache, monkeypatch, scales, forced):
+    """A settled float8 call's repeat skips the checks (the runner is remembered), reads the new
+    scales, and gives the GEMM: the autotuner's own choice, and ours forced through the cache."""
+    from distgemm.grouped_fp8 import dequantize_blocks
+
+    m, n, k = 384, 512, 1024
+    if scales == "block":
+        a = (torch.randn(m, k, device=DEV) * 0.5).to(E4M3)
+        b = (torch.randn(n, k, device=DEV) * 0.5).to(E4M3)
+        sa = torch.rand(k // 128, m, device=DEV).t() + 0.5  # quantize_fp8's (M, K/128) with strides (1, M)
+        sb = torch.rand(n // 128, k // 128, device=DEV) + 0.5
+
+        def ref(sa):
+            return dequantize_blocks(a, sa, 1, 128) @ dequantize_blocks(b, sb, 128, 128).T
+    else:
+        a, b, sa, sb = _fp8_operands(m, n, k, scales)
+
+        def ref(sa):
+            return ref_gemm(a, b, sa=sa, sb=sb)
+    first = distgemm.gemm(a, b, scale_a=sa, scale_b=sb)
+    if forced:  # every key of this shape to ours (the block recipe's is the grouped kernel)
+        stored = json.loads(cache.read_text())
+        cache.write_text(json.dumps({key: ("cutlass:grouped" if "block" in key else
+                                           "cutlass:" + distgemm._library.ops.gemm_configs(
+                                               E4M3, E4M3, torch.bfloat16, True, 90, False)[0])
+                                     for key in stored}))
+        autotune.clear()
+        autotune._LOADED = False
+        first = distgemm.gemm(a, b, scale_a=sa, scale_b=sb)
+    chosen = autotune.last_backend()
+    assert dense._REPEAT_CALLS, "the settled call was not remembered"
+    checks = []
+    original = dense.check_operands
+    monkeypatch.setattr(dense, "check_operands", lambda *args: checks.append(1) or original(*args))
+    again = distgemm.gemm(a, b, scale_a=sa, scale_b=sb)
+    assert not checks, "the repeated call went through the checks"
+    assert autotune.last_backend() == chosen
+    assert torch.equal(first, again)
+    assert_close(again, ref(sa), in_dtype=E4M3)
+    sa2 = sa.clone().mul_(2)  # the same strides: the same signature
+    assert_close(distgemm.gemm(a, b, scale_a=sa2, scale_b=sb), ref(sa2), in_dtype=E4M3)
+    assert not checks
