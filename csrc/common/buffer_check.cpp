@@ -5,8 +5,8 @@
 
 namespace distgemm {
 
-dg_status check_extent(const void* p, const char* name, std::initializer_list<int64_t> sizes,
-                       int bytes, unsigned align) {
+dg_status check_extent(const void* p, const char* name, std::initializer_list<int64_t> sizes, int bytes,
+                       unsigned align) {
   int64_t elements = 0, extent = 0;
   DG_REQUIRE(checked_product(sizes, &elements) && checked_mul(elements, bytes, &extent), name,
              " spans more than 2^63 bytes");

@@ -11,7 +11,7 @@ namespace distgemm {
 // `name` holds the product of `sizes` elements of `bytes` each at `p`: its byte extent fits in
 // int64 and in the address space after p; p is `align`-byte aligned, and NULL only when there
 // is nothing to read.
-dg_status check_extent(const void* p, const char* name, std::initializer_list<int64_t> sizes,
-                       int bytes, unsigned align = 16);
+dg_status check_extent(const void* p, const char* name, std::initializer_list<int64_t> sizes, int bytes,
+                       unsigned align = 16);
 
 }  // namespace distgemm

@@ -9,14 +9,10 @@
 namespace distgemm {
 
 // *out = a * b; false (and *out unspecified) on int64 overflow.
-inline bool checked_mul(int64_t a, int64_t b, int64_t* out) {
-  return !__builtin_mul_overflow(a, b, out);
-}
+inline bool checked_mul(int64_t a, int64_t b, int64_t* out) { return !__builtin_mul_overflow(a, b, out); }
 
 // *out = a + b; false on int64 overflow.
-inline bool checked_add(int64_t a, int64_t b, int64_t* out) {
-  return !__builtin_add_overflow(a, b, out);
-}
+inline bool checked_add(int64_t a, int64_t b, int64_t* out) { return !__builtin_add_overflow(a, b, out); }
 
 // The product of `factors`; false on int64 overflow.
 inline bool checked_product(std::initializer_list<int64_t> factors, int64_t* out) {

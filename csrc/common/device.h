@@ -7,7 +7,7 @@
 namespace distgemm {
 
 struct DeviceInfo {
-  int arch = 0;      // 90 for sm_90, 100 for sm_100
+  int arch = 0;  // 90 for sm_90, 100 for sm_100
   int sm_count = 0;
 };
 

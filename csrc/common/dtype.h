@@ -9,9 +9,15 @@ namespace distgemm {
 
 constexpr int dtype_bytes(dg_dtype t) {
   switch (t) {
-    case DG_F32: case DG_I32: return 4;
-    case DG_F16: case DG_BF16: return 2;
-    case DG_E4M3: case DG_E5M2: return 1;
+    case DG_F32:
+    case DG_I32:
+      return 4;
+    case DG_F16:
+    case DG_BF16:
+      return 2;
+    case DG_E4M3:
+    case DG_E5M2:
+      return 1;
   }
   return 0;
 }

@@ -26,16 +26,15 @@ dg_status create_error_state(int device, ErrorState* s) {
   cudaError_t err = cudaMalloc(reinterpret_cast<void**>(&s->device_word), sizeof(int));
   if (err == cudaSuccess) err = cudaHostAlloc(&host, sizeof(int), cudaHostAllocMapped);
   s->host_word = static_cast<int*>(host);
-  if (err == cudaSuccess)
-    err = cudaHostGetDevicePointer(reinterpret_cast<void**>(&s->host_word_device), host, 0);
+  if (err == cudaSuccess) err = cudaHostGetDevicePointer(reinterpret_cast<void**>(&s->host_word_device), host, 0);
   if (err == cudaSuccess) err = cudaStreamCreateWithFlags(&zeroing, cudaStreamNonBlocking);
   if (err == cudaSuccess) err = cudaMemsetAsync(s->device_word, 0, sizeof(int), zeroing);
   if (err == cudaSuccess) err = cudaStreamSynchronize(zeroing);
   if (zeroing) cudaStreamDestroy(zeroing);
   if (err != cudaSuccess) {
     release(*s);
-    return fail(DG_ERROR_CUDA, cat("allocating the error word of device ", device,
-                                   " failed: ", cudaGetErrorString(err)));
+    return fail(DG_ERROR_CUDA,
+                cat("allocating the error word of device ", device, " failed: ", cudaGetErrorString(err)));
   }
   *s->host_word = 0;
   return DG_SUCCESS;

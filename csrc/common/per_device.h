@@ -77,8 +77,7 @@ class PerDevice {
   template <class Create>
   T* get(int device, const char* what, Create&& create) {
     if (device < 0 || device >= kMaxDevices) {
-      fail(DG_ERROR_INVALID_ARGUMENT,
-           cat(what, ": device ", device, " is out of range [0, ", kMaxDevices, ")"));
+      fail(DG_ERROR_INVALID_ARGUMENT, cat(what, ": device ", device, " is out of range [0, ", kMaxDevices, ")"));
       return nullptr;
     }
     if (T* value = values_[device].load(std::memory_order_acquire)) return value;
@@ -93,8 +92,7 @@ class PerDevice {
 
   // The value of `device` if it was made, else nullptr; creates nothing.
   T* peek(int device) const {
-    return device >= 0 && device < kMaxDevices ? values_[device].load(std::memory_order_acquire)
-                                               : nullptr;
+    return device >= 0 && device < kMaxDevices ? values_[device].load(std::memory_order_acquire) : nullptr;
   }
 
  private:

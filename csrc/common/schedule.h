@@ -6,10 +6,10 @@ namespace distgemm::gemm {
 
 // Kernel schedules; the numbers are part of the instance table (gemm_instances.def).
 enum Schedule : int {
-  kCooperative = 0,  // sm90: two consumer warpgroups share one tile
-  kPingpong = 1,     // sm90: consumer warpgroups alternate tiles (small M, short K)
-  kOneSm = 2,        // sm100: 1-SM UMMA
-  kTwoSm = 3,        // sm100: 2-SM UMMA pair
+  kCooperative = 0,           // sm90: two consumer warpgroups share one tile
+  kPingpong = 1,              // sm90: consumer warpgroups alternate tiles (small M, short K)
+  kOneSm = 2,                 // sm100: 1-SM UMMA
+  kTwoSm = 3,                 // sm100: 2-SM UMMA pair
   kCooperativeFastAccum = 4,  // sm90 FP8: no FP32 promotion of partial sums
   kPingpongFastAccum = 5,
   kContiguous = 6,  // sm90 grouped: cooperative over the contiguous tokens, one descriptor per operand

@@ -15,7 +15,7 @@ namespace {
 // while the thread's other thread_local objects are destroyed writes into live memory.
 constexpr size_t kMaxMessage = 4096;
 thread_local char last_error[kMaxMessage] = "";
-}
+}  // namespace
 
 namespace distgemm {
 
@@ -43,13 +43,20 @@ extern "C" const char* dg_last_error(void) { return last_error; }
 
 extern "C" const char* dg_status_name(dg_status status) {
   switch (status) {
-    case DG_SUCCESS: return "success";
-    case DG_ERROR_INVALID_ARGUMENT: return "invalid argument";
-    case DG_ERROR_NOT_SUPPORTED: return "not supported";
-    case DG_ERROR_CUDA: return "CUDA error";
-    case DG_ERROR_INTERNAL: return "internal error";
-    case DG_ERROR_TIMEOUT: return "timeout";
-    case DG_ERROR_PEER_MISMATCH: return "ranks disagree";
+    case DG_SUCCESS:
+      return "success";
+    case DG_ERROR_INVALID_ARGUMENT:
+      return "invalid argument";
+    case DG_ERROR_NOT_SUPPORTED:
+      return "not supported";
+    case DG_ERROR_CUDA:
+      return "CUDA error";
+    case DG_ERROR_INTERNAL:
+      return "internal error";
+    case DG_ERROR_TIMEOUT:
+      return "timeout";
+    case DG_ERROR_PEER_MISMATCH:
+      return "ranks disagree";
   }
   return "unknown status";
 }

@@ -24,22 +24,22 @@ std::string cat(Args&&... args) {
 }  // namespace distgemm
 
 // Returns DG_ERROR_INVALID_ARGUMENT with a message built from the remaining arguments.
-#define DG_REQUIRE(cond, ...)                                                        \
-  do {                                                                               \
+#define DG_REQUIRE(cond, ...)                                                                      \
+  do {                                                                                             \
     if (!(cond)) return ::distgemm::fail(DG_ERROR_INVALID_ARGUMENT, ::distgemm::cat(__VA_ARGS__)); \
   } while (0)
 
 // Propagates a non-success dg_status.
-#define DG_RETURN_IF_ERROR(expr)             \
-  do {                                       \
-    dg_status dg_status_ = (expr);           \
+#define DG_RETURN_IF_ERROR(expr)                     \
+  do {                                               \
+    dg_status dg_status_ = (expr);                   \
     if (dg_status_ != DG_SUCCESS) return dg_status_; \
   } while (0)
 
 // Turns a failed CUDA runtime call into DG_ERROR_CUDA naming the call.
-#define DG_CUDA_RETURN(expr)                                                            \
-  do {                                                                                  \
-    cudaError_t dg_err_ = (expr);                                                       \
-    if (dg_err_ != cudaSuccess)                                                         \
+#define DG_CUDA_RETURN(expr)                                                                             \
+  do {                                                                                                   \
+    cudaError_t dg_err_ = (expr);                                                                        \
+    if (dg_err_ != cudaSuccess)                                                                          \
       return ::distgemm::fail(DG_ERROR_CUDA, ::distgemm::cat(#expr, ": ", cudaGetErrorString(dg_err_))); \
   } while (0)

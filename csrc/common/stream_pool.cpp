@@ -29,8 +29,8 @@ dg_status create_pool(int device, StreamPool* p) {
   if (err == cudaSuccess) p->lock = new std::mutex();  // kept with the pool, for the process
   if (err != cudaSuccess) {
     release(*p);
-    return fail(DG_ERROR_CUDA, cat("creating the side streams of device ", device,
-                                   " failed: ", cudaGetErrorString(err)));
+    return fail(DG_ERROR_CUDA,
+                cat("creating the side streams of device ", device, " failed: ", cudaGetErrorString(err)));
   }
   return DG_SUCCESS;
 }

@@ -29,8 +29,7 @@ __device__ __forceinline__ void fence_generic_to_async_global() {
 // Spins until *flag reaches target (s.error must be set whenever a wait is requested). On
 // timeout (or when another wait already failed) records the error and returns false; the
 // caller proceeds so the kernel always finishes.
-__device__ __forceinline__ bool wait_flag(const uint32_t* flag, uint32_t target, const SyncParams& s,
-                                          int peer) {
+__device__ __forceinline__ bool wait_flag(const uint32_t* flag, uint32_t target, const SyncParams& s, int peer) {
   if (static_cast<int32_t>(load_acquire_sys(flag) - target) >= 0) {
     fence_generic_to_async_global();
     return true;

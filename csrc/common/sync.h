@@ -13,7 +13,7 @@ struct SyncParams {
   const uint32_t* chunk_ready = nullptr;  // [num_chunks]: A rows of chunk c are in place
   const uint32_t* c_ready = nullptr;      // the C operand (peer partial sums) is complete
   const uint32_t* epoch = nullptr;
-  int32_t chunk_rows = 0;   // rows of A per chunk (the last chunk may be shorter)
+  int32_t chunk_rows = 0;  // rows of A per chunk (the last chunk may be shorter)
   int32_t num_chunks = 0;
   int32_t first_chunk = 0;  // tiles start at this chunk's rows and wrap around
   uint64_t timeout_ns = 0;
@@ -22,7 +22,7 @@ struct SyncParams {
   int* error = nullptr;
   int* error_host = nullptr;
   int error_tag = 0;
-  int32_t c_peer = 0;       // rank that writes the C operand, for the error word
+  int32_t c_peer = 0;  // rank that writes the C operand, for the error word
 };
 
 // Error word layout: bits 16.. hold the op tag, bits 0..15 the peer rank + 1.

@@ -74,18 +74,17 @@ constexpr double kPtrArraySetup = 128.0 * 128.0 * 1300.0;
 
 }  // namespace
 
-double estimate_cost(const TileConfig& c, int64_t m, int64_t n, double k, int64_t batches,
-                     int sm_count, double epilogue_scale) {
+double estimate_cost(const TileConfig& c, int64_t m, int64_t n, double k, int64_t batches, int sm_count,
+                     double epilogue_scale) {
   const int64_t sms = usable_sms(c, sm_count);
   if (sms <= 0 || m <= 0 || n <= 0 || batches <= 0) return 1e300;
   const double tiles = static_cast<double>(clustered_tiles(m, c.tile_m, c.cluster_m)) *
-                       static_cast<double>(clustered_tiles(n, c.tile_n, c.cluster_n)) *
-                       static_cast<double>(batches);
+                       static_cast<double>(clustered_tiles(n, c.tile_n, c.cluster_n)) * static_cast<double>(batches);
   return waves_cost(c, tiles, k, sms, epilogue_scale);
 }
 
-double estimate_grouped_cost(const TileConfig& c, int64_t tokens, int64_t groups, int64_t n,
-                             double k, int sm_count, double epilogue_scale) {
+double estimate_grouped_cost(const TileConfig& c, int64_t tokens, int64_t groups, int64_t n, double k, int sm_count,
+                             double epilogue_scale) {
   const int64_t sms = usable_sms(c, sm_count);
   if (sms <= 0 || tokens < 0 || groups <= 0 || n <= 0) return 1e300;
   const double granule = static_cast<double>(c.tile_m) * c.cluster_m;
@@ -93,8 +92,8 @@ double estimate_grouped_cost(const TileConfig& c, int64_t tokens, int64_t groups
   const double rows = static_cast<double>(tokens) + busy_groups * granule / 2;
   const double tiles_m = std::ceil(rows / granule) * c.cluster_m;
   const double setup = c.schedule == gemm::kContiguous ? 0.0 : kPtrArraySetup;
-  return setup + waves_cost(c, tiles_m * static_cast<double>(clustered_tiles(n, c.tile_n, c.cluster_n)),
-                            k, sms, epilogue_scale);
+  return setup + waves_cost(c, tiles_m * static_cast<double>(clustered_tiles(n, c.tile_n, c.cluster_n)), k, sms,
+                            epilogue_scale);
 }
 
 }  // namespace distgemm

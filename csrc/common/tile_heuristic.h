@@ -25,8 +25,8 @@ TileConfig tile_config(const Instance& inst) {
 // k is in 16-bit-element units: FP8 contributes k / 2 (its tensor cores run twice as fast).
 // epilogue_scale: the output's bytes per element over 2 (2 for FP32 out): the epilogue's cost
 // is its writes.
-double estimate_cost(const TileConfig& c, int64_t m, int64_t n, double k, int64_t batches,
-                     int sm_count, double epilogue_scale = 1.0);
+double estimate_cost(const TileConfig& c, int64_t m, int64_t n, double k, int64_t batches, int sm_count,
+                     double epilogue_scale = 1.0);
 
 // Relative time of a grouped GEMM (forward or dgrad): `groups` problems of unknown row counts
 // summing to `tokens` (the routing lives on the device), each n x k. CUTLASS's group scheduler
@@ -35,8 +35,8 @@ double estimate_cost(const TileConfig& c, int64_t m, int64_t n, double k, int64_
 // sizes are not multiples of it, which real routing makes the common case. The ptr-array
 // kernels add a fixed set-up (argument builder, per-group descriptors) that the contiguous-token
 // kernel (schedule kContiguous) does not pay.
-double estimate_grouped_cost(const TileConfig& c, int64_t tokens, int64_t groups, int64_t n,
-                             double k, int sm_count, double epilogue_scale = 1.0);
+double estimate_grouped_cost(const TileConfig& c, int64_t tokens, int64_t groups, int64_t n, double k, int sm_count,
+                             double epilogue_scale = 1.0);
 
 // The candidate of lowest `cost(TileConfig)`; nullptr if none. On near-ties (0.1%) the one of
 // the larger cluster, whose multicast halves one operand's reads from L2 (the cost has no term
@@ -50,9 +50,7 @@ template <class Instance, class Cost>
 const Instance* select_cheapest_by(const std::vector<const Instance*>& candidates, Cost cost) {
   const Instance* best = nullptr;
   double best_cost = 0;
-  auto cluster = [](const Instance* i) {
-    return std::min(i->cluster_m * i->cluster_n, kTieBreakMaxCluster);
-  };
+  auto cluster = [](const Instance* i) { return std::min(i->cluster_m * i->cluster_n, kTieBreakMaxCluster); };
   for (const Instance* inst : candidates) {
     const double c = cost(tile_config(*inst));
     const bool near_tie = best && c <= best_cost * 1.001;  // lower costs: the first test below
@@ -66,12 +64,10 @@ const Instance* select_cheapest_by(const std::vector<const Instance*>& candidate
 
 // The candidate with the lowest estimate_cost (select_cheapest_by's near-tie rule); nullptr if none.
 template <class Instance>
-const Instance* select_cheapest(const std::vector<const Instance*>& candidates, int64_t m,
-                                int64_t n, double k, int64_t batches, int sm_count,
-                                double epilogue_scale = 1.0) {
-  return select_cheapest_by(candidates, [&](const TileConfig& c) {
-    return estimate_cost(c, m, n, k, batches, sm_count, epilogue_scale);
-  });
+const Instance* select_cheapest(const std::vector<const Instance*>& candidates, int64_t m, int64_t n, double k,
+                                int64_t batches, int sm_count, double epilogue_scale = 1.0) {
+  return select_cheapest_by(
+      candidates, [&](const TileConfig& c) { return estimate_cost(c, m, n, k, batches, sm_count, epilogue_scale); });
 }
 
 }  // namespace distgemm

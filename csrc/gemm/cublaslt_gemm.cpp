@@ -23,8 +23,7 @@ cublasLtHandle_t lt_handle(int device) {
   cublasLtHandle_t* h = handles.get(device, "the cuBLASLt handle", [](int d, cublasLtHandle_t* out) {
     const cublasStatus_t st = cublasLtCreate(out);
     if (st != CUBLAS_STATUS_SUCCESS)
-      return fail(DG_ERROR_CUDA, cat("cublasLtCreate failed on device ", d, ": ",
-                                     cublasLtGetStatusString(st)));
+      return fail(DG_ERROR_CUDA, cat("cublasLtCreate failed on device ", d, ": ", cublasLtGetStatusString(st)));
     return DG_SUCCESS;
   });
   return h ? *h : nullptr;
@@ -39,11 +38,11 @@ bool pitch16(int64_t ld, int bytes) {
   return ld >= 0 && checked_mul(ld, bytes, &pitch) && pitch % 16 == 0;
 }
 
-#define DG_LT_RETURN(expr)                                                                   \
-  do {                                                                                       \
-    cublasStatus_t dg_lt_ = (expr);                                                          \
-    if (dg_lt_ != CUBLAS_STATUS_SUCCESS)                                                     \
-      return fail(DG_ERROR_CUDA, cat(#expr, ": ", cublasLtGetStatusString(dg_lt_)));         \
+#define DG_LT_RETURN(expr)                                                           \
+  do {                                                                               \
+    cublasStatus_t dg_lt_ = (expr);                                                  \
+    if (dg_lt_ != CUBLAS_STATUS_SUCCESS)                                             \
+      return fail(DG_ERROR_CUDA, cat(#expr, ": ", cublasLtGetStatusString(dg_lt_))); \
   } while (0)
 
 // How cuBLASLt applies FP8 scales: one value per operand (or none), or one per row of a and
@@ -60,8 +59,8 @@ struct PlanKey {
   LtScales scales = LtScales::kTensor;
   size_t workspace_bytes = 0;
   auto tie() const {
-    return std::tie(device, b_k_major, m, n, k, lda, ldb, ldc, ldd, a_type, b_type, out_type, with_c, bias,
-                    fast_accum, scales, workspace_bytes);
+    return std::tie(device, b_k_major, m, n, k, lda, ldb, ldc, ldd, a_type, b_type, out_type, with_c, bias, fast_accum,
+                    scales, workspace_bytes);
   }
   bool operator<(const PlanKey& o) const { return tie() < o.tie(); }
 };
@@ -80,10 +79,8 @@ dg_status make_plan(cublasLtHandle_t handle, const PlanKey& key, Plan* plan) {
   const int64_t m = key.m, n = key.n, k = key.k;
   DG_LT_RETURN(cublasLtMatmulDescCreate(&plan->op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   const cublasOperation_t trans_a = key.b_k_major ? CUBLAS_OP_T : CUBLAS_OP_N, trans_b = CUBLAS_OP_N;
-  DG_LT_RETURN(
-      cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_TRANSA, &trans_a, sizeof(trans_a)));
-  DG_LT_RETURN(
-      cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_TRANSB, &trans_b, sizeof(trans_b)));
+  DG_LT_RETURN(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_TRANSA, &trans_a, sizeof(trans_a)));
+  DG_LT_RETURN(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_TRANSB, &trans_b, sizeof(trans_b)));
   if (key.fast_accum) {
     const int8_t fast = 1;
     DG_LT_RETURN(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast, sizeof(fast)));
@@ -95,10 +92,8 @@ dg_status make_plan(cublasLtHandle_t handle, const PlanKey& key, Plan* plan) {
   }
   if (key.bias) {
     const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
-    DG_LT_RETURN(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue,
-                                                sizeof(epilogue)));
-    DG_LT_RETURN(
-        cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &out, sizeof(out)));
+    DG_LT_RETURN(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue)));
+    DG_LT_RETURN(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &out, sizeof(out)));
   }
   plan->bias = key.bias;
   plan->fp8 = a_type == CUDA_R_8F_E4M3 || a_type == CUDA_R_8F_E5M2;
@@ -118,17 +113,14 @@ dg_status make_plan(cublasLtHandle_t handle, const PlanKey& key, Plan* plan) {
                                                            &key.workspace_bytes, sizeof(key.workspace_bytes));
   for (auto attr : {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
                     CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES})
-    if (st == CUBLAS_STATUS_SUCCESS)
-      st = cublasLtMatmulPreferenceSetAttribute(pref, attr, &align, sizeof(align));
+    if (st == CUBLAS_STATUS_SUCCESS) st = cublasLtMatmulPreferenceSetAttribute(pref, attr, &align, sizeof(align));
   cublasLtMatmulHeuristicResult_t result{};
   int found = 0;
   if (st == CUBLAS_STATUS_SUCCESS)
-    st = cublasLtMatmulAlgoGetHeuristic(handle, plan->op, plan->a, plan->b, plan->c, plan->d, pref, 1,
-                                        &result, &found);
+    st = cublasLtMatmulAlgoGetHeuristic(handle, plan->op, plan->a, plan->b, plan->c, plan->d, pref, 1, &result, &found);
   cublasLtMatmulPreferenceDestroy(pref);
   DG_LT_RETURN(st);
-  if (found < 1)
-    return fail(DG_ERROR_NOT_SUPPORTED, cat("cuBLASLt has no algorithm for M=", m, " N=", n, " K=", k));
+  if (found < 1) return fail(DG_ERROR_NOT_SUPPORTED, cat("cuBLASLt has no algorithm for M=", m, " N=", n, " K=", k));
   plan->algo = result.algo;
   return DG_SUCCESS;
 }
@@ -138,9 +130,7 @@ dg_status make_plan(cublasLtHandle_t handle, const PlanKey& key, Plan* plan) {
 // A bias row goes through cuBLASLt's bias epilogue (which does not scale it). Over a one-row D
 // it is the C operand instead (same values, and beta applies), unless that is taken by a
 // chained partial sum.
-bool is_bias(const dg_gemm_desc& d, bool chained) {
-  return d.c.data && d.c.rows == 1 && (d.d.rows > 1 || chained);
-}
+bool is_bias(const dg_gemm_desc& d, bool chained) { return d.c.data && d.c.rows == 1 && (d.d.rows > 1 || chained); }
 
 namespace {
 
@@ -184,9 +174,9 @@ const char* cublaslt_unsupported(const dg_gemm_desc& d, bool chained) {
   if (d.b.col_stride != 1 && d.b.row_stride != 1) return "b neither K- nor N-major";
   const int64_t ldb = d.b.col_stride == 1 ? d.b.row_stride : d.b.col_stride;
   const int in = dtype_bytes(d.a.dtype), out = dtype_bytes(d.d.dtype);
-  if (!aligned16(d.a.data) || !aligned16(d.b.data) || !aligned16(d.d.data) ||
-      (d.c.data && !aligned16(d.c.data)) || !pitch16(d.a.row_stride, in) || !pitch16(ldb, in) ||
-      !pitch16(d.d.row_stride, out) || (d.c.data && !is_bias(d, chained) && !pitch16(d.c.row_stride, out)))
+  if (!aligned16(d.a.data) || !aligned16(d.b.data) || !aligned16(d.d.data) || (d.c.data && !aligned16(d.c.data)) ||
+      !pitch16(d.a.row_stride, in) || !pitch16(ldb, in) || !pitch16(d.d.row_stride, out) ||
+      (d.c.data && !is_bias(d, chained) && !pitch16(d.c.row_stride, out)))
     return "pointers or leading dimensions not 16-byte aligned";
   return nullptr;
 }
@@ -252,8 +242,7 @@ dg_status find_plan(const dg_gemm_desc& d, const void* chain_c, int64_t chain_ld
 
 }  // namespace
 
-dg_status plan_cublaslt_gemm(const dg_gemm_desc& d, const void* chain_c, int64_t chain_ldc,
-                             size_t workspace_bytes) {
+dg_status plan_cublaslt_gemm(const dg_gemm_desc& d, const void* chain_c, int64_t chain_ldc, size_t workspace_bytes) {
   cublasLtHandle_t handle = nullptr;
   Plan* plan = nullptr;
   Operands ops;
@@ -268,18 +257,17 @@ dg_status run_cublaslt_gemm(const dg_gemm_desc& d, const void* chain_c, int64_t 
   Operands ops;
   DG_RETURN_IF_ERROR(find_plan(d, chain_c, chain_ldc, workspace_bytes, &handle, &plan, &ops));
   if (plan->bias)
-    DG_LT_RETURN(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &d.c.data,
-                                                sizeof(d.c.data)));
+    DG_LT_RETURN(
+        cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &d.c.data, sizeof(d.c.data)));
   if (plan->fp8) {  // cuBLASLt's A is our b, its B our a; NULL: 1.0
-    DG_LT_RETURN(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &d.scale_b,
-                                                sizeof(d.scale_b)));
-    DG_LT_RETURN(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &d.scale_a,
-                                                sizeof(d.scale_a)));
+    DG_LT_RETURN(
+        cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &d.scale_b, sizeof(d.scale_b)));
+    DG_LT_RETURN(
+        cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &d.scale_a, sizeof(d.scale_a)));
   }
   const float alpha = d.alpha;
-  DG_LT_RETURN(cublasLtMatmul(handle, plan->op, &alpha, d.b.data, plan->a, d.a.data, plan->b, &ops.beta,
-                              ops.c, plan->c, const_cast<void*>(d.d.data), plan->d, &plan->algo, workspace,
-                              workspace_bytes, stream));
+  DG_LT_RETURN(cublasLtMatmul(handle, plan->op, &alpha, d.b.data, plan->a, d.a.data, plan->b, &ops.beta, ops.c, plan->c,
+                              const_cast<void*>(d.d.data), plan->d, &plan->algo, workspace, workspace_bytes, stream));
   return DG_SUCCESS;
 }
 

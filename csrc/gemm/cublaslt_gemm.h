@@ -19,13 +19,12 @@ const char* cublaslt_unsupported(const dg_gemm_desc& desc, bool chained);
 
 // Makes (or finds) the cached plan run_cublaslt_gemm would use for these arguments, so that a
 // caller can fail before it enqueues anything; the pointers count only through their alignment.
-dg_status plan_cublaslt_gemm(const dg_gemm_desc& desc, const void* chain_c, int64_t chain_ldc,
-                             size_t workspace_bytes);
+dg_status plan_cublaslt_gemm(const dg_gemm_desc& desc, const void* chain_c, int64_t chain_ldc, size_t workspace_bytes);
 
 // D = alpha * A @ B^T + beta * C (desc.c full or a bias row with beta 1) + chain_c (coefficient
 // 1, (M, N) with chain_ldc; then desc.c may only be a bias). The plan (layouts and algorithm)
 // is cached per shape and thread.
-dg_status run_cublaslt_gemm(const dg_gemm_desc& desc, const void* chain_c, int64_t chain_ldc,
-                            void* workspace, size_t workspace_bytes, cudaStream_t stream);
+dg_status run_cublaslt_gemm(const dg_gemm_desc& desc, const void* chain_c, int64_t chain_ldc, void* workspace,
+                            size_t workspace_bytes, cudaStream_t stream);
 
 }  // namespace distgemm::gemm

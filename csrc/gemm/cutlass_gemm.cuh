@@ -24,8 +24,8 @@ constexpr auto kRound = cutlass::FloatRoundStyle::round_to_nearest;
 template <class ElementD, class TileShape>
 using ScaledBiasEpilogue = fusion::Sm90EVT<
     fusion::Sm90Compute<cutlass::homogeneous_multiply_add, ElementD, float, kRound>,  // beta_c*C + Z
-    fusion::Sm90ScalarBroadcast<float>,                                              // beta_c
-    fusion::Sm90SrcFetch<ElementD>,                                                  // C
+    fusion::Sm90ScalarBroadcast<float>,                                               // beta_c
+    fusion::Sm90SrcFetch<ElementD>,                                                   // C
     fusion::Sm90EVT<
         fusion::Sm90Compute<cutlass::homogeneous_multiply_add, float, float, kRound>,  // alpha*X + Y
         fusion::Sm90ScalarBroadcast<float>,                                            // alpha
@@ -33,13 +33,12 @@ using ScaledBiasEpilogue = fusion::Sm90EVT<
             fusion::Sm90Compute<cutlass::multiplies, float, float, kRound>,  // X = sb * (sa * acc)
             fusion::Sm90RowBroadcast<0, TileShape, float, float, cute::Stride<cute::_0, bool, int64_t>>,
             fusion::Sm90EVT<fusion::Sm90Compute<cutlass::multiplies, float, float, kRound>,
-                            fusion::Sm90ColBroadcast<0, TileShape, float, float,
-                                                     cute::Stride<bool, cute::_0, int64_t>>,
+                            fusion::Sm90ColBroadcast<0, TileShape, float, float, cute::Stride<bool, cute::_0, int64_t>>,
                             fusion::Sm90AccFetch>>,
-        fusion::Sm90EVT<fusion::Sm90Compute<cutlass::multiplies, float, float, kRound>,  // Y
-                        fusion::Sm90ScalarBroadcast<float>,                              // beta_bias
-                        fusion::Sm90RowBroadcast<0, TileShape, ElementD, float,
-                                                 cute::Stride<cute::_0, cute::_1, int64_t>>>>>;
+        fusion::Sm90EVT<
+            fusion::Sm90Compute<cutlass::multiplies, float, float, kRound>,  // Y
+            fusion::Sm90ScalarBroadcast<float>,                              // beta_bias
+            fusion::Sm90RowBroadcast<0, TileShape, ElementD, float, cute::Stride<cute::_0, cute::_1, int64_t>>>>>;
 
 // Arguments of ScaledBiasEpilogue, in the tree's order.
 template <class EpilogueArgs, class ElementD>
@@ -65,7 +64,10 @@ typename G::Adapter::Arguments gemm_arguments(const GemmProblem& p) {
   typename Kernel::StrideB stride_b{};
   typename Kernel::StrideD stride_d{};
   get<0>(stride_a) = p.lda;
-  if constexpr (G::kBKMajor) get<0>(stride_b) = p.ldb; else get<1>(stride_b) = p.ldb;
+  if constexpr (G::kBKMajor)
+    get<0>(stride_b) = p.ldb;
+  else
+    get<1>(stride_b) = p.ldb;
   get<0>(stride_d) = p.ldd;
   typename Kernel::StrideC stride_c = stride_d;
   if (p.c) get<0>(stride_c) = p.ldc;
@@ -74,13 +76,12 @@ typename G::Adapter::Arguments gemm_arguments(const GemmProblem& p) {
   typename G::Adapter::Arguments args{
       cutlass::gemm::GemmUniversalMode::kGemm,
       {p.m, p.n, p.k, 1},
-      {static_cast<typename G::ElementA const*>(p.a), stride_a,
-       static_cast<typename G::ElementB const*>(p.b), stride_b},
-      {{}, static_cast<typename G::ElementD const*>(p.c), stride_c,
-       static_cast<typename G::ElementD*>(p.d), stride_d},
+      {static_cast<typename G::ElementA const*>(p.a), stride_a, static_cast<typename G::ElementB const*>(p.b),
+       stride_b},
+      {{}, static_cast<typename G::ElementD const*>(p.c), stride_c, static_cast<typename G::ElementD*>(p.d), stride_d},
       hw};
-  args.epilogue.thread = scaled_bias_epilogue_args<
-      typename G::CollectiveEpilogue::FusionCallbacks::Arguments, typename G::ElementD>(p);
+  args.epilogue.thread =
+      scaled_bias_epilogue_args<typename G::CollectiveEpilogue::FusionCallbacks::Arguments, typename G::ElementD>(p);
   args.scheduler.max_swizzle_size = p.swizzle;
   if constexpr (G::kArch == 90) {
     args.scheduler.sync = p.sync;
@@ -97,13 +98,12 @@ dg_status run_gemm(const GemmProblem& p, cudaStream_t stream) {
   typename G::Adapter gemm;
   auto args = gemm_arguments<G>(p);
   if (gemm.can_implement(args) != cutlass::Status::kSuccess)
-    return fail(DG_ERROR_INTERNAL, cat("CUTLASS sm", G::kArch, " GEMM cannot implement M=", p.m,
-                                       " N=", p.n, " K=", p.k));
+    return fail(DG_ERROR_INTERNAL,
+                cat("CUTLASS sm", G::kArch, " GEMM cannot implement M=", p.m, " N=", p.n, " K=", p.k));
   if (gemm.initialize(args, p.workspace, stream) != cutlass::Status::kSuccess)
     return fail(DG_ERROR_INTERNAL, cat("CUTLASS sm", G::kArch, " GEMM initialization failed"));
   if (gemm.run(stream) != cutlass::Status::kSuccess)
-    return fail(DG_ERROR_CUDA, cat("sm", G::kArch, " GEMM launch failed: ",
-                                   cudaGetErrorString(cudaGetLastError())));
+    return fail(DG_ERROR_CUDA, cat("sm", G::kArch, " GEMM launch failed: ", cudaGetErrorString(cudaGetLastError())));
   return DG_SUCCESS;
 }
 

@@ -27,19 +27,38 @@ struct GemmInstance {
   GemmWorkspaceFn workspace;
 };
 
-
 #if defined(DISTGEMM_WITH_SM90)
-#define DG_SM90_GEMM(A, B, D, BK, S, TM, TN, CM, CN)                                         \
-  {90, A, B, D, BK != 0, Schedule(S), TM, TN, CM, CN, #S "_" #TM "x" #TN "_c" #CM "x" #CN,    \
-   &Sm90GemmKernel<A, B, D, BK != 0, S, TM, TN, CM, CN>::run,                                \
+#define DG_SM90_GEMM(A, B, D, BK, S, TM, TN, CM, CN)          \
+  {90,                                                        \
+   A,                                                         \
+   B,                                                         \
+   D,                                                         \
+   BK != 0,                                                   \
+   Schedule(S),                                               \
+   TM,                                                        \
+   TN,                                                        \
+   CM,                                                        \
+   CN,                                                        \
+   #S "_" #TM "x" #TN "_c" #CM "x" #CN,                       \
+   &Sm90GemmKernel<A, B, D, BK != 0, S, TM, TN, CM, CN>::run, \
    &Sm90GemmKernel<A, B, D, BK != 0, S, TM, TN, CM, CN>::workspace},
 #else
 #define DG_SM90_GEMM(...)
 #endif
 #if defined(DISTGEMM_WITH_SM100)
-#define DG_SM100_GEMM(A, B, D, BK, S, TM, TN, CM, CN)                                        \
-  {100, A, B, D, BK != 0, Schedule(S), TM, TN, CM, CN, #S "_" #TM "x" #TN "_c" #CM "x" #CN,   \
-   &Sm100GemmKernel<A, B, D, BK != 0, S, TM, TN, CM, CN>::run,                               \
+#define DG_SM100_GEMM(A, B, D, BK, S, TM, TN, CM, CN)          \
+  {100,                                                        \
+   A,                                                          \
+   B,                                                          \
+   D,                                                          \
+   BK != 0,                                                    \
+   Schedule(S),                                                \
+   TM,                                                         \
+   TN,                                                         \
+   CM,                                                         \
+   CN,                                                         \
+   #S "_" #TM "x" #TN "_c" #CM "x" #CN,                        \
+   &Sm100GemmKernel<A, B, D, BK != 0, S, TM, TN, CM, CN>::run, \
    &Sm100GemmKernel<A, B, D, BK != 0, S, TM, TN, CM, CN>::workspace},
 #else
 #define DG_SM100_GEMM(...)
@@ -110,40 +129,33 @@ bool known_dtype(int t) { return t >= DG_F32 && t <= DG_I32; }
 // pitch fits in int64 is taken (PyTorch gives 1-row views arbitrary strides, e.g. (1, 1) for the
 // transpose of a (K, 1) column, or 0 for an expanded row); the kernels get the packed pitch
 // `cols` instead.
-dg_status check_row_major(const dg_matrix& m, const char* name, int64_t rows, int64_t cols,
-                          int64_t* ld) {
-  DG_REQUIRE(m.rows == rows && m.cols == cols, name, " must have shape (", rows, ", ", cols,
-             "), got (", m.rows, ", ", m.cols, ")");
+dg_status check_row_major(const dg_matrix& m, const char* name, int64_t rows, int64_t cols, int64_t* ld) {
+  DG_REQUIRE(m.rows == rows && m.cols == cols, name, " must have shape (", rows, ", ", cols, "), got (", m.rows, ", ",
+             m.cols, ")");
   DG_REQUIRE(m.data != nullptr, name, " data pointer must not be NULL");
   DG_REQUIRE(aligned16(m.data), name, " data pointer must be 16-byte aligned");
-  DG_REQUIRE(m.col_stride == 1 || cols == 1, name,
-             " must be row-major (unit column stride), got strides (", m.row_stride, ", ",
-             m.col_stride, ")");
+  DG_REQUIRE(m.col_stride == 1 || cols == 1, name, " must be row-major (unit column stride), got strides (",
+             m.row_stride, ", ", m.col_stride, ")");
   const int bytes = dtype_bytes(m.dtype);
   DG_REQUIRE(bytes > 0, name, " has an unknown dtype");
   const int64_t row_bytes = cols * bytes;  // cols < 2^31, bytes <= 4
   DG_REQUIRE(row_bytes % 16 == 0, name, " has ", cols, " columns of ", dtype_name(m.dtype),
-             ": the contiguous dimension must be a multiple of ", 16 / bytes,
-             " elements (16 bytes)");
+             ": the contiguous dimension must be a multiple of ", 16 / bytes, " elements (16 bytes)");
   int64_t pitch = 0;
-  DG_REQUIRE(m.row_stride >= 0 && checked_mul(m.row_stride, bytes, &pitch), name,
-             " row stride ", m.row_stride,
+  DG_REQUIRE(m.row_stride >= 0 && checked_mul(m.row_stride, bytes, &pitch), name, " row stride ", m.row_stride,
              " must be non-negative, with a byte pitch that fits in int64");
   int64_t extent = row_bytes;
   if (rows == 1) {
     *ld = cols;
   } else {
-    DG_REQUIRE(m.row_stride >= cols, name, " row stride ", m.row_stride,
-               " is smaller than its ", cols, " columns");
-    DG_REQUIRE(pitch % 16 == 0, name, " row stride of ", m.row_stride,
-               " elements is not a multiple of 16 bytes");
-    DG_REQUIRE(checked_mul(rows - 1, pitch, &extent) && checked_add(extent, row_bytes, &extent),
-               name, " spans more than 2^63 bytes: ", rows, " rows ", pitch, " bytes apart");
+    DG_REQUIRE(m.row_stride >= cols, name, " row stride ", m.row_stride, " is smaller than its ", cols, " columns");
+    DG_REQUIRE(pitch % 16 == 0, name, " row stride of ", m.row_stride, " elements is not a multiple of 16 bytes");
+    DG_REQUIRE(checked_mul(rows - 1, pitch, &extent) && checked_add(extent, row_bytes, &extent), name,
+               " spans more than 2^63 bytes: ", rows, " rows ", pitch, " bytes apart");
     *ld = m.row_stride;
   }
-  DG_REQUIRE(static_cast<uint64_t>(extent) <= UINTPTR_MAX - reinterpret_cast<uintptr_t>(m.data),
-             name, " runs past the end of the address space (", extent, " bytes from ", m.data,
-             ")");
+  DG_REQUIRE(static_cast<uint64_t>(extent) <= UINTPTR_MAX - reinterpret_cast<uintptr_t>(m.data), name,
+             " runs past the end of the address space (", extent, " bytes from ", m.data, ")");
   return DG_SUCCESS;
 }
 
@@ -158,26 +170,22 @@ dg_status check_dtypes(const dg_gemm_desc& d) {
   }
   const dg_dtype a = d.a.dtype, b = d.b.dtype, out = d.d.dtype;
   if (is_16bit_float(a)) {
-    DG_REQUIRE(b == a, "a and b must have the same dtype, got ", dtype_name(a), " and ",
-               dtype_name(b));
-    DG_REQUIRE(out == a || out == DG_F32, "out dtype must be ", dtype_name(a),
-               " or float32 for ", dtype_name(a), " inputs, got ", dtype_name(out));
+    DG_REQUIRE(b == a, "a and b must have the same dtype, got ", dtype_name(a), " and ", dtype_name(b));
+    DG_REQUIRE(out == a || out == DG_F32, "out dtype must be ", dtype_name(a), " or float32 for ", dtype_name(a),
+               " inputs, got ", dtype_name(out));
     DG_REQUIRE(!d.scale_a && !d.scale_b, "scale_a / scale_b apply to float8 inputs only");
     return DG_SUCCESS;
   }
   if (is_fp8(a)) {
-    DG_REQUIRE(is_fp8(b), "a is ", dtype_name(a), " so b must be float8 too, got ",
-               dtype_name(b));
+    DG_REQUIRE(is_fp8(b), "a is ", dtype_name(a), " so b must be float8 too, got ", dtype_name(b));
     DG_REQUIRE(!(a == DG_E5M2 && b == DG_E5M2),
                "float8_e5m2 x float8_e5m2 is not supported (one operand must be float8_e4m3fn)");
     DG_REQUIRE(out == DG_BF16 || out == DG_F16 || out == DG_F32,
-               "out dtype for float8 inputs must be bfloat16, float16 or float32, got ",
-               dtype_name(out));
+               "out dtype for float8 inputs must be bfloat16, float16 or float32, got ", dtype_name(out));
     return DG_SUCCESS;
   }
   return fail(DG_ERROR_INVALID_ARGUMENT,
-              cat("a must be bfloat16, float16, float8_e4m3fn or float8_e5m2, got ",
-                  dtype_name(a)));
+              cat("a must be bfloat16, float16, float8_e4m3fn or float8_e5m2, got ", dtype_name(a)));
 }
 
 // Validates `d` and lowers it to a GemmProblem (pointers and leading dimensions).
@@ -186,19 +194,20 @@ dg_status lower(const dg_gemm_desc* desc, GemmProblem* p) {
   const dg_gemm_desc& d = *desc;
   DG_RETURN_IF_ERROR(check_dtypes(d));
   const int64_t m = d.a.rows, k = d.a.cols, n = d.b.rows;
-  DG_REQUIRE(m >= 1 && n >= 1 && k >= 1, "M, N and K must be positive, got M=", m, " N=", n,
-             " K=", k);
+  DG_REQUIRE(m >= 1 && n >= 1 && k >= 1, "M, N and K must be positive, got M=", m, " N=", n, " K=", k);
   DG_REQUIRE(m < (int64_t(1) << 31) && n < (int64_t(1) << 31) && k < (int64_t(1) << 31),
              "M, N and K must be below 2^31");
   DG_RETURN_IF_ERROR(check_row_major(d.a, "a", m, k, &p->lda));
-  DG_REQUIRE(d.b.cols == k, "b must have shape (N, K) with K=", k, " (a's columns), got (",
-             d.b.rows, ", ", d.b.cols, ")");
+  DG_REQUIRE(d.b.cols == k, "b must have shape (N, K) with K=", k, " (a's columns), got (", d.b.rows, ", ", d.b.cols,
+             ")");
   if (b_is_k_major(d.b)) {
     DG_RETURN_IF_ERROR(check_row_major(d.b, "b", n, k, &p->ldb));
     p->b_k_major = true;
   } else {
-    DG_REQUIRE(d.b.row_stride == 1, "b must be K-major (unit column stride) or N-major (unit row "
-               "stride), got strides (", d.b.row_stride, ", ", d.b.col_stride, ")");
+    DG_REQUIRE(d.b.row_stride == 1,
+               "b must be K-major (unit column stride) or N-major (unit row "
+               "stride), got strides (",
+               d.b.row_stride, ", ", d.b.col_stride, ")");
     DG_REQUIRE(is_16bit_float(d.b.dtype), "float8 b must be K-major (row-major (N, K))");
     dg_matrix bt{d.b.data, d.b.dtype, k, n, d.b.col_stride, 1};
     DG_RETURN_IF_ERROR(check_row_major(bt, "b (N-major, as its (K, N) transpose)", k, n, &p->ldb));
@@ -206,8 +215,8 @@ dg_status lower(const dg_gemm_desc* desc, GemmProblem* p) {
   }
   DG_RETURN_IF_ERROR(check_row_major(d.d, "out", m, n, &p->ldd));
   if (d.c.data) {
-    DG_REQUIRE(d.c.dtype == d.d.dtype, "c must have the output dtype ", dtype_name(d.d.dtype),
-               ", got ", dtype_name(d.c.dtype));
+    DG_REQUIRE(d.c.dtype == d.d.dtype, "c must have the output dtype ", dtype_name(d.d.dtype), ", got ",
+               dtype_name(d.c.dtype));
     if (d.c.rows == 1) {  // a bias row (for M == 1 also the full C: the same values)
       int64_t unused_ld = 0;
       DG_RETURN_IF_ERROR(check_row_major(d.c, "c (bias)", 1, n, &unused_ld));
@@ -220,13 +229,13 @@ dg_status lower(const dg_gemm_desc* desc, GemmProblem* p) {
     }
   }
   if (d.scale_a) {
-    DG_REQUIRE(d.scale_a_len == 1 || d.scale_a_len == m, "scale_a must hold 1 or M=", m,
-               " values, got ", d.scale_a_len);
+    DG_REQUIRE(d.scale_a_len == 1 || d.scale_a_len == m, "scale_a must hold 1 or M=", m, " values, got ",
+               d.scale_a_len);
     DG_REQUIRE(aligned16(d.scale_a), "scale_a must be 16-byte aligned");
   }
   if (d.scale_b) {
-    DG_REQUIRE(d.scale_b_len == 1 || d.scale_b_len == n, "scale_b must hold 1 or N=", n,
-               " values, got ", d.scale_b_len);
+    DG_REQUIRE(d.scale_b_len == 1 || d.scale_b_len == n, "scale_b must hold 1 or N=", n, " values, got ",
+               d.scale_b_len);
     DG_REQUIRE(aligned16(d.scale_b), "scale_b must be 16-byte aligned");
   }
   p->m = static_cast<int>(m);
@@ -248,18 +257,18 @@ dg_status lower_and_list(const dg_gemm_desc* desc, int device_arch, GemmProblem*
                          std::vector<const GemmInstance*>* list) {
   DG_RETURN_IF_ERROR(lower(desc, p));
   if (device_arch <= 0)
-    return fail(DG_ERROR_NOT_SUPPORTED,
-                cat("no usable CUDA device (device arch ", device_arch, "): distgemm kernels run on "
-                    "sm_90 and sm_100"));
+    return fail(DG_ERROR_NOT_SUPPORTED, cat("no usable CUDA device (device arch ", device_arch,
+                                            "): distgemm kernels run on "
+                                            "sm_90 and sm_100"));
   if (!kernel_arch(device_arch))
     return fail(DG_ERROR_NOT_SUPPORTED,
                 cat("distgemm kernels run on sm_90 and sm_100; this device is sm_", device_arch));
   *list = candidates(*desc, device_arch);
   if (list->empty())
     return fail(DG_ERROR_NOT_SUPPORTED,
-                cat("no sm_", kernel_arch(device_arch), " kernel in this build for a=",
-                    dtype_name(desc->a.dtype), " b=", dtype_name(desc->b.dtype),
-                    " out=", dtype_name(desc->d.dtype), p->b_k_major ? " (b K-major" : " (b N-major",
+                cat("no sm_", kernel_arch(device_arch), " kernel in this build for a=", dtype_name(desc->a.dtype),
+                    " b=", dtype_name(desc->b.dtype), " out=", dtype_name(desc->d.dtype),
+                    p->b_k_major ? " (b K-major" : " (b N-major",
                     desc->fast_accum && is_fp8(desc->a.dtype) ? ", fast accumulation)" : ")",
                     "; DISTGEMM_CUDA_ARCHS may exclude this arch"));
   return DG_SUCCESS;
@@ -268,21 +277,20 @@ dg_status lower_and_list(const dg_gemm_desc* desc, int device_arch, GemmProblem*
 // Lowers, checks that a kernel exists and picks it (desc->config, else the heuristic).
 // cooperative_only: the C-operand wait of the tensor-parallel ring lives in the scheduler's
 // compute_epilogue hook, which CUTLASS's cooperative kernel calls and its ping-pong does not.
-dg_status plan(const dg_gemm_desc* desc, int device_arch, int sm_count, GemmProblem* p,
-               const GemmInstance** chosen, bool cooperative_only = false) {
+dg_status plan(const dg_gemm_desc* desc, int device_arch, int sm_count, GemmProblem* p, const GemmInstance** chosen,
+               bool cooperative_only = false) {
   std::vector<const GemmInstance*> list;
   DG_RETURN_IF_ERROR(lower_and_list(desc, device_arch, p, &list));
   if (cooperative_only) {
     std::vector<const GemmInstance*> coop;
     for (const GemmInstance* inst : list)
       if (inst->schedule == kCooperative || inst->schedule == kCooperativeFastAccum) coop.push_back(inst);
-    if (coop.empty())
-      return fail(DG_ERROR_NOT_SUPPORTED, "no cooperative kernel for this GEMM + reduce-scatter step");
+    if (coop.empty()) return fail(DG_ERROR_NOT_SUPPORTED, "no cooperative kernel for this GEMM + reduce-scatter step");
     list.swap(coop);
   }
   if (desc->config >= 0) {
-    DG_REQUIRE(desc->config < static_cast<int>(list.size()), "config ", desc->config,
-               " out of range: ", list.size(), " configs for these dtypes");
+    DG_REQUIRE(desc->config < static_cast<int>(list.size()), "config ", desc->config, " out of range: ", list.size(),
+               " configs for these dtypes");
     *chosen = list[desc->config];
   } else {
     const double k_16bit = is_fp8(desc->a.dtype) ? p->k / 2.0 : p->k;
@@ -297,8 +305,8 @@ dg_status plan(const dg_gemm_desc* desc, int device_arch, int sm_count, GemmProb
 
 // Plans and launches `desc` on the current device: the one run path of dg_gemm and the
 // tensor-parallel steps.
-dg_status plan_and_run(const dg_gemm_desc& desc, const GemmExtras& extras, void* workspace,
-                       size_t workspace_bytes, cudaStream_t stream) {
+dg_status plan_and_run(const dg_gemm_desc& desc, const GemmExtras& extras, void* workspace, size_t workspace_bytes,
+                       cudaStream_t stream) {
   const int device = current_device();
   const DeviceInfo& dev = device_info(device);
   const int sm_count = extras.sm_count > 0 ? std::min(extras.sm_count, dev.sm_count) : dev.sm_count;
@@ -313,8 +321,8 @@ dg_status plan_and_run(const dg_gemm_desc& desc, const GemmExtras& extras, void*
   }
   p.sync = extras.sync;
   const size_t needed = inst->workspace(p);
-  DG_REQUIRE(workspace_bytes >= needed && (needed == 0 || workspace != nullptr),
-             "workspace of ", workspace_bytes, " bytes is smaller than the ", needed, " needed");
+  DG_REQUIRE(workspace_bytes >= needed && (needed == 0 || workspace != nullptr), "workspace of ", workspace_bytes,
+             " bytes is smaller than the ", needed, " needed");
   p.device = device;
   p.workspace = workspace;
   p.workspace_bytes = workspace_bytes;
@@ -332,7 +340,8 @@ dg_status check_gemm_desc(const dg_gemm_desc& desc, bool waits_for_c) {
   GemmProblem p;
   const GemmInstance* inst = nullptr;
   DG_RETURN_IF_ERROR(plan(&desc, dev.arch, dev.sm_count, &p, &inst, waits_for_c));
-  DG_REQUIRE(inst->workspace(p) == 0, "kernel ", inst->name, " needs a workspace, which a tensor-parallel "
+  DG_REQUIRE(inst->workspace(p) == 0, "kernel ", inst->name,
+             " needs a workspace, which a tensor-parallel "
              "step does not have");
   return DG_SUCCESS;
 }
@@ -358,8 +367,7 @@ extern "C" dg_status dg_gemm_workspace_size(const dg_gemm_desc* desc, size_t* by
   return DG_SUCCESS;
 }
 
-extern "C" dg_status dg_gemm(const dg_gemm_desc* desc, void* workspace, size_t workspace_bytes,
-                             cudaStream_t stream) {
+extern "C" dg_status dg_gemm(const dg_gemm_desc* desc, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
   DG_REQUIRE(desc != nullptr, "desc must not be NULL");
   return plan_and_run(*desc, GemmExtras{}, workspace, workspace_bytes, stream);
 }

@@ -11,7 +11,7 @@ struct GemmExtras {
   SyncParams sync{};
   const void* chain_c = nullptr;  // (M, N) partial sums added with coefficient 1 (desc.c: bias only)
   int64_t chain_ldc = 0;
-  int sm_count = 0;               // persistent grid size; 0: every SM
+  int sm_count = 0;  // persistent grid size; 0: every SM
 };
 
 // Checks and runs `desc` without a workspace (true of every sm90 dense instance: an instance

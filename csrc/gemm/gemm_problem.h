@@ -44,15 +44,13 @@ using GemmWorkspaceFn = size_t (*)(const GemmProblem&);
 
 // Entry points of one compiled kernel; defined in sm90_gemm.cuh / sm100_gemm.cuh and
 // explicitly instantiated by the files CMake generates from gemm_instances.def.
-template <dg_dtype A, dg_dtype B, dg_dtype D, bool BKMajor, int Sched, int TileM, int TileN,
-          int ClusterM, int ClusterN>
+template <dg_dtype A, dg_dtype B, dg_dtype D, bool BKMajor, int Sched, int TileM, int TileN, int ClusterM, int ClusterN>
 struct Sm90GemmKernel {
   static dg_status run(const GemmProblem& problem, cudaStream_t stream);
   static size_t workspace(const GemmProblem& problem);
 };
 
-template <dg_dtype A, dg_dtype B, dg_dtype D, bool BKMajor, int Sched, int TileM, int TileN,
-          int ClusterM, int ClusterN>
+template <dg_dtype A, dg_dtype B, dg_dtype D, bool BKMajor, int Sched, int TileM, int TileN, int ClusterM, int ClusterN>
 struct Sm100GemmKernel {
   static dg_status run(const GemmProblem& problem, cudaStream_t stream);
   static size_t workspace(const GemmProblem& problem);

@@ -13,18 +13,20 @@ namespace distgemm::gemm::sm100 {
 
 using namespace cute;
 
-template <int Sched> struct ScheduleTraits;
-template <> struct ScheduleTraits<kOneSm> {
+template <int Sched>
+struct ScheduleTraits;
+template <>
+struct ScheduleTraits<kOneSm> {
   using Mainloop = cutlass::gemm::KernelTmaWarpSpecialized1SmSm100;
   using Epilogue = cutlass::epilogue::TmaWarpSpecialized1Sm;
 };
-template <> struct ScheduleTraits<kTwoSm> {
+template <>
+struct ScheduleTraits<kTwoSm> {
   using Mainloop = cutlass::gemm::KernelTmaWarpSpecialized2SmSm100;
   using Epilogue = cutlass::epilogue::TmaWarpSpecialized2Sm;
 };
 
-template <dg_dtype A, dg_dtype B, dg_dtype D, bool BKMajor, int Sched, int TileM, int TileN,
-          int ClusterM, int ClusterN>
+template <dg_dtype A, dg_dtype B, dg_dtype D, bool BKMajor, int Sched, int TileM, int TileN, int ClusterM, int ClusterN>
 struct Sm100Gemm {
   static constexpr int kArch = 100;
   static constexpr bool kBKMajor = BKMajor;
@@ -46,19 +48,18 @@ struct Sm100Gemm {
 
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm100, cutlass::arch::OpClassTensorOp, MmaTileShape, ClusterShape,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementD, LayoutD, kAlignD,
-      ElementD, LayoutD, kAlignD, typename Traits::Epilogue,
-      ScaledBiasEpilogue<ElementD, EpilogueTile>>::CollectiveOp;
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementD, LayoutD, kAlignD, ElementD, LayoutD,
+      kAlignD, typename Traits::Epilogue, ScaledBiasEpilogue<ElementD, EpilogueTile>>::CollectiveOp;
 
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm100, cutlass::arch::OpClassTensorOp, ElementA, LayoutA, kAlignA, ElementB,
-      LayoutB, kAlignB, float, MmaTileShape, ClusterShape,
+      cutlass::arch::Sm100, cutlass::arch::OpClassTensorOp, ElementA, LayoutA, kAlignA, ElementB, LayoutB, kAlignB,
+      float, MmaTileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename CollectiveEpilogue::SharedStorage))>,
       typename Traits::Mainloop>::CollectiveOp;
 
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, CollectiveMainloop,
-                                                      CollectiveEpilogue>;
+  using Kernel =
+      cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, CollectiveMainloop, CollectiveEpilogue>;
   using Adapter = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 };
 
@@ -67,8 +68,7 @@ struct Sm100Gemm {
 namespace distgemm::gemm {
 
 template <dg_dtype A, dg_dtype B, dg_dtype D, bool BK, int S, int TM, int TN, int CM, int CN>
-dg_status Sm100GemmKernel<A, B, D, BK, S, TM, TN, CM, CN>::run(const GemmProblem& p,
-                                                               cudaStream_t stream) {
+dg_status Sm100GemmKernel<A, B, D, BK, S, TM, TN, CM, CN>::run(const GemmProblem& p, cudaStream_t stream) {
   return run_gemm<sm100::Sm100Gemm<A, B, D, BK, S, TM, TN, CM, CN>>(p, stream);
 }
 

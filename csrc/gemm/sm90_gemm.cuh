@@ -14,26 +14,30 @@ namespace distgemm::gemm::sm90 {
 
 using namespace cute;
 
-template <int Sched> struct ScheduleTraits;
-template <> struct ScheduleTraits<kCooperative> {
+template <int Sched>
+struct ScheduleTraits;
+template <>
+struct ScheduleTraits<kCooperative> {
   using Mainloop = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
   using Epilogue = cutlass::epilogue::TmaWarpSpecializedCooperative;
 };
-template <> struct ScheduleTraits<kPingpong> {
+template <>
+struct ScheduleTraits<kPingpong> {
   using Mainloop = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
   using Epilogue = cutlass::epilogue::TmaWarpSpecialized;
 };
-template <> struct ScheduleTraits<kCooperativeFastAccum> {
+template <>
+struct ScheduleTraits<kCooperativeFastAccum> {
   using Mainloop = cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8FastAccum;
   using Epilogue = cutlass::epilogue::TmaWarpSpecializedCooperative;
 };
-template <> struct ScheduleTraits<kPingpongFastAccum> {
+template <>
+struct ScheduleTraits<kPingpongFastAccum> {
   using Mainloop = cutlass::gemm::KernelTmaWarpSpecializedPingpongFP8FastAccum;
   using Epilogue = cutlass::epilogue::TmaWarpSpecialized;
 };
 
-template <dg_dtype A, dg_dtype B, dg_dtype D, bool BKMajor, int Sched, int TileM, int TileN,
-          int ClusterM, int ClusterN>
+template <dg_dtype A, dg_dtype B, dg_dtype D, bool BKMajor, int Sched, int TileM, int TileN, int ClusterM, int ClusterN>
 struct Sm90Gemm {
   static constexpr int kArch = 90;
   static constexpr bool kBKMajor = BKMajor;
@@ -55,19 +59,18 @@ struct Sm90Gemm {
 
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementD, LayoutD, kAlignD,
-      ElementD, LayoutD, kAlignD, typename Traits::Epilogue,
-      ScaledBiasEpilogue<ElementD, TileShape>>::CollectiveOp;
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementD, LayoutD, kAlignD, ElementD, LayoutD,
+      kAlignD, typename Traits::Epilogue, ScaledBiasEpilogue<ElementD, TileShape>>::CollectiveOp;
 
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA, LayoutA, kAlignA, ElementB,
-      LayoutB, kAlignB, float, TileShape, ClusterShape,
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA, LayoutA, kAlignA, ElementB, LayoutB, kAlignB,
+      float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename CollectiveEpilogue::SharedStorage))>,
       typename Traits::Mainloop>::CollectiveOp;
 
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, CollectiveMainloop,
-                                                      CollectiveEpilogue, SyncTileSchedulerTag>;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, CollectiveMainloop, CollectiveEpilogue,
+                                                      SyncTileSchedulerTag>;
   using Adapter = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 };
 
@@ -76,8 +79,7 @@ struct Sm90Gemm {
 namespace distgemm::gemm {
 
 template <dg_dtype A, dg_dtype B, dg_dtype D, bool BK, int S, int TM, int TN, int CM, int CN>
-dg_status Sm90GemmKernel<A, B, D, BK, S, TM, TN, CM, CN>::run(const GemmProblem& p,
-                                                              cudaStream_t stream) {
+dg_status Sm90GemmKernel<A, B, D, BK, S, TM, TN, CM, CN>::run(const GemmProblem& p, cudaStream_t stream) {
   return run_gemm<sm90::Sm90Gemm<A, B, D, BK, S, TM, TN, CM, CN>>(p, stream);
 }
 

@@ -38,15 +38,14 @@ class Sm90SyncTileScheduler : public cutlass::gemm::kernel::detail::PersistentTi
 
   template <class ProblemShapeMNKL, class TileShape, class ClusterShape>
   static Params to_underlying_arguments(ProblemShapeMNKL problem_shape_mnkl, TileShape tile_shape,
-                                        ClusterShape cluster_shape,
-                                        cutlass::KernelHardwareInfo const& hw_info,
+                                        ClusterShape cluster_shape, cutlass::KernelHardwareInfo const& hw_info,
                                         Arguments const& args, void* workspace = nullptr,
                                         const uint32_t epilogue_subtile = 1,
                                         uint32_t ktile_start_alignment_count = 1u) {
     Params params;
-    static_cast<Base::Params&>(params) = Base::to_underlying_arguments(
-        problem_shape_mnkl, tile_shape, cluster_shape, hw_info, args, workspace, epilogue_subtile,
-        ktile_start_alignment_count);
+    static_cast<Base::Params&>(params) =
+        Base::to_underlying_arguments(problem_shape_mnkl, tile_shape, cluster_shape, hw_info, args, workspace,
+                                      epilogue_subtile, ktile_start_alignment_count);
     params.sync = args.sync;
     constexpr int kTileM = cute::size<0>(TileShape{});
     constexpr int kClusterM = cute::size<0>(ClusterShape{});
@@ -62,8 +61,7 @@ class Sm90SyncTileScheduler : public cutlass::gemm::kernel::detail::PersistentTi
   }
 
   // `params` lives in the kernel's __grid_constant__ parameters, so keeping its address is free.
-  CUTLASS_DEVICE explicit Sm90SyncTileScheduler(Params const& params)
-      : Base(params), params_(&params) {}
+  CUTLASS_DEVICE explicit Sm90SyncTileScheduler(Params const& params) : Base(params), params_(&params) {}
 
   CUTLASS_DEVICE WorkTileInfo get_current_work() {
     WorkTileInfo work = Base::get_current_work();
@@ -88,8 +86,7 @@ class Sm90SyncTileScheduler : public cutlass::gemm::kernel::detail::PersistentTi
   }
 
   template <class TileSchedulerPipeline, class TileSchedulerPipelineState>
-  CUTLASS_DEVICE auto fetch_next_work(WorkTileInfo work_tile_info, TileSchedulerPipeline&,
-                                      TileSchedulerPipelineState) {
+  CUTLASS_DEVICE auto fetch_next_work(WorkTileInfo work_tile_info, TileSchedulerPipeline&, TileSchedulerPipelineState) {
     return fetch_next_work(work_tile_info);
   }
 
@@ -135,8 +132,8 @@ class Sm90SyncTileScheduler : public cutlass::gemm::kernel::detail::PersistentTi
 namespace cutlass::gemm::kernel::detail {
 
 template <class TileShape, class ClusterShape, uint32_t SchedulerPipelineStageCount>
-struct TileSchedulerSelector<distgemm::gemm::SyncTileSchedulerTag, arch::Sm90, TileShape,
-                             ClusterShape, SchedulerPipelineStageCount> {
+struct TileSchedulerSelector<distgemm::gemm::SyncTileSchedulerTag, arch::Sm90, TileShape, ClusterShape,
+                             SchedulerPipelineStageCount> {
   using Scheduler = distgemm::gemm::Sm90SyncTileScheduler;
 };
 

@@ -13,7 +13,7 @@ namespace distgemm::grouped {
 
 // After the wgrad on `stream`: when offs[groups - 1] > tokens (= Tp - 128 G), fills out[0, count)
 // with NaN. Otherwise every CTA reads one int and exits (~2 us).
-cudaError_t launch_fp8_wgrad_layout_check(const int32_t* offs, int groups, int64_t tokens, float* out,
-                                          int64_t count, int sm_count, cudaStream_t stream);
+cudaError_t launch_fp8_wgrad_layout_check(const int32_t* offs, int groups, int64_t tokens, float* out, int64_t count,
+                                          int sm_count, cudaStream_t stream);
 
 }  // namespace distgemm::grouped

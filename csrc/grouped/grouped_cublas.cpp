@@ -35,14 +35,14 @@ cublasHandle_t* cublas_handles(int device, StreamPool& pool) {
       // A split-K reduction in bf16/fp16 rounds the partial sums (the GPU fuzz saw 1-ulp
       // errors in bf16 wgrad accumulation): reduce in FP32 as the CUTLASS kernels do.
       if (st == CUBLAS_STATUS_SUCCESS)
-        st = cublasSetMathMode((*out)[i], static_cast<cublasMath_t>(
-                                              CUBLAS_DEFAULT_MATH | CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION));
+        st = cublasSetMathMode((*out)[i], static_cast<cublasMath_t>(CUBLAS_DEFAULT_MATH |
+                                                                    CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION));
     }
     if (st == CUBLAS_STATUS_SUCCESS) return DG_SUCCESS;
     for (cublasHandle_t& handle : *out)
       if (handle) cublasDestroy(handle);
-    return fail(DG_ERROR_CUDA, cat("creating the cuBLAS handles of device ", d, " failed: ",
-                                   cublasGetStatusString(st)));
+    return fail(DG_ERROR_CUDA,
+                cat("creating the cuBLAS handles of device ", d, " failed: ", cublasGetStatusString(st)));
   });
   return h ? h->data() : nullptr;
 }
@@ -67,8 +67,8 @@ extern "C" dg_status dg_grouped_gemm_cublas(const dg_grouped_desc* desc, const i
                     dtype_name(desc->in_dtype), " (scale_mode ", raw_enum(desc->scale_mode),
                     "); run FP8 grouped GEMMs with dg_grouped_gemm"));
   DG_REQUIRE(p.n <= INT32_MAX && p.k <= INT32_MAX && p.tokens <= INT32_MAX,
-             "dg_grouped_gemm_cublas: N, K and T must fit cuBLAS's int sizes, got N ", p.n, ", K ", p.k,
-             ", T ", p.tokens);
+             "dg_grouped_gemm_cublas: N, K and T must fit cuBLAS's int sizes, got N ", p.n, ", K ", p.k, ", T ",
+             p.tokens);
   const int device = current_device();
   StreamPool* pool = stream_pool(device);
   if (!pool) return DG_ERROR_CUDA;
@@ -76,8 +76,7 @@ extern "C" dg_status dg_grouped_gemm_cublas(const dg_grouped_desc* desc, const i
   if (!handles) return DG_ERROR_CUDA;
 
   const size_t in_bytes = dtype_bytes(desc->in_dtype), out_bytes = dtype_bytes(desc->out_dtype);
-  const cudaDataType_t in_type = cublas_float_type(desc->in_dtype),
-                       out_type = cublas_float_type(desc->out_dtype);
+  const cudaDataType_t in_type = cublas_float_type(desc->in_dtype), out_type = cublas_float_type(desc->out_dtype);
   const float alpha = 1.f, beta = p.accumulate ? 1.f : 0.f;
   auto const* a = static_cast<const char*>(p.a);
   auto const* b = static_cast<const char*>(p.b);
@@ -102,23 +101,22 @@ extern "C" dg_status dg_grouped_gemm_cublas(const dg_grouped_desc* desc, const i
         if (!p.accumulate) {
           const cudaError_t err = cudaMemsetAsync(out_g, 0, size_t(n) * k * out_bytes, pool->streams[s]);
           if (err != cudaSuccess)
-            status = fail(DG_ERROR_CUDA, cat("cudaMemsetAsync of group ", g, "'s output failed: ",
-                                             cudaGetErrorString(err)));
+            status =
+                fail(DG_ERROR_CUDA, cat("cudaMemsetAsync of group ", g, "'s output failed: ", cudaGetErrorString(err)));
         }
       } else {
         // out_g^T (K x N, column-major) = x_g^T (K x rows) @ dy_g (rows x N)
-        st = cublasGemmEx(handles[s], CUBLAS_OP_N, CUBLAS_OP_T, k, n, rows, &alpha,
-                          b + start * k * in_bytes, in_type, k, a + start * n * in_bytes, in_type, n,
-                          &beta, out_g, out_type, k, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+        st = cublasGemmEx(handles[s], CUBLAS_OP_N, CUBLAS_OP_T, k, n, rows, &alpha, b + start * k * in_bytes, in_type,
+                          k, a + start * n * in_bytes, in_type, n, &beta, out_g, out_type, k, CUBLAS_COMPUTE_32F,
+                          CUBLAS_GEMM_DEFAULT);
       }
     } else if (rows > 0) {
       // out_g^T (N x rows) = W op (N x K) @ x_g^T (K x rows)
       const char* w = b + static_cast<int64_t>(g) * n * k * in_bytes;
       const bool forward = p.kind == DG_GROUPED_FORWARD;
-      st = cublasGemmEx(handles[s], forward ? CUBLAS_OP_T : CUBLAS_OP_N, CUBLAS_OP_N, n, rows, k,
-                        &alpha, w, in_type, forward ? k : n, a + start * k * in_bytes, in_type, k,
-                        &beta, out + start * n * out_bytes, out_type, n, CUBLAS_COMPUTE_32F,
-                        CUBLAS_GEMM_DEFAULT);
+      st = cublasGemmEx(handles[s], forward ? CUBLAS_OP_T : CUBLAS_OP_N, CUBLAS_OP_N, n, rows, k, &alpha, w, in_type,
+                        forward ? k : n, a + start * k * in_bytes, in_type, k, &beta, out + start * n * out_bytes,
+                        out_type, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
     }
     if (st != CUBLAS_STATUS_SUCCESS)
       status = fail(DG_ERROR_CUDA, cat("cublasGemmEx failed for group ", g, ": ", cublasGetStatusString(st)));

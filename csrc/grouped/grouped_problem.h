@@ -48,8 +48,7 @@ struct GroupedInstance {
 };
 
 // Defined in sm90_grouped.cuh, instantiated by files generated from grouped_instances.def.
-template <dg_dtype In, dg_dtype Out, int Kind, int Sched, int TileM, int TileN, int ClusterM,
-          int ClusterN>
+template <dg_dtype In, dg_dtype Out, int Kind, int Sched, int TileM, int TileN, int ClusterM, int ClusterN>
 struct Sm90GroupedKernel {
   static dg_status run(const GroupedProblem& problem, cudaStream_t stream);
   static size_t workspace(const GroupedProblem& problem);
@@ -73,8 +72,8 @@ struct Sm90GroupedContiguousWgradKernel {
 
 // Defined in sm90_fp8_grouped.cuh, instantiated from grouped_fp8_instances.def. InA: A's dtype,
 // e4m3, or e5m2 for a gradient (dy in a dgrad, dy^T in a wgrad) against an e4m3 B.
-template <int Mode, dg_dtype Out, int Kind, int Schedule, int TileM, int TileN, int ClusterM,
-          int ClusterN, dg_dtype InA>
+template <int Mode, dg_dtype Out, int Kind, int Schedule, int TileM, int TileN, int ClusterM, int ClusterN,
+          dg_dtype InA>
 struct Sm90Fp8GroupedKernel {
   static dg_status run(const GroupedProblem& problem, cudaStream_t stream);
   static size_t workspace(const GroupedProblem& problem);
@@ -87,10 +86,10 @@ constexpr int fwd = DG_GROUPED_FORWARD;
 constexpr int dgrad = DG_GROUPED_DGRAD;
 constexpr int wgrad = DG_GROUPED_WGRAD;
 using gemm::coop;
-using gemm::pingpong;
 using gemm::coop_direct;
-using gemm::pingpong_direct;
 using gemm::coop_overlap;
+using gemm::pingpong;
+using gemm::pingpong_direct;
 using gemm::pingpong_overlap;
 
 }  // namespace distgemm::grouped

@@ -4,6 +4,6 @@
 
 #include "grouped/sm90_fp8_grouped.cuh"
 
-#define DG_INSTANTIATE_SM90_FP8_E5M2_GROUPED(MODE, OUT, KIND, S, TM, TN, CM, CN)                \
-  template struct distgemm::grouped::Sm90Fp8GroupedKernel<distgemm::grouped::MODE, OUT,              \
-                                                          distgemm::grouped::KIND, distgemm::grouped::S, TM, TN, CM, CN, DG_E5M2>;
+#define DG_INSTANTIATE_SM90_FP8_E5M2_GROUPED(MODE, OUT, KIND, S, TM, TN, CM, CN)                                 \
+  template struct distgemm::grouped::Sm90Fp8GroupedKernel<distgemm::grouped::MODE, OUT, distgemm::grouped::KIND, \
+                                                          distgemm::grouped::S, TM, TN, CM, CN, DG_E5M2>;

@@ -39,23 +39,20 @@ namespace fusion = cutlass::epilogue::fusion;
 // scale vectors one pointer per group.
 template <class ElementD, class TileShape>
 using RowScaledEpilogue = fusion::Sm90EVT<
-    fusion::Sm90Compute<cutlass::homogeneous_multiply_add, ElementD, float,
-                        cutlass::FloatRoundStyle::round_to_nearest>,
-    fusion::Sm90ScalarBroadcast<float>,
-    fusion::Sm90SrcFetch<ElementD>,
+    fusion::Sm90Compute<cutlass::homogeneous_multiply_add, ElementD, float, cutlass::FloatRoundStyle::round_to_nearest>,
+    fusion::Sm90ScalarBroadcast<float>, fusion::Sm90SrcFetch<ElementD>,
     fusion::Sm90EVT<
         fusion::Sm90Compute<cutlass::multiplies, float, float, cutlass::FloatRoundStyle::round_to_nearest>,
         fusion::Sm90RowBroadcast<0, TileShape, float*, float, Stride<_0, _1, _0>>,
-        fusion::Sm90EVT<fusion::Sm90Compute<cutlass::multiplies, float, float,
-                                            cutlass::FloatRoundStyle::round_to_nearest>,
-                        fusion::Sm90ColBroadcast<0, TileShape, float*, float, Stride<_1, _0, _0>>,
-                        fusion::Sm90AccFetch>>>;
+        fusion::Sm90EVT<
+            fusion::Sm90Compute<cutlass::multiplies, float, float, cutlass::FloatRoundStyle::round_to_nearest>,
+            fusion::Sm90ColBroadcast<0, TileShape, float*, float, Stride<_1, _0, _0>>, fusion::Sm90AccFetch>>>;
 
 // Mode: DG_SCALE_ROW or DG_SCALE_BLOCK; Kind: forward (x (T, K) @ w[g]^T, w (G, N, K)) or
 // wgrad (dy^T @ x over each group's tokens, both given transposed and padded per group). InA:
 // A's dtype, e4m3, or e5m2 for a gradient (dy in a dgrad, dy^T in a wgrad); B is e4m3.
-template <int Mode, dg_dtype Out, int Kind, int Schedule, int TileM, int TileN, int ClusterM,
-          int ClusterN, dg_dtype InA>
+template <int Mode, dg_dtype Out, int Kind, int Schedule, int TileM, int TileN, int ClusterM, int ClusterN,
+          dg_dtype InA>
 struct Sm90Fp8Grouped {
   static constexpr int kKind = Kind;
   static constexpr int kMode = Mode;
@@ -97,21 +94,19 @@ struct Sm90Fp8Grouped {
                                     fusion::LinearCombination<ElementD, float>>;
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementD, LayoutD*, kAlignD,
-      ElementD, LayoutD*, kAlignD, EpilogueSchedule, Fusion>::CollectiveOp;
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementD, LayoutD*, kAlignD, ElementD, LayoutD*,
+      kAlignD, EpilogueSchedule, Fusion>::CollectiveOp;
 
   using CutlassMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA,
-      cute::tuple<LayoutA*, LayoutSFA*>, kAlign, ElementB, cute::tuple<LayoutB*, LayoutSFB*>,
-      kAlign, float, TileShape, ClusterShape,
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA, cute::tuple<LayoutA*, LayoutSFA*>, kAlign,
+      ElementB, cute::tuple<LayoutB*, LayoutSFB*>, kAlign, float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename CollectiveEpilogue::SharedStorage))>,
       KernelSchedule>::CollectiveOp;
-  using CollectiveMainloop = std::conditional_t<kOverlapPromotion, OverlappedPromotionMma<CutlassMainloop>,
-                                                CutlassMainloop>;
+  using CollectiveMainloop =
+      std::conditional_t<kOverlapPromotion, OverlappedPromotionMma<CutlassMainloop>, CutlassMainloop>;
 
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop,
-                                                      CollectiveEpilogue>;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
   using Adapter = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   using StrideA = typename Kernel::InternalStrideA;
   using StrideB = typename Kernel::InternalStrideB;
@@ -132,11 +127,11 @@ struct Sm90Fp8Grouped {
     StrideD* stride_d;
     LayoutSFA* layout_sfa;
     LayoutSFB* layout_sfb;
-    float* packed_sfa;  // block forward: T * Kb scales, group g's (Kb, rows) at start_g * Kb
-    float* ones;        // row-wise: the mainloop's scales, enough for any group
+    float* packed_sfa;            // block forward: T * Kb scales, group g's (Kb, rows) at start_g * Kb
+    float* ones;                  // row-wise: the mainloop's scales, enough for any group
     float const** ptr_row_scale;  // row-wise: scale_b + g * N
     float const** ptr_col_scale;  // row-wise: scale_a + start_g
-    uint8_t* zeros;     // wgrad: 128 x max(N, K) zero bytes (0 in e4m3 and e5m2), the operands of empty groups
+    uint8_t* zeros;  // wgrad: 128 x max(N, K) zero bytes (0 in e4m3 and e5m2), the operands of empty groups
     void* cutlass_workspace;
   };
 
@@ -191,8 +186,7 @@ struct Sm90Fp8Grouped {
     return typename Adapter::Arguments{
         cutlass::gemm::GemmUniversalMode::kGrouped,
         {p.groups, arr.shapes, nullptr},
-        {arr.ptr_a, arr.stride_a, arr.ptr_b, arr.stride_b, arr.ptr_sfa, arr.layout_sfa,
-         arr.ptr_sfb, arr.layout_sfb},
+        {arr.ptr_a, arr.stride_a, arr.ptr_b, arr.stride_b, arr.ptr_sfa, arr.layout_sfa, arr.ptr_sfb, arr.layout_sfb},
         {fusion, p.accumulate ? arr.ptr_c : nullptr, arr.stride_d, arr.ptr_d, arr.stride_d},
         hw};
   }
@@ -264,10 +258,10 @@ __device__ void fill_fp8_group_arguments(typename G::Arrays& arr, const GroupedP
   arr.stride_a[g] = sa;
   arr.stride_b[g] = sb;
   arr.stride_d[g] = sd;
-  arr.layout_sfa[g] = G::ScaleConfig::tile_atom_to_shape_SFA(
-      make_shape(get<0>(shape), get<1>(shape), get<2>(shape), 1));
-  arr.layout_sfb[g] = G::ScaleConfig::tile_atom_to_shape_SFB(
-      make_shape(get<0>(shape), get<1>(shape), get<2>(shape), 1));
+  arr.layout_sfa[g] =
+      G::ScaleConfig::tile_atom_to_shape_SFA(make_shape(get<0>(shape), get<1>(shape), get<2>(shape), 1));
+  arr.layout_sfb[g] =
+      G::ScaleConfig::tile_atom_to_shape_SFB(make_shape(get<0>(shape), get<1>(shape), get<2>(shape), 1));
 }
 
 // blockIdx.y strides over the groups: block x == 0, thread 0 fills the group's arguments, and
@@ -316,7 +310,7 @@ namespace distgemm::grouped {
 
 template <int Mode, dg_dtype Out, int Kind, int S, int TM, int TN, int CM, int CN, dg_dtype InA>
 dg_status Sm90Fp8GroupedKernel<Mode, Out, Kind, S, TM, TN, CM, CN, InA>::run(const GroupedProblem& p,
-                                                                          cudaStream_t stream) {
+                                                                             cudaStream_t stream) {
   return sm90::run_fp8_grouped<sm90::Sm90Fp8Grouped<Mode, Out, Kind, S, TM, TN, CM, CN, InA>>(p, stream);
 }
 
@@ -327,6 +321,6 @@ size_t Sm90Fp8GroupedKernel<Mode, Out, Kind, S, TM, TN, CM, CN, InA>::workspace(
 
 }  // namespace distgemm::grouped
 
-#define DG_INSTANTIATE_SM90_FP8_GROUPED(MODE, OUT, KIND, S, TM, TN, CM, CN)                \
-  template struct distgemm::grouped::Sm90Fp8GroupedKernel<distgemm::grouped::MODE, OUT,           \
-                                                          distgemm::grouped::KIND, distgemm::grouped::S, TM, TN, CM, CN, DG_E4M3>;
+#define DG_INSTANTIATE_SM90_FP8_GROUPED(MODE, OUT, KIND, S, TM, TN, CM, CN)                                      \
+  template struct distgemm::grouped::Sm90Fp8GroupedKernel<distgemm::grouped::MODE, OUT, distgemm::grouped::KIND, \
+                                                          distgemm::grouped::S, TM, TN, CM, CN, DG_E4M3>;

@@ -29,8 +29,8 @@ struct OverlappedPromotionMma : Base {
   using typename Base::SmemLayoutSFA;
   using typename Base::SmemLayoutSFB;
   using typename Base::TensorStorage;
-  using typename Base::TileShape;
   using typename Base::TiledMma;
+  using typename Base::TileShape;
   using ScaleT = typename Base::ElementBlockScale;
 
   static_assert(typename Base::NumSplitsM{} == 1,
@@ -38,9 +38,8 @@ struct OverlappedPromotionMma : Base {
   static_assert(Base::ScalePromotionInterval == 4, "one promotion per 128-deep K tile");
 
   template <class FrgTensorC>
-  CUTLASS_DEVICE void mma(MainloopPipeline pipeline, PipelineState smem_pipe_read, FrgTensorC& accum,
-                          int k_tile_count, int thread_idx, TensorStorage& shared_tensors,
-                          Params const& /*mainloop_params*/) {
+  CUTLASS_DEVICE void mma(MainloopPipeline pipeline, PipelineState smem_pipe_read, FrgTensorC& accum, int k_tile_count,
+                          int thread_idx, TensorStorage& shared_tensors, Params const& /*mainloop_params*/) {
     using namespace cute;
     static_assert(is_rmem<FrgTensorC>::value, "the accumulator must be in registers");
 
@@ -48,18 +47,18 @@ struct OverlappedPromotionMma : Base {
     Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), SmemLayoutB{});
     // The scales as (BLK_M, BLK_N, (BLK_K, PIPE)) views, broadcast along the other operand's
     // dimension, so that partition_C gives each thread the scales of its accumulator elements.
-    Tensor sSFA = make_tensor(
-        make_smem_ptr(shared_tensors.smem_SFA.data()),
-        make_layout(make_shape(shape<0>(SmemLayoutSFA{}), get<1>(TileShape{}),
-                               make_shape(shape<1>(SmemLayoutSFA{}), shape<2>(SmemLayoutSFA{}))),
-                    make_stride(stride<0>(SmemLayoutSFA{}), _0{},
-                                make_stride(stride<1>(SmemLayoutSFA{}), stride<2>(SmemLayoutSFA{})))));
-    Tensor sSFB = make_tensor(
-        make_smem_ptr(shared_tensors.smem_SFB.data()),
-        make_layout(make_shape(get<0>(TileShape{}), shape<0>(SmemLayoutSFB{}),
-                               make_shape(shape<1>(SmemLayoutSFB{}), shape<2>(SmemLayoutSFB{}))),
-                    make_stride(_0{}, stride<0>(SmemLayoutSFB{}),
-                                make_stride(stride<1>(SmemLayoutSFB{}), stride<2>(SmemLayoutSFB{})))));
+    Tensor sSFA =
+        make_tensor(make_smem_ptr(shared_tensors.smem_SFA.data()),
+                    make_layout(make_shape(shape<0>(SmemLayoutSFA{}), get<1>(TileShape{}),
+                                           make_shape(shape<1>(SmemLayoutSFA{}), shape<2>(SmemLayoutSFA{}))),
+                                make_stride(stride<0>(SmemLayoutSFA{}), _0{},
+                                            make_stride(stride<1>(SmemLayoutSFA{}), stride<2>(SmemLayoutSFA{})))));
+    Tensor sSFB =
+        make_tensor(make_smem_ptr(shared_tensors.smem_SFB.data()),
+                    make_layout(make_shape(get<0>(TileShape{}), shape<0>(SmemLayoutSFB{}),
+                                           make_shape(shape<1>(SmemLayoutSFB{}), shape<2>(SmemLayoutSFB{}))),
+                                make_stride(_0{}, stride<0>(SmemLayoutSFB{}),
+                                            make_stride(stride<1>(SmemLayoutSFB{}), stride<2>(SmemLayoutSFB{})))));
 
     constexpr int kWgThreads = cutlass::NumThreadsPerWarpGroup;
     constexpr int kWarpGroups = size(TiledMma{}) / kWgThreads;

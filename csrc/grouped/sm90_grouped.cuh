@@ -28,15 +28,14 @@ struct Schedules {
   using Mainloop = MainloopSchedule;
   using Epilogue = EpilogueSchedule;
 };
-template <int Sched> struct ScheduleTraits;
+template <int Sched>
+struct ScheduleTraits;
 template <>
-struct ScheduleTraits<gemm::kCooperative>
-    : Schedules<cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative,
-                cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative> {};
+struct ScheduleTraits<gemm::kCooperative> : Schedules<cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative,
+                                                      cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative> {};
 template <>
-struct ScheduleTraits<gemm::kPingpong>
-    : Schedules<cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
-                cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong> {};
+struct ScheduleTraits<gemm::kPingpong> : Schedules<cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
+                                                   cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong> {};
 // Direct stores: each consumer thread writes its accumulators to global memory itself (no
 // staging, no TMA store; the shared memory goes to mainloop stages), for few-token FP32 wgrads,
 // whose stores outweigh their 2-4 step mainloops. CUTLASS's epilogue, with pair stores in place
@@ -47,22 +46,19 @@ struct ScheduleTraits<gemm::kCooperativeDirectStore>
     : Schedules<cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative,
                 cutlass::epilogue::PtrArrayNoSmemWarpSpecialized> {};
 template <>
-struct ScheduleTraits<gemm::kPingpongDirectStore>
-    : Schedules<cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
-                cutlass::epilogue::PtrArrayNoSmemWarpSpecialized> {};
+struct ScheduleTraits<gemm::kPingpongDirectStore> : Schedules<cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
+                                                              cutlass::epilogue::PtrArrayNoSmemWarpSpecialized> {};
 
-template <dg_dtype In, dg_dtype Out, int Kind, int Sched, int TileM, int TileN, int ClusterM,
-          int ClusterN>
+template <dg_dtype In, dg_dtype Out, int Kind, int Sched, int TileM, int TileN, int ClusterM, int ClusterN>
 struct Sm90Grouped {
   static constexpr int kKind = Kind;
   using Element = cutlass_type_t<In>;
   using ElementD = cutlass_type_t<Out>;
   // forward: A (T, K) K-major, B (N, K) K-major; dgrad: B (K, N) N-major;
   // wgrad: A = dy^T M-major, B = x^T N-major, contraction over the group's tokens.
-  using LayoutA = std::conditional_t<Kind == DG_GROUPED_WGRAD, cutlass::layout::ColumnMajor,
-                                     cutlass::layout::RowMajor>;
-  using LayoutB = std::conditional_t<Kind == DG_GROUPED_FORWARD, cutlass::layout::ColumnMajor,
-                                     cutlass::layout::RowMajor>;
+  using LayoutA = std::conditional_t<Kind == DG_GROUPED_WGRAD, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
+  using LayoutB =
+      std::conditional_t<Kind == DG_GROUPED_FORWARD, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
   using LayoutD = cutlass::layout::RowMajor;
   static constexpr int kAlign = 16 / sizeof(Element);
   static constexpr int kAlignD = 16 / sizeof(ElementD);
@@ -73,19 +69,18 @@ struct Sm90Grouped {
 
   using CollectiveEpilogue = typename WithPairStores<typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementD, LayoutD*, kAlignD,
-      ElementD, LayoutD*, kAlignD, typename Traits::Epilogue,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementD, LayoutD*, kAlignD, ElementD, LayoutD*,
+      kAlignD, typename Traits::Epilogue,
       cutlass::epilogue::fusion::LinearCombination<ElementD, float>>::CollectiveOp>::type;
 
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA*, kAlign, Element,
-      LayoutB*, kAlign, float, TileShape, ClusterShape,
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA*, kAlign, Element, LayoutB*, kAlign, float,
+      TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename CollectiveEpilogue::SharedStorage))>,
       typename Traits::Mainloop>::CollectiveOp;
 
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop,
-                                                      CollectiveEpilogue>;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
   using Adapter = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   using StrideA = typename Kernel::InternalStrideA;
   using StrideB = typename Kernel::InternalStrideB;
@@ -107,7 +102,6 @@ struct Sm90Grouped {
     Element* zeros;  // max(N, K) zeros: the operands of empty wgrad groups
     void* cutlass_workspace;
   };
-
 
   // Lays out the arrays (base == nullptr only measures); returns the bytes used.
   static size_t carve(const GroupedProblem& p, char* base, Arrays* out) {
@@ -140,12 +134,11 @@ struct Sm90Grouped {
     epilogue.ptr_D = arr.ptr_d;
     epilogue.dD = arr.stride_d;
     cutlass::KernelHardwareInfo hw{p.device, p.sm_count};
-    return typename Adapter::Arguments{
-        cutlass::gemm::GemmUniversalMode::kGrouped,
-        {p.groups, arr.shapes, nullptr},
-        {arr.ptr_a, arr.stride_a, arr.ptr_b, arr.stride_b},
-        epilogue,
-        hw};
+    return typename Adapter::Arguments{cutlass::gemm::GemmUniversalMode::kGrouped,
+                                       {p.groups, arr.shapes, nullptr},
+                                       {arr.ptr_a, arr.stride_a, arr.ptr_b, arr.stride_b},
+                                       epilogue,
+                                       hw};
   }
 };
 
@@ -186,7 +179,10 @@ __device__ void fill_group_arguments(typename G::Arrays& arr, const GroupedProbl
     arr.shapes[g] = {rows, n, k};
     arr.ptr_a[g] = a + start * p.k;
     get<0>(sa) = p.k;
-    if constexpr (G::kKind == DG_GROUPED_FORWARD) get<0>(sb) = p.k; else get<1>(sb) = p.n;
+    if constexpr (G::kKind == DG_GROUPED_FORWARD)
+      get<0>(sb) = p.k;
+    else
+      get<1>(sb) = p.n;
     arr.ptr_b[g] = b + static_cast<int64_t>(g) * p.n * p.k;
     arr.ptr_d[g] = d + start * p.n;
     get<0>(sd) = p.n;
@@ -197,7 +193,6 @@ __device__ void fill_group_arguments(typename G::Arrays& arr, const GroupedProbl
   arr.stride_c[g] = sd;
   arr.stride_d[g] = sd;
 }
-
 
 template <class G>
 __global__ void build_grouped_arguments(typename G::Arrays arr, GroupedProblem p) {
@@ -217,8 +212,7 @@ __global__ void build_grouped_arguments(typename G::Arrays arr, GroupedProblem p
 namespace distgemm::grouped {
 
 template <dg_dtype In, dg_dtype Out, int Kind, int S, int TM, int TN, int CM, int CN>
-dg_status Sm90GroupedKernel<In, Out, Kind, S, TM, TN, CM, CN>::run(const GroupedProblem& p,
-                                                                   cudaStream_t stream) {
+dg_status Sm90GroupedKernel<In, Out, Kind, S, TM, TN, CM, CN>::run(const GroupedProblem& p, cudaStream_t stream) {
   using G = sm90::Sm90Grouped<In, Out, Kind, S, TM, TN, CM, CN>;
   const int64_t work = std::max<int64_t>(p.groups, std::max(p.n, p.k));
   const int blocks = static_cast<int>(std::min<int64_t>((work + 255) / 256, 1024));
@@ -234,6 +228,6 @@ size_t Sm90GroupedKernel<In, Out, Kind, S, TM, TN, CM, CN>::workspace(const Grou
 
 }  // namespace distgemm::grouped
 
-#define DG_INSTANTIATE_SM90_GROUPED(IN, OUT, KIND, S, TM, TN, CM, CN)                       \
-  template struct distgemm::grouped::Sm90GroupedKernel<IN, OUT, distgemm::grouped::KIND,    \
-                                                       distgemm::grouped::S, TM, TN, CM, CN>;
+#define DG_INSTANTIATE_SM90_GROUPED(IN, OUT, KIND, S, TM, TN, CM, CN)                                                  \
+  template struct distgemm::grouped::Sm90GroupedKernel<IN, OUT, distgemm::grouped::KIND, distgemm::grouped::S, TM, TN, \
+                                                       CM, CN>;

@@ -37,12 +37,12 @@ using namespace cute;
 
 template <dg_dtype In, dg_dtype Out, int Kind, int TileM, int TileN, int ClusterM>
 struct ContiguousGrouped
-    : ContiguousKernelShape<In, Out,
-                            cutlass::layout::RowMajor,  // x or dy: (T, K) K-major
-                            // forward: w (G, N, K) K-major; dgrad: w (G, K, N), N-major.
-                            std::conditional_t<Kind == DG_GROUPED_FORWARD, cutlass::layout::ColumnMajor,
-                                               cutlass::layout::RowMajor>,
-                            TileM, TileN, ClusterM> {
+    : ContiguousKernelShape<
+          In, Out,
+          cutlass::layout::RowMajor,  // x or dy: (T, K) K-major
+          // forward: w (G, N, K) K-major; dgrad: w (G, K, N), N-major.
+          std::conditional_t<Kind == DG_GROUPED_FORWARD, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>,
+          TileM, TileN, ClusterM> {
   static_assert(Kind == DG_GROUPED_FORWARD || Kind == DG_GROUPED_DGRAD,
                 "the contiguous kernel computes forward and dgrad (rows are tokens)");
   using Base = typename ContiguousGrouped::ContiguousKernelShape;
@@ -67,11 +67,14 @@ struct ContiguousGrouped
     StrideA sa{};
     get<0>(sa) = p.k;
     StrideB sb{};
-    if constexpr (Kind == DG_GROUPED_FORWARD) get<0>(sb) = p.k; else get<1>(sb) = p.n;
+    if constexpr (Kind == DG_GROUPED_FORWARD)
+      get<0>(sb) = p.k;
+    else
+      get<1>(sb) = p.n;
     get<2>(sb) = p.n * p.k;
     const int t = static_cast<int>(p.tokens), n = static_cast<int>(p.n), k = static_cast<int>(p.k);
-    typename CollectiveMainloop::Arguments args{static_cast<Element const*>(p.a), sa,
-                                                static_cast<Element const*>(p.b), sb};
+    typename CollectiveMainloop::Arguments args{static_cast<Element const*>(p.a), sa, static_cast<Element const*>(p.b),
+                                                sb};
     // x's descriptor spans all T tokens (one batch); w's spans the G groups (the batch
     // coordinate). The collective builds both from one problem shape, so it is asked twice
     // (in the second, A is a valid one-row stand-in that is never used).
@@ -146,15 +149,13 @@ struct GroupTileWalker {
   }
   // This CTA's tile row in unit t: the `rank`-th of the unit's ClusterM (past the group's rows
   // for the spare CTA of a group's last unit).
-  __device__ int m_tile(int64_t t, int rank) const {
-    return static_cast<int>((t - base) % m_units) * ClusterM + rank;
-  }
+  __device__ int m_tile(int64_t t, int rank) const { return static_cast<int>((t - base) % m_units) * ClusterM + rank; }
   __device__ int n_tile(int64_t t) const { return static_cast<int>((t - base) / m_units); }
 };
 
 template <class K>
 __global__ void __launch_bounds__(K::kThreads, 1)
-contiguous_grouped_gemm(const __grid_constant__ typename K::Params params) {
+    contiguous_grouped_gemm(const __grid_constant__ typename K::Params params) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Mainloop = typename K::CollectiveMainloop;
   using Pipeline = typename K::Pipeline;
@@ -180,14 +181,13 @@ contiguous_grouped_gemm(const __grid_constant__ typename K::Params params) {
     auto write = cutlass::make_producer_start_state<Pipeline>();
     for (int64_t t = first_unit; walker.locate(t); t += unit_stride) {
       const int row0 = walker.start + walker.m_tile(t, rank) * kTileM;
-      Tensor gA = local_tile(domain_offset(make_coord(row0, 0, 0), mA), typename K::TileShape{},
-                             make_coord(_, _, _), Step<_1, Underscore, _1>{});
+      Tensor gA = local_tile(domain_offset(make_coord(row0, 0, 0), mA), typename K::TileShape{}, make_coord(_, _, _),
+                             Step<_1, Underscore, _1>{});
       Tensor gB = local_tile(domain_offset(make_coord(0, 0, walker.g), mB), typename K::TileShape{},
                              make_coord(_, _, _), Step<Underscore, _1, _1>{});
       auto k_iter = cute::make_coord_iterator(shape<3>(gA));
-      mainloop.load(params.mainloop, pipeline, write, cute::make_tuple(gA, gB),
-                    make_coord(0, walker.n_tile(t), _, 0), k_iter, k_tiles, threadIdx.x % 32,
-                    static_cast<uint32_t>(rank), shared.mainloop);
+      mainloop.load(params.mainloop, pipeline, write, cute::make_tuple(gA, gB), make_coord(0, walker.n_tile(t), _, 0),
+                    k_iter, k_tiles, threadIdx.x % 32, static_cast<uint32_t>(rank), shared.mainloop);
       write.advance(k_tiles);
     }
     mainloop.load_tail(pipeline, write);
@@ -215,17 +215,15 @@ contiguous_grouped_gemm(const __grid_constant__ typename K::Params params) {
 namespace distgemm::grouped {
 
 template <dg_dtype In, dg_dtype Out, int Kind, int TM, int TN, int CM>
-dg_status Sm90GroupedContiguousKernel<In, Out, Kind, TM, TN, CM>::run(const GroupedProblem& p,
-                                                                      cudaStream_t stream) {
+dg_status Sm90GroupedContiguousKernel<In, Out, Kind, TM, TN, CM>::run(const GroupedProblem& p, cudaStream_t stream) {
   using K = sm90::ContiguousGrouped<In, Out, Kind, TM, TN, CM>;
   if (p.tokens == 0) return DG_SUCCESS;
   const typename K::Params params = K::params(p);
   // Units (a cluster's tiles): at most one per group more than the tokens alone need.
-  const int64_t units =
-      ((p.tokens + TM * CM - 1) / (TM * CM) + std::min<int64_t>(p.groups, p.tokens)) * params.n_tiles;
+  const int64_t units = ((p.tokens + TM * CM - 1) / (TM * CM) + std::min<int64_t>(p.groups, p.tokens)) * params.n_tiles;
   const int clusters = static_cast<int>(std::min<int64_t>(units, std::max(p.sm_count / CM, 1)));
-  return sm90::launch_persistent(&sm90::contiguous_grouped_gemm<K>, clusters * CM, K::kThreads, K::kSmemBytes,
-                                 CM, stream, params);
+  return sm90::launch_persistent(&sm90::contiguous_grouped_gemm<K>, clusters * CM, K::kThreads, K::kSmemBytes, CM,
+                                 stream, params);
 }
 
 template <dg_dtype In, dg_dtype Out, int Kind, int TM, int TN, int CM>
@@ -235,5 +233,5 @@ size_t Sm90GroupedContiguousKernel<In, Out, Kind, TM, TN, CM>::workspace(const G
 
 }  // namespace distgemm::grouped
 
-#define DG_INSTANTIATE_SM90_GROUPED_CONTIGUOUS(IN, OUT, KIND, TM, TN, CM)                    \
+#define DG_INSTANTIATE_SM90_GROUPED_CONTIGUOUS(IN, OUT, KIND, TM, TN, CM) \
   template struct distgemm::grouped::Sm90GroupedContiguousKernel<IN, OUT, distgemm::grouped::KIND, TM, TN, CM>;

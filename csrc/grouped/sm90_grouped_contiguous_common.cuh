@@ -45,9 +45,8 @@ struct ContiguousKernelShape {
   static constexpr int kStagingBytes = TileM * kStagingLd * 4;
 
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA, kAlign, Element,
-      LayoutB, kAlign, float, TileShape, ClusterShape,
-      cutlass::gemm::collective::StageCountAutoCarveout<kStagingBytes>,
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA, kAlign, Element, LayoutB, kAlign, float,
+      TileShape, ClusterShape, cutlass::gemm::collective::StageCountAutoCarveout<kStagingBytes>,
       // The schedule only sets the warpgroups of the TiledMma: ping-pong's is one warpgroup.
       std::conditional_t<TileM == 128, cutlass::gemm::KernelTmaWarpSpecializedCooperative,
                          cutlass::gemm::KernelTmaWarpSpecializedPingpong>>::CollectiveOp;
@@ -75,19 +74,21 @@ struct ContiguousKernelShape {
 // CTA of the cluster has its barriers initialised (before any multicast can reach them).
 template <class K>
 __device__ typename K::Pipeline make_mainloop_pipeline(typename K::SharedStorage& shared,
-                                                       typename K::Params const& params, int warp,
-                                                       int warp_group) {
+                                                       typename K::Params const& params, int warp, int warp_group) {
   using Pipeline = typename K::Pipeline;
   typename Pipeline::Params pipe{};
-  pipe.role = warp_group == 0 ? (warp == 0 ? Pipeline::ThreadCategory::Producer
-                                           : Pipeline::ThreadCategory::NonParticipant)
-                              : Pipeline::ThreadCategory::Consumer;
+  pipe.role = warp_group == 0
+                  ? (warp == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::NonParticipant)
+                  : Pipeline::ThreadCategory::Consumer;
   pipe.is_leader = threadIdx.x % 128 == 0;
   pipe.num_consumers = K::kConsumerThreads;
   pipe.transaction_bytes = params.mainloop.tma_transaction_bytes;
   Pipeline pipeline(shared.pipeline, pipe, typename K::ClusterShape{});
   if (warp == 0 && cute::elect_one_sync()) K::CollectiveMainloop::prefetch_tma_descriptors(params.mainloop);
-  if constexpr (K::kClusterM > 1) cute::cluster_sync(); else __syncthreads();
+  if constexpr (K::kClusterM > 1)
+    cute::cluster_sync();
+  else
+    __syncthreads();
   return pipeline;
 }
 
@@ -118,9 +119,8 @@ struct ContiguousCta {
 // first add, so that their latencies overlap. Staging rows are padded (K::kStagingLd) so that
 // the accumulator writes spread over the banks.
 template <class K, class Accumulators>
-__device__ void store_tile(Accumulators const& acc, float* staging, int mma_thread,
-                           typename K::ElementD* tile, int64_t ld, int rows_valid, int cols_valid,
-                           bool accumulate) {
+__device__ void store_tile(Accumulators const& acc, float* staging, int mma_thread, typename K::ElementD* tile,
+                           int64_t ld, int rows_valid, int cols_valid, bool accumulate) {
   using ElementD = typename K::ElementD;
   constexpr int kTileM = size<0>(typename K::TileShape{});
   constexpr int kTileN = size<1>(typename K::TileShape{});
@@ -171,8 +171,8 @@ __device__ void store_tile(Accumulators const& acc, float* staging, int mma_thre
 // programmatic dependent of the kernel before it on the stream (its launch and set-up overlap
 // that kernel; it waits for it before reading global memory).
 template <class Params>
-dg_status launch_persistent(void (*kernel)(Params), int ctas, int threads, int smem_bytes,
-                            int cluster_m, cudaStream_t stream, const Params& params) {
+dg_status launch_persistent(void (*kernel)(Params), int ctas, int threads, int smem_bytes, int cluster_m,
+                            cudaStream_t stream, const Params& params) {
   DG_CUDA_RETURN(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(ctas);

@@ -43,11 +43,10 @@ namespace distgemm::grouped::sm90 {
 using namespace cute;
 
 template <dg_dtype In, dg_dtype Out, int TileM, int TileN>
-struct ContiguousWgrad
-    : ContiguousKernelShape<In, Out,
-                            cutlass::layout::ColumnMajor,  // dy^T (N, T): dy (T, N), N-major
-                            cutlass::layout::RowMajor,     // x^T (K, T): x (T, K), K-major
-                            TileM, TileN, 1> {
+struct ContiguousWgrad : ContiguousKernelShape<In, Out,
+                                               cutlass::layout::ColumnMajor,  // dy^T (N, T): dy (T, N), N-major
+                                               cutlass::layout::RowMajor,     // x^T (K, T): x (T, K), K-major
+                                               TileM, TileN, 1> {
   using Base = typename ContiguousWgrad::ContiguousKernelShape;
   using typename Base::CollectiveMainloop;
   using typename Base::Element;
@@ -62,8 +61,8 @@ struct ContiguousWgrad
   // and the bank-spread accumulator writes both want.
   static constexpr int kEpiCols = 128 / static_cast<int>(sizeof(ElementD));  // 32 floats
   static constexpr int kEpiBuffers = 2;
-  using SmemLayoutEpi = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<ElementD>{},
-                                               Shape<Int<TileM>, Int<kEpiCols>>{}));
+  using SmemLayoutEpi =
+      decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<ElementD>{}, Shape<Int<TileM>, Int<kEpiCols>>{}));
   struct SharedStorage {
     typename CollectiveMainloop::TensorStorage mainloop;  // first: 1024-byte aligned swizzles
     alignas(1024) ElementD epilogue[kEpiBuffers][cosize_v<SmemLayoutEpi>];
@@ -76,8 +75,7 @@ struct ContiguousWgrad
   // out as (N, K, G): row stride K, group stride N * K.
   using StrideOut = Stride<int64_t, _1, int64_t>;
   static auto out_tensor(ElementD* d, int n, int k, int groups) {
-    return make_tensor(make_gmem_ptr(d), make_shape(n, k, groups),
-                       StrideOut{int64_t(k), _1{}, int64_t(n) * k});
+    return make_tensor(make_gmem_ptr(d), make_shape(n, k, groups), StrideOut{int64_t(k), _1{}, int64_t(n) * k});
   }
   using TmaStore = decltype(make_tma_copy(SM90_TMA_STORE{}, out_tensor(nullptr, 0, 0, 0), SmemLayoutEpi{}));
   using TmaAdd = decltype(make_tma_copy(SM90_TMA_REDUCE_ADD{}, out_tensor(nullptr, 0, 0, 0), SmemLayoutEpi{}));
@@ -100,8 +98,8 @@ struct ContiguousWgrad
     StrideB sb{};
     get<1>(sb) = p.k;
     const int t = static_cast<int>(p.tokens), n = static_cast<int>(p.n), k = static_cast<int>(p.k);
-    typename CollectiveMainloop::Arguments args{static_cast<Element const*>(p.a), sa,
-                                                static_cast<Element const*>(p.b), sb};
+    typename CollectiveMainloop::Arguments args{static_cast<Element const*>(p.a), sa, static_cast<Element const*>(p.b),
+                                                sb};
     Params out{};
     out.mainloop = CollectiveMainloop::to_underlying_arguments(make_shape(n, k, t, 1), args, nullptr);
     auto d = out_tensor(static_cast<ElementD*>(p.d), n, k, static_cast<int>(p.groups));
@@ -144,8 +142,8 @@ __device__ WgradUnit wgrad_unit(typename W::Params const& params, int64_t u) {
 // The consumers' K loop over one tile's token steps (CUTLASS's collective mma, one step's MMAs
 // in flight), zeroing dy's and x's tokens [valid_last, kStepTokens) of the last step first.
 template <class W, class Accumulators>
-__device__ void mma_group_tokens(typename W::Pipeline& pipeline, typename W::PipelineState read,
-                                 Accumulators& accum, int k_steps, int valid_last, int mma_thread,
+__device__ void mma_group_tokens(typename W::Pipeline& pipeline, typename W::PipelineState read, Accumulators& accum,
+                                 int k_steps, int valid_last, int mma_thread,
                                  typename W::CollectiveMainloop::TensorStorage& smem) {
   using Mainloop = typename W::CollectiveMainloop;
   constexpr int kTileM = size<0>(typename W::TileShape{});
@@ -245,7 +243,7 @@ __device__ void store_tile_tma(Accumulators const& acc, typename W::SharedStorag
 
 template <class W>
 __global__ void __launch_bounds__(W::kThreads, 1)
-contiguous_grouped_wgrad(const __grid_constant__ typename W::Params params) {
+    contiguous_grouped_wgrad(const __grid_constant__ typename W::Params params) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Mainloop = typename W::CollectiveMainloop;
   using Pipeline = typename W::Pipeline;
@@ -266,14 +264,13 @@ contiguous_grouped_wgrad(const __grid_constant__ typename W::Params params) {
     for (int64_t u = blockIdx.x; u < units; u += gridDim.x) {
       const WgradUnit w = wgrad_unit<W>(params, u);
       if (w.k_steps == 0) continue;
-      Tensor gA = local_tile(domain_offset(make_coord(0, w.start, 0), mA), typename W::TileShape{},
-                             make_coord(_, _, _), Step<_1, Underscore, _1>{});
-      Tensor gB = local_tile(domain_offset(make_coord(0, w.start, 0), mB), typename W::TileShape{},
-                             make_coord(_, _, _), Step<Underscore, _1, _1>{});
+      Tensor gA = local_tile(domain_offset(make_coord(0, w.start, 0), mA), typename W::TileShape{}, make_coord(_, _, _),
+                             Step<_1, Underscore, _1>{});
+      Tensor gB = local_tile(domain_offset(make_coord(0, w.start, 0), mB), typename W::TileShape{}, make_coord(_, _, _),
+                             Step<Underscore, _1, _1>{});
       auto k_iter = cute::make_coord_iterator(shape<3>(gA));
-      mainloop.load(params.mainloop, pipeline, write, cute::make_tuple(gA, gB),
-                    make_coord(w.m_tile, w.n_tile, _, 0), k_iter, w.k_steps, threadIdx.x % 32, 0u,
-                    shared.mainloop);
+      mainloop.load(params.mainloop, pipeline, write, cute::make_tuple(gA, gB), make_coord(w.m_tile, w.n_tile, _, 0),
+                    k_iter, w.k_steps, threadIdx.x % 32, 0u, shared.mainloop);
       write.advance(w.k_steps);
     }
     mainloop.load_tail(pipeline, write);
@@ -320,8 +317,8 @@ dg_status Sm90GroupedContiguousWgradKernel<In, Out, TM, TN>::run(const GroupedPr
   }
   const typename W::Params params = W::params(p);
   const int ctas = static_cast<int>(std::min<int64_t>(params.units(), std::max(p.sm_count, 1)));
-  return sm90::launch_persistent(&sm90::contiguous_grouped_wgrad<W>, ctas, W::kThreads, W::kSmemBytes, 1,
-                                 stream, params);
+  return sm90::launch_persistent(&sm90::contiguous_grouped_wgrad<W>, ctas, W::kThreads, W::kSmemBytes, 1, stream,
+                                 params);
 }
 
 template <dg_dtype In, dg_dtype Out, int TM, int TN>
@@ -331,5 +328,5 @@ size_t Sm90GroupedContiguousWgradKernel<In, Out, TM, TN>::workspace(const Groupe
 
 }  // namespace distgemm::grouped
 
-#define DG_INSTANTIATE_SM90_GROUPED_CONTIGUOUS_WGRAD(IN, OUT, TM, TN)                         \
+#define DG_INSTANTIATE_SM90_GROUPED_CONTIGUOUS_WGRAD(IN, OUT, TM, TN) \
   template struct distgemm::grouped::Sm90GroupedContiguousWgradKernel<IN, OUT, TM, TN>;

@@ -14,11 +14,10 @@
 namespace distgemm::grouped::sm90 {
 
 template <class ElementC, class StrideC, class StrideD, class ThreadEpilogueOp, class Schedule>
-class PairStoreEpilogueArray
-    : public cutlass::epilogue::collective::DefaultEpilogueArray<ElementC, StrideC, StrideD,
-                                                                 ThreadEpilogueOp, Schedule> {
-  using Base = cutlass::epilogue::collective::DefaultEpilogueArray<ElementC, StrideC, StrideD,
-                                                                   ThreadEpilogueOp, Schedule>;
+class PairStoreEpilogueArray : public cutlass::epilogue::collective::DefaultEpilogueArray<ElementC, StrideC, StrideD,
+                                                                                          ThreadEpilogueOp, Schedule> {
+  using Base =
+      cutlass::epilogue::collective::DefaultEpilogueArray<ElementC, StrideC, StrideD, ThreadEpilogueOp, Schedule>;
 
  public:
   using typename Base::Params;
@@ -28,11 +27,10 @@ class PairStoreEpilogueArray
 
   CUTLASS_HOST_DEVICE PairStoreEpilogueArray(Params const& params) : Base(params), params_(params) {}
 
-  template <class ProblemShapeMNKL, class BlockShapeMNK, class BlockCoordMNKL, class FrgEngine,
-            class FrgLayout, class TiledMma, class ResidueMNK>
+  template <class ProblemShapeMNKL, class BlockShapeMNK, class BlockCoordMNKL, class FrgEngine, class FrgLayout,
+            class TiledMma, class ResidueMNK>
   CUTLASS_DEVICE void operator()(ProblemShapeMNKL problem_shape_mnkl, BlockShapeMNK blk_shape_mnk,
-                                 BlockCoordMNKL blk_coord_mnkl,
-                                 cute::Tensor<FrgEngine, FrgLayout> const& accumulators,
+                                 BlockCoordMNKL blk_coord_mnkl, cute::Tensor<FrgEngine, FrgLayout> const& accumulators,
                                  TiledMma tiled_mma, ResidueMNK, int thread_idx, char*) {
     using namespace cute;
     const int m_extent = get<0>(problem_shape_mnkl);
@@ -44,8 +42,8 @@ class PairStoreEpilogueArray
     // Group l's D (and C) as an (M, N) row-major tensor, this CTA's tile of it, this thread's
     // accumulator elements of that tile and their (m, n) coordinates.
     auto stride_d = cutlass::epilogue::collective::detail::get_epilogue_stride<Schedule>(params_.dD[l_coord]);
-    Tensor m_d = make_tensor(make_gmem_ptr(params_.ptr_D[l_coord]), make_shape(m_extent, n_extent),
-                             take<0, 2>(stride_d));
+    Tensor m_d =
+        make_tensor(make_gmem_ptr(params_.ptr_D[l_coord]), make_shape(m_extent, n_extent), take<0, 2>(stride_d));
     Tensor g_d = local_tile(m_d, take<0, 2>(blk_shape_mnk), make_coord(m_coord, n_coord));
     Tensor c_d = local_tile(make_identity_tensor(make_shape(m_extent, n_extent)), take<0, 2>(blk_shape_mnk),
                             make_coord(m_coord, n_coord));
@@ -77,7 +75,7 @@ class PairStoreEpilogueArray
           value = make_float2(epilogue_op(accumulators(i)), epilogue_op(accumulators(i + 1)));
         }
         __stwb(reinterpret_cast<float2*>(out), value);  // st.global, not a generic store
-      } else {  // the last column of an odd N
+      } else {                                          // the last column of an odd N
         __stwb(out, add_source ? epilogue_op(accumulators(i), __ldcg(c_base + at)) : epilogue_op(accumulators(i)));
       }
     }
@@ -94,8 +92,7 @@ struct WithPairStores {
 };
 template <class ElementC, class StrideC, class StrideD, class ThreadEpilogueOp, class Schedule>
 struct WithPairStores<cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<
-    cutlass::epilogue::collective::DefaultEpilogueArray<ElementC, StrideC, StrideD, ThreadEpilogueOp,
-                                                        Schedule>>> {
+    cutlass::epilogue::collective::DefaultEpilogueArray<ElementC, StrideC, StrideD, ThreadEpilogueOp, Schedule>>> {
   using type = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<
       PairStoreEpilogueArray<ElementC, StrideC, StrideD, ThreadEpilogueOp, Schedule>>;
 };

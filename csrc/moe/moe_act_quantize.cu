@@ -157,9 +157,8 @@ __device__ __forceinline__ void pack_column_pair(const uint32_t* pair, const Div
 // columns and quarter of the 128 rows; it reads both columns as bf16x2 (twice: their amax, then
 // the values) and writes 32 FP8 bytes of each of two rows of yt. Every thread calls it.
 template <__nv_fp8_interpretation_t I, int kPlanes>
-__device__ __forceinline__ void write_transpose(const ActProblem& p, const uint16_t* tile,
-                                                uint32_t (&red)[4][kBlock], int64_t pblock, int64_t c0,
-                                                bool vec_t) {
+__device__ __forceinline__ void write_transpose(const ActProblem& p, const uint16_t* tile, uint32_t (&red)[4][kBlock],
+                                                int64_t pblock, int64_t c0, bool vec_t) {
   const int jp = threadIdx.x & 63;
   const int quarter = threadIdx.x >> 6;
   constexpr int kRows = kBlock / 4;
@@ -203,11 +202,13 @@ __device__ __forceinline__ void write_transpose(const ActProblem& p, const uint1
 // CTAs an SM at least: 4 for the identity (<= 64 registers), 2 for the SwiGLU backward's two
 // planes, 3 for the others (<= 85).
 template <int Act, __nv_fp8_interpretation_t I>
-__global__ void __launch_bounds__(kThreads, Act == kIdentity ? 4 : Act == kSwigluBackward ? 2 : 3) act_kernel(ActProblem p, bool vec_in, bool vec_y, bool vec_y8,
-                                                       bool vec_t) {
+__global__ void __launch_bounds__(kThreads, Act == kIdentity         ? 4
+                                            : Act == kSwigluBackward ? 2
+                                                                     : 3)
+    act_kernel(ActProblem p, bool vec_in, bool vec_y, bool vec_y8, bool vec_t) {
   constexpr int kPlanes = Act == kSwigluBackward ? 2 : 1;
   extern __shared__ __align__(16) uint16_t tile[];  // [kPlanes][128][128] bf16 bits
-  __shared__ uint32_t red[4][kBlock];  // the transpose's column maxima, per quarter of the rows
+  __shared__ uint32_t red[4][kBlock];               // the transpose's column maxima, per quarter of the rows
   __shared__ int64_t span[2];
   const auto* x = static_cast<const uint16_t*>(p.x);
   const auto* dy = static_cast<const uint16_t*>(p.dy);
@@ -274,9 +275,8 @@ __global__ void __launch_bounds__(kThreads, Act == kIdentity ? 4 : Act == kSwigl
       if (p.y != nullptr && active && c < p.inner) {
         uint16_t* row = static_cast<uint16_t*>(p.y) + r * p.y_cols + q * p.inner;
         if (vec_y && c + 8 <= p.inner) {
-          *reinterpret_cast<uint4*>(row + c) =
-              make_uint4(pack_bf16x2(v[q][0], v[q][1]), pack_bf16x2(v[q][2], v[q][3]),
-                         pack_bf16x2(v[q][4], v[q][5]), pack_bf16x2(v[q][6], v[q][7]));
+          *reinterpret_cast<uint4*>(row + c) = make_uint4(pack_bf16x2(v[q][0], v[q][1]), pack_bf16x2(v[q][2], v[q][3]),
+                                                          pack_bf16x2(v[q][4], v[q][5]), pack_bf16x2(v[q][6], v[q][7]));
         } else {
           for (int e = 0; e < 8 && c + e < p.inner; ++e) {
             const __nv_bfloat16 b = __float2bfloat16_rn(v[q][e]);
@@ -311,7 +311,9 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool va
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
 
 // Inputs an activation reads per element: x (or the gate half), the up half, dy.
 template <int Act>
@@ -321,7 +323,7 @@ __host__ __device__ constexpr int input_planes() {
 
 // Group ends searched from shared memory when they fit (the common case: up to 1,024 experts).
 constexpr int kSmemGroups = 1024;
-constexpr int kUnitRows = 32;                    // a pipeline unit: 32 rows x 128 columns
+constexpr int kUnitRows = 32;  // a pipeline unit: 32 rows x 128 columns
 constexpr int kUnitsPerTile = kBlock / kUnitRows;
 constexpr int kActStages = 4;
 
@@ -340,14 +342,14 @@ __device__ __forceinline__ void block_span(const ActProblem& p, const int32_t* e
 }
 
 template <int Act, __nv_fp8_interpretation_t I>
-__global__ void __launch_bounds__(kThreads) act_pipelined_kernel(ActProblem p, int64_t col_blocks, bool vec_y,
-                                                                   bool vec_y8, bool vec_t) {
+__global__ void __launch_bounds__(kThreads)
+    act_pipelined_kernel(ActProblem p, int64_t col_blocks, bool vec_y, bool vec_y8, bool vec_t) {
   constexpr int kIn = input_planes<Act>();
   constexpr int kPlanes = Act == kSwigluBackward ? 2 : 1;
   constexpr int kUnitElems = kUnitRows * kBlock;
   extern __shared__ __align__(16) uint16_t smem[];
-  uint16_t* ring = smem;                                      // [stage][kIn][32][128] bf16 inputs
-  uint16_t* tile = smem + kActStages * kIn * kUnitElems;      // [kPlanes][128][128] for the transpose
+  uint16_t* ring = smem;                                  // [stage][kIn][32][128] bf16 inputs
+  uint16_t* tile = smem + kActStages * kIn * kUnitElems;  // [kPlanes][128][128] for the transpose
   __shared__ uint32_t red[4][kBlock];
   __shared__ int32_t ends_s[kSmemGroups];
   const auto* x = static_cast<const uint16_t*>(p.x);
@@ -390,8 +392,8 @@ __global__ void __launch_bounds__(kThreads) act_pipelined_kernel(ActProblem p, i
         if constexpr (Act == kSwiglu || Act == kSwigluBackward)
           cp_async16(stage + kUnitElems + i * kBlock + (chunk % 16) * 8, xr + (valid ? p.inner : 0), valid);
         if constexpr (Act == kSwigluBackward || Act == kGeluBackward)
-          cp_async16(stage + (kIn - 1) * kUnitElems + i * kBlock + (chunk % 16) * 8,
-                     dy + r * p.inner + (valid ? c : 0), valid);
+          cp_async16(stage + (kIn - 1) * kUnitElems + i * kBlock + (chunk % 16) * 8, dy + r * p.inner + (valid ? c : 0),
+                     valid);
       }
     }
     cp_async_commit();  // an empty group past the end keeps the wait counts uniform
@@ -473,15 +475,14 @@ __global__ void __launch_bounds__(kThreads) act_pipelined_kernel(ActProblem p, i
 
 // ---------------------------------------------------------------- weights
 
-
 // Thread t holds rows t / 16 + 16 k (k < 8) at columns 8 (t % 16) + [0, 8) of block (g, rb, cb);
 // the FP8 block goes through shared memory row-major, and thread t writes 64 bytes of row
 // cb * 128 + t / 2 of the transpose (a column of the block, read byte by byte).
 template <class In, __nv_fp8_interpretation_t I>
 __global__ void __launch_bounds__(kThreads)
-    weight_kernel(const typename In::Storage* __restrict__ w, int64_t groups, int64_t rows, int64_t cols,
-                  bool vec, uint8_t* __restrict__ out, uint8_t* __restrict__ out_t, bool vec_t,
-                  float* __restrict__ scale, float* __restrict__ scale_t) {
+    weight_kernel(const typename In::Storage* __restrict__ w, int64_t groups, int64_t rows, int64_t cols, bool vec,
+                  uint8_t* __restrict__ out, uint8_t* __restrict__ out_t, bool vec_t, float* __restrict__ scale,
+                  float* __restrict__ scale_t) {
   __shared__ uint32_t red[kThreads / 32];
   __shared__ __align__(16) uint8_t tile[kBlock * kBlock];  // [row][column]
   const int64_t row_blocks = (rows + kBlock - 1) / kBlock;
@@ -527,7 +528,7 @@ __global__ void __launch_bounds__(kThreads)
     }
     if (out_t == nullptr) continue;  // uniform
     __syncthreads();
-    const int j = threadIdx.x >> 1;        // the block's column: a row of the transpose
+    const int j = threadIdx.x >> 1;  // the block's column: a row of the transpose
     const int half = threadIdx.x & 1;
     const int64_t orow = cb * kBlock + j;
     const int64_t ocol = rb * kBlock + half * 64;
@@ -651,7 +652,8 @@ __global__ void __launch_bounds__(kThreads)
         reinterpret_cast<uint4*>(o)[0] = make_uint4(packed[t][0], packed[t][1], packed[t][2], packed[t][3]);
         reinterpret_cast<uint4*>(o)[1] = make_uint4(packed[t][4], packed[t][5], packed[t][6], packed[t][7]);
       } else {
-        for (int e = 0; e < kRows && ocol + e < rows; ++e) o[e] = static_cast<uint8_t>(packed[t][e / 4] >> (8 * (e % 4)));
+        for (int e = 0; e < kRows && ocol + e < rows; ++e)
+          o[e] = static_cast<uint8_t>(packed[t][e / 4] >> (8 * (e % 4)));
       }
     }
   }
@@ -686,8 +688,7 @@ cudaError_t launch_act_typed(const ActProblem& p, cudaStream_t stream) {
   const bool vec_t = p.yt_fp8 != nullptr && aligned(p.yt_fp8) && p.yt_ld % 16 == 0;
   const int64_t col_blocks = (p.inner + kBlock - 1) / kBlock;
   if (vec_in && p.row_blocks * col_blocks < (int64_t(1) << 32)) {  // the kernel splits tiles in 32 bits
-    const size_t smem =
-        size_t(kActStages) * input_planes<Act>() * kUnitRows * kBlock * sizeof(uint16_t) + tile_bytes;
+    const size_t smem = size_t(kActStages) * input_planes<Act>() * kUnitRows * kBlock * sizeof(uint16_t) + tile_bytes;
     unsigned grid = 0;
     const cudaError_t err =
         persistent_grid(act_pipelined_kernel<Act, I>, smem, p.sm_count, p.row_blocks * col_blocks, &grid);
@@ -708,11 +709,16 @@ cudaError_t launch_act_typed(const ActProblem& p, cudaStream_t stream) {
 template <__nv_fp8_interpretation_t I>
 cudaError_t launch_act_fp8(const ActProblem& p, cudaStream_t stream) {
   switch (p.act) {
-    case kIdentity: return launch_act_typed<kIdentity, I>(p, stream);
-    case kSwiglu: return launch_act_typed<kSwiglu, I>(p, stream);
-    case kGelu: return launch_act_typed<kGelu, I>(p, stream);
-    case kSwigluBackward: return launch_act_typed<kSwigluBackward, I>(p, stream);
-    case kGeluBackward: return launch_act_typed<kGeluBackward, I>(p, stream);
+    case kIdentity:
+      return launch_act_typed<kIdentity, I>(p, stream);
+    case kSwiglu:
+      return launch_act_typed<kSwiglu, I>(p, stream);
+    case kGelu:
+      return launch_act_typed<kGelu, I>(p, stream);
+    case kSwigluBackward:
+      return launch_act_typed<kSwigluBackward, I>(p, stream);
+    case kGeluBackward:
+      return launch_act_typed<kGeluBackward, I>(p, stream);
   }
   return cudaErrorInvalidValue;
 }
@@ -738,8 +744,8 @@ cudaError_t launch_weight_typed(const WeightProblem& p, cudaStream_t stream) {
     }
   }
   const auto grid = static_cast<unsigned>(std::min<int64_t>(blocks, sms * 8));
-  weight_kernel<In, I><<<grid, kThreads, 0, stream>>>(static_cast<const typename In::Storage*>(p.w), p.groups,
-                                                      p.rows, p.cols, vec, static_cast<uint8_t*>(p.out),
+  weight_kernel<In, I><<<grid, kThreads, 0, stream>>>(static_cast<const typename In::Storage*>(p.w), p.groups, p.rows,
+                                                      p.cols, vec, static_cast<uint8_t*>(p.out),
                                                       static_cast<uint8_t*>(p.out_t), vec_t, p.scale, p.scale_t);
   return cudaGetLastError();
 }
@@ -764,10 +770,14 @@ cudaError_t launch_act(const ActProblem& p, cudaStream_t stream) {
 
 cudaError_t launch_weight_quantize(const WeightProblem& p, cudaStream_t stream) {
   switch (p.w_dtype) {
-    case DG_BF16: return launch_weight_for_input<Bf16>(p, stream);
-    case DG_F16: return launch_weight_for_input<F16>(p, stream);
-    case DG_F32: return launch_weight_for_input<F32>(p, stream);
-    default: return cudaErrorInvalidValue;
+    case DG_BF16:
+      return launch_weight_for_input<Bf16>(p, stream);
+    case DG_F16:
+      return launch_weight_for_input<F16>(p, stream);
+    case DG_F32:
+      return launch_weight_for_input<F32>(p, stream);
+    default:
+      return cudaErrorInvalidValue;
   }
 }
 

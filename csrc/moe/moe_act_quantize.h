@@ -18,23 +18,23 @@ enum Act : int { kIdentity = 0, kSwiglu = 1, kGelu = 2, kSwigluBackward = 3, kGe
 
 struct ActProblem {
   int act = kIdentity;
-  const void* x = nullptr;   // bf16 (tokens, x_cols) row-major: x_cols = 2 inner for SwiGLU ops
+  const void* x = nullptr;  // bf16 (tokens, x_cols) row-major: x_cols = 2 inner for SwiGLU ops
   int64_t x_cols = 0;
   const void* dy = nullptr;  // backward ops: bf16 (tokens, inner)
   int64_t tokens = 0;
-  int64_t inner = 0;         // the activation's width
-  int planes = 1;            // 2 for the SwiGLU backward (gate and up gradients), else 1
-  int64_t y_cols = 0;        // planes * inner
-  void* y = nullptr;         // bf16 (tokens, y_cols) or NULL
-  void* y_fp8 = nullptr;     // FP8 (tokens, y_cols) per 1 x 128, or NULL
-  float* y_scale = nullptr;  // (ceil(y_cols / 128), tokens)
-  void* yt_fp8 = nullptr;    // FP8 (y_cols, yt_ld) transposed and padded per group, or NULL
-  float* yt_scale = nullptr; // (row_blocks, y_cols)
-  int64_t yt_ld = 0;         // 128 * row_blocks
-  int64_t row_blocks = 0;    // blocks of 128 rows the grid covers (padded per group with offs)
+  int64_t inner = 0;              // the activation's width
+  int planes = 1;                 // 2 for the SwiGLU backward (gate and up gradients), else 1
+  int64_t y_cols = 0;             // planes * inner
+  void* y = nullptr;              // bf16 (tokens, y_cols) or NULL
+  void* y_fp8 = nullptr;          // FP8 (tokens, y_cols) per 1 x 128, or NULL
+  float* y_scale = nullptr;       // (ceil(y_cols / 128), tokens)
+  void* yt_fp8 = nullptr;         // FP8 (y_cols, yt_ld) transposed and padded per group, or NULL
+  float* yt_scale = nullptr;      // (row_blocks, y_cols)
+  int64_t yt_ld = 0;              // 128 * row_blocks
+  int64_t row_blocks = 0;         // blocks of 128 rows the grid covers (padded per group with offs)
   const int32_t* offs = nullptr;  // with yt_fp8: `groups` cumulative group ends on the device
   int64_t groups = 0;
-  int32_t* ends = nullptr;   // workspace: 4 * groups bytes
+  int32_t* ends = nullptr;  // workspace: 4 * groups bytes
   dg_dtype fp8_dtype = DG_E4M3;
   int sm_count = 0;
 };
@@ -48,8 +48,8 @@ struct WeightProblem {
   int64_t groups = 0;
   int64_t rows = 0;
   int64_t cols = 0;
-  void* out = nullptr;       // or NULL
-  void* out_t = nullptr;     // or NULL
+  void* out = nullptr;    // or NULL
+  void* out_t = nullptr;  // or NULL
   float* scale = nullptr;
   float* scale_t = nullptr;  // or NULL: the scales as (groups, ceil(cols / 128), ceil(rows / 128))
   dg_dtype fp8_dtype = DG_E4M3;

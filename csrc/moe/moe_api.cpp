@@ -27,11 +27,16 @@ bool is_swiglu(int act) { return act == kSwiglu || act == kSwigluBackward; }
 
 const char* act_name(int act) {
   switch (act) {
-    case kIdentity: return "DG_MOE_IDENTITY";
-    case kSwiglu: return "DG_MOE_SWIGLU";
-    case kGelu: return "DG_MOE_GELU";
-    case kSwigluBackward: return "DG_MOE_SWIGLU_BACKWARD";
-    case kGeluBackward: return "DG_MOE_GELU_BACKWARD";
+    case kIdentity:
+      return "DG_MOE_IDENTITY";
+    case kSwiglu:
+      return "DG_MOE_SWIGLU";
+    case kGelu:
+      return "DG_MOE_GELU";
+    case kSwigluBackward:
+      return "DG_MOE_SWIGLU_BACKWARD";
+    case kGeluBackward:
+      return "DG_MOE_GELU_BACKWARD";
   }
   return "unknown";
 }
@@ -41,16 +46,15 @@ dg_status check_act_shape(const dg_moe_act_desc& d, ActProblem* p) {
   const int act = raw_enum(d.act);
   DG_REQUIRE(act >= kIdentity && act <= kGeluBackward,
              "act must be DG_MOE_IDENTITY, DG_MOE_SWIGLU, DG_MOE_GELU, DG_MOE_SWIGLU_BACKWARD or "
-             "DG_MOE_GELU_BACKWARD, got ", act);
-  DG_REQUIRE(d.tokens >= 0 && d.inner >= 0, "tokens and inner must be non-negative, got ", d.tokens, " and ",
-             d.inner);
+             "DG_MOE_GELU_BACKWARD, got ",
+             act);
+  DG_REQUIRE(d.tokens >= 0 && d.inner >= 0, "tokens and inner must be non-negative, got ", d.tokens, " and ", d.inner);
   DG_REQUIRE(d.y != nullptr || d.y_fp8 != nullptr || d.yt_fp8 != nullptr,
              "no output: set at least one of y, y_fp8 and yt_fp8");
   const bool fp8 = d.y_fp8 != nullptr || d.yt_fp8 != nullptr;
   const int out = raw_enum(d.fp8_dtype);
   DG_REQUIRE(!fp8 || out == DG_E4M3 || out == DG_E5M2, "fp8_dtype must be DG_E4M3 or DG_E5M2, got ", out);
-  DG_REQUIRE(is_backward(act) || d.dy == nullptr, "dy applies to the backward activations only, not ",
-             act_name(act));
+  DG_REQUIRE(is_backward(act) || d.dy == nullptr, "dy applies to the backward activations only, not ", act_name(act));
   p->act = act;
   p->planes = act == kSwigluBackward ? 2 : 1;
   p->tokens = d.tokens;
@@ -61,12 +65,12 @@ dg_status check_act_shape(const dg_moe_act_desc& d, ActProblem* p) {
   DG_REQUIRE(blocks_of(d.inner) <= 65535, "inner of ", d.inner, " columns is more than 65535 blocks of 128");
   DG_REQUIRE(act != kSwigluBackward || d.y_fp8 == nullptr || d.inner % kBlock == 0,
              "DG_MOE_SWIGLU_BACKWARD with y_fp8 needs inner to be a multiple of 128 (a 1 x 128 block "
-             "must not span the gate and up halves), got ", d.inner);
+             "must not span the gate and up halves), got ",
+             d.inner);
   if (d.yt_fp8 != nullptr) {
     DG_REQUIRE(d.num_groups >= 1 && d.num_groups < kInt32Limit,
                "yt_fp8 (the per-group padded transpose) needs num_groups in [1, 2^31), got ", d.num_groups);
-    DG_REQUIRE(d.tokens < kInt32Limit, "yt_fp8 needs fewer than 2^31 tokens (int32 group ends), got ",
-               d.tokens);
+    DG_REQUIRE(d.tokens < kInt32Limit, "yt_fp8 needs fewer than 2^31 tokens (int32 group ends), got ", d.tokens);
     p->groups = d.num_groups;
     p->row_blocks = blocks_of(d.tokens) + d.num_groups;
     p->yt_ld = p->row_blocks * kBlock;
@@ -94,8 +98,8 @@ dg_status lower_act(const dg_moe_act_desc* desc, ActProblem* p) {
     DG_RETURN_IF_ERROR(check_extent(d.yt_fp8, "yt_fp8", {p->y_cols, p->yt_ld}, 1, 1));
     DG_RETURN_IF_ERROR(check_extent(d.yt_scale, "yt_scale", {p->row_blocks, p->y_cols}, 4, 4));
     DG_RETURN_IF_ERROR(check_extent(d.offs, "offs", {d.num_groups}, 4, 4));
-    DG_REQUIRE(d.workspace_bytes >= need, "workspace of ", d.workspace_bytes, " bytes is smaller than the ",
-               need, " needed");
+    DG_REQUIRE(d.workspace_bytes >= need, "workspace of ", d.workspace_bytes, " bytes is smaller than the ", need,
+               " needed");
     DG_RETURN_IF_ERROR(check_extent(d.workspace, "workspace", {static_cast<int64_t>(need)}, 1, 4));
   }
   p->x = d.x;
@@ -115,8 +119,7 @@ dg_status lower_weight(const dg_quantize_weight_desc* desc, WeightProblem* p) {
   DG_REQUIRE(desc != nullptr, "desc must not be NULL");
   const dg_quantize_weight_desc& d = *desc;
   const int in = raw_enum(d.w_dtype), out = raw_enum(d.out_dtype);
-  DG_REQUIRE(in == DG_BF16 || in == DG_F16 || in == DG_F32, "w must be bfloat16, float16 or float32, got dtype ",
-             in);
+  DG_REQUIRE(in == DG_BF16 || in == DG_F16 || in == DG_F32, "w must be bfloat16, float16 or float32, got dtype ", in);
   DG_REQUIRE(out == DG_E4M3 || out == DG_E5M2, "out dtype must be DG_E4M3 or DG_E5M2, got ", out);
   DG_REQUIRE(d.groups >= 0 && d.rows >= 0 && d.cols >= 0, "w must have non-negative (groups, rows, cols), got (",
              d.groups, ", ", d.rows, ", ", d.cols, ")");
@@ -164,6 +167,6 @@ extern "C" dg_status dg_moe_activation(const dg_moe_act_desc* desc, cudaStream_t
 }
 
 extern "C" dg_status dg_quantize_fp8_weight(const dg_quantize_weight_desc* desc, cudaStream_t stream) {
-  return check_and_launch_portable<WeightProblem>("FP8 weight quantization", desc, lower_weight,
-                                                  launch_weight_quantize, stream);
+  return check_and_launch_portable<WeightProblem>("FP8 weight quantization", desc, lower_weight, launch_weight_quantize,
+                                                  stream);
 }

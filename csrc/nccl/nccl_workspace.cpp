@@ -27,7 +27,7 @@
 namespace {
 
 constexpr int kMinWorld = 2;
-using distgemm::tp::kMaxWorld;  // the largest group the TP core takes
+using distgemm::tp::kMaxWorld;                    // the largest group the TP core takes
 constexpr size_t kGranularity = size_t{2} << 20;  // whole 2 MiB pages: 256-byte aligned, IPC-able
 // The size a rank that failed before the exchange contributes to its max: no request rounds to it.
 constexpr uint64_t kFailedSize = UINT64_MAX;
@@ -38,7 +38,7 @@ struct Record {
   uint64_t process;           // this process's token: peers in the same process skip IPC
   uint64_t address;           // the workspace's address (used by peers in the same process)
   int32_t device;
-  int32_t ok;                 // allocation, zeroing and export succeeded
+  int32_t ok;  // allocation, zeroing and export succeeded
   char pad[40];
 };
 static_assert(sizeof(Record) == 128, "Record is a 128-byte slot");
@@ -157,8 +157,8 @@ class Collectives {
       const cudaError_t e = cudaEventQuery(event);
       if (e == cudaSuccess) return DG_SUCCESS;
       if (e != cudaErrorNotReady)
-        return distgemm::fail(DG_ERROR_CUDA, distgemm::cat(caller_, ": ", what, ": cudaEventQuery: ",
-                                                           cudaGetErrorString(e)));
+        return distgemm::fail(DG_ERROR_CUDA,
+                              distgemm::cat(caller_, ": ", what, ": cudaEventQuery: ", cudaGetErrorString(e)));
       ncclResult_t async = ncclSuccess;
       const ncclResult_t q = ncclCommGetAsyncError(comm_, &async);
       if (q != ncclSuccess || (async != ncclSuccess && async != ncclInProgress)) {
@@ -186,10 +186,10 @@ class Collectives {
   }
   dg_status time_out(const char* what) {
     abort();
-    return distgemm::fail(DG_ERROR_TIMEOUT,
-                          distgemm::cat(caller_, ": ", what, ": the peers did not answer within timeout_s = ",
-                                        timeout_s_, " s; the communicator was aborted (ncclCommAbort, which "
-                                        "freed it) and must be recreated"));
+    return distgemm::fail(DG_ERROR_TIMEOUT, distgemm::cat(caller_, ": ", what,
+                                                          ": the peers did not answer within timeout_s = ", timeout_s_,
+                                                          " s; the communicator was aborted (ncclCommAbort, which "
+                                                          "freed it) and must be recreated"));
   }
 
   ncclComm_t comm_;
@@ -210,10 +210,10 @@ struct dg_nccl_workspace {
   int device = 0;
   size_t bytes = 0;
   double timeout_s = 0;
-  void* local = nullptr;           // this rank's workspace (cudaMalloc)
-  void* barrier = nullptr;         // 256 device bytes for destroy's barriers
-  std::vector<void*> peers;        // [world] as mapped here; peers[rank] == local
-  std::vector<char> ipc_opened;    // [world] peers[r] came from cudaIpcOpenMemHandle
+  void* local = nullptr;         // this rank's workspace (cudaMalloc)
+  void* barrier = nullptr;       // 256 device bytes for destroy's barriers
+  std::vector<void*> peers;      // [world] as mapped here; peers[rank] == local
+  std::vector<char> ipc_opened;  // [world] peers[r] came from cudaIpcOpenMemHandle
 
   // Closes the mappings, then frees this rank's memory (no collective).
   void release() {
@@ -251,8 +251,8 @@ dg_status all_gather_host(Collectives& coll, const Staging& st, const void* mine
   std::memcpy(st.host_slot(1), mine, bytes);
   DG_CUDA_RETURN(cudaMemcpyAsync(st.dev_slot(1), st.host_slot(1), bytes, cudaMemcpyHostToDevice, stream));
   DG_RETURN_IF_ERROR(coll.all_gather(st.dev_slot(1), st.dev_slot(2), bytes, what));
-  DG_CUDA_RETURN(cudaMemcpyAsync(st.host_slot(2), st.dev_slot(2), bytes * size_t(world), cudaMemcpyDeviceToHost,
-                                 stream));
+  DG_CUDA_RETURN(
+      cudaMemcpyAsync(st.host_slot(2), st.dev_slot(2), bytes * size_t(world), cudaMemcpyDeviceToHost, stream));
   return coll.wait(what);
 }
 
@@ -278,8 +278,8 @@ dg_status map_peer(dg_nccl_workspace* ws, int r, const Record& rec) {
       if (e == cudaErrorPeerAccessAlreadyEnabled) {
         cudaGetLastError();
       } else if (e != cudaSuccess) {
-        return distgemm::fail(DG_ERROR_CUDA, distgemm::cat("cudaDeviceEnablePeerAccess(", rec.device,
-                                                           ") for rank ", r, ": ", cudaGetErrorString(e)));
+        return distgemm::fail(DG_ERROR_CUDA, distgemm::cat("cudaDeviceEnablePeerAccess(", rec.device, ") for rank ", r,
+                                                           ": ", cudaGetErrorString(e)));
       }
     }
     ws->peers[r] = reinterpret_cast<void*>(static_cast<uintptr_t>(rec.address));
@@ -288,8 +288,8 @@ dg_status map_peer(dg_nccl_workspace* ws, int r, const Record& rec) {
   void* p = nullptr;
   const cudaError_t e = cudaIpcOpenMemHandle(&p, rec.handle, cudaIpcMemLazyEnablePeerAccess);
   if (e != cudaSuccess)
-    return distgemm::fail(DG_ERROR_CUDA, distgemm::cat("cudaIpcOpenMemHandle of rank ", r,
-                                                       "'s workspace: ", cudaGetErrorString(e)));
+    return distgemm::fail(DG_ERROR_CUDA,
+                          distgemm::cat("cudaIpcOpenMemHandle of rank ", r, "'s workspace: ", cudaGetErrorString(e)));
   ws->peers[r] = p;
   ws->ipc_opened[r] = 1;
   return DG_SUCCESS;
@@ -305,8 +305,7 @@ int first_failed(const char* base, size_t stride, int world) {
   return -1;
 }
 
-dg_status create(ncclComm_t comm, size_t bytes, double timeout_s, cudaStream_t stream,
-                 dg_nccl_workspace** out) {
+dg_status create(ncclComm_t comm, size_t bytes, double timeout_s, cudaStream_t stream, dg_nccl_workspace** out) {
   const char* const fn = "dg_nccl_workspace_create";
   DG_REQUIRE(out != nullptr, fn, ": out must not be NULL");
   *out = nullptr;
@@ -347,12 +346,11 @@ dg_status create(ncclComm_t comm, size_t bytes, double timeout_s, cudaStream_t s
   if (staging != cudaSuccess) {
     cudaGetLastError();
     DG_CUDA_RETURN(cudaMemsetAsync(ws->barrier, 0xff, sizeof(uint64_t), stream));  // kFailedSize
-    DG_RETURN_IF_ERROR(coll.all_reduce(ws->barrier, ws->barrier, 1, ncclUint64, ncclMax,
-                                       "ncclAllReduce (max) of the workspace size"));
+    DG_RETURN_IF_ERROR(
+        coll.all_reduce(ws->barrier, ws->barrier, 1, ncclUint64, ncclMax, "ncclAllReduce (max) of the workspace size"));
     DG_RETURN_IF_ERROR(coll.wait("ncclAllReduce (max) of the workspace size"));
     return distgemm::fail(DG_ERROR_CUDA, distgemm::cat(fn, ": rank ", ws->rank, ": allocating the ", st.bytes,
-                                                       "-byte exchange staging failed: ",
-                                                       cudaGetErrorString(staging)));
+                                                       "-byte exchange staging failed: ", cudaGetErrorString(staging)));
   }
 
   // 1. The size: the largest request of any rank, in whole granules (kFailedSize: a rank could
@@ -367,7 +365,8 @@ dg_status create(ncclComm_t comm, size_t bytes, double timeout_s, cudaStream_t s
   uint64_t agreed = 0;
   std::memcpy(&agreed, st.host_slot(0), sizeof(agreed));
   if (agreed == kFailedSize)
-    return distgemm::fail(DG_ERROR_CUDA, distgemm::cat(fn, ": a peer could not allocate its exchange staging "
+    return distgemm::fail(DG_ERROR_CUDA, distgemm::cat(fn,
+                                                       ": a peer could not allocate its exchange staging "
                                                        "(its dg_last_error says why)"));
   ws->bytes = static_cast<size_t>(agreed);
 
@@ -375,15 +374,15 @@ dg_status create(ncclComm_t comm, size_t bytes, double timeout_s, cudaStream_t s
   Record mine;
   const dg_status local_status = prepare_local(ws.get(), stream, &mine);
   const std::string local_error = local_status == DG_SUCCESS ? std::string() : dg_last_error();
-  DG_RETURN_IF_ERROR(all_gather_host(coll, st, &mine, sizeof(mine), world, stream,
-                                     "ncclAllGather of the workspaces' IPC handles"));
+  DG_RETURN_IF_ERROR(
+      all_gather_host(coll, st, &mine, sizeof(mine), world, stream, "ncclAllGather of the workspaces' IPC handles"));
   // The gather completing means every rank's zeroing (enqueued before it) has run.
   std::vector<Record> records(world);
   std::memcpy(records.data(), st.host_slot(2), sizeof(Record) * size_t(world));
   if (local_status != DG_SUCCESS)
     return distgemm::fail(local_status, distgemm::cat(fn, ": rank ", ws->rank, ": ", local_error));
-  const int bad = first_failed(reinterpret_cast<const char*>(records.data()) + offsetof(Record, ok),
-                               sizeof(Record), world);
+  const int bad =
+      first_failed(reinterpret_cast<const char*>(records.data()) + offsetof(Record, ok), sizeof(Record), world);
   if (bad >= 0)
     return distgemm::fail(DG_ERROR_CUDA, distgemm::cat(fn, ": rank ", bad, " could not allocate or export its ",
                                                        ws->bytes, "-byte workspace (its dg_last_error says why)"));
@@ -400,8 +399,8 @@ dg_status create(ncclComm_t comm, size_t bytes, double timeout_s, cudaStream_t s
     if (map_status != DG_SUCCESS) map_error = dg_last_error();
   }
   const int32_t mapped = map_status == DG_SUCCESS;
-  DG_RETURN_IF_ERROR(all_gather_host(coll, st, &mapped, sizeof(mapped), world, stream,
-                                     "ncclAllGather of the ranks' mapping results"));
+  DG_RETURN_IF_ERROR(
+      all_gather_host(coll, st, &mapped, sizeof(mapped), world, stream, "ncclAllGather of the ranks' mapping results"));
   const int unmapped = first_failed(st.host_slot(2), sizeof(int32_t), world);
   if (unmapped < 0) {
     *out = ws.release();
@@ -411,16 +410,16 @@ dg_status create(ncclComm_t comm, size_t bytes, double timeout_s, cudaStream_t s
   // close their mappings before anyone frees what it exported (freeing memory another process
   // still has open is undefined). Without that barrier the memory is left allocated.
   const std::string message =
-      map_status != DG_SUCCESS ? distgemm::cat(fn, ": rank ", ws->rank, ": ", map_error)
-                               : distgemm::cat(fn, ": rank ", unmapped,
-                                               " could not map its peers' workspaces (its dg_last_error says why)");
+      map_status != DG_SUCCESS
+          ? distgemm::cat(fn, ": rank ", ws->rank, ": ", map_error)
+          : distgemm::cat(fn, ": rank ", unmapped, " could not map its peers' workspaces (its dg_last_error says why)");
   for (int r = 0; r < world; ++r)
     if (ws->ipc_opened[r] && ws->peers[r]) cudaIpcCloseMemHandle(ws->peers[r]);
   ws->peers.clear();
   ws->ipc_opened.clear();
   DG_CUDA_RETURN(cudaMemsetAsync(ws->barrier, 0, sizeof(int32_t), stream));
-  dg_status closed = coll.all_reduce(ws->barrier, ws->barrier, 1, ncclInt32, ncclSum,
-                                     "barrier after closing the mappings");
+  dg_status closed =
+      coll.all_reduce(ws->barrier, ws->barrier, 1, ncclInt32, ncclSum, "barrier after closing the mappings");
   if (closed == DG_SUCCESS) closed = coll.wait("barrier after closing the mappings");
   if (closed != DG_SUCCESS) ws->local = nullptr;  // a peer may still map it: leaked, not freed
   return distgemm::fail(map_status != DG_SUCCESS ? map_status : DG_ERROR_CUDA, message);
@@ -428,8 +427,8 @@ dg_status create(ncclComm_t comm, size_t bytes, double timeout_s, cudaStream_t s
 
 }  // namespace
 
-extern "C" dg_status dg_nccl_workspace_create(ncclComm_t comm, size_t bytes, double timeout_s,
-                                              cudaStream_t stream, dg_nccl_workspace** out) {
+extern "C" dg_status dg_nccl_workspace_create(ncclComm_t comm, size_t bytes, double timeout_s, cudaStream_t stream,
+                                              dg_nccl_workspace** out) {
   return create(comm, bytes, timeout_s, stream, out);
 }
 

@@ -101,8 +101,8 @@ __device__ __forceinline__ uint32_t to_fp8x4(float a, float b, float c, float e,
 // Elements [c, c + 8) of a row of `cols` elements as float, zeros past the row's end. vec: the
 // row starts 16-byte aligned and c is a multiple of 8, so a full group loads as 16-byte vectors.
 template <class In>
-__device__ __forceinline__ void load8(const typename In::Storage* __restrict__ row, int64_t c,
-                                      int64_t cols, bool vec, float (&v)[8]) {
+__device__ __forceinline__ void load8(const typename In::Storage* __restrict__ row, int64_t c, int64_t cols, bool vec,
+                                      float (&v)[8]) {
   if (vec && c + 8 <= cols) {
     if constexpr (sizeof(typename In::Storage) == 2) {
       const uint4 raw = __ldg(reinterpret_cast<const uint4*>(row + c));
@@ -115,8 +115,14 @@ __device__ __forceinline__ void load8(const typename In::Storage* __restrict__ r
     } else {
       const float4 a = __ldg(reinterpret_cast<const float4*>(row + c));
       const float4 b = __ldg(reinterpret_cast<const float4*>(row + c + 4));
-      v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
-      v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+      v[0] = a.x;
+      v[1] = a.y;
+      v[2] = a.z;
+      v[3] = a.w;
+      v[4] = b.x;
+      v[5] = b.y;
+      v[6] = b.z;
+      v[7] = b.w;
     }
   } else {
 #pragma unroll
@@ -212,7 +218,6 @@ __device__ __forceinline__ int64_t find_group(const int32_t* __restrict__ ends, 
   }
   return lo;
 }
-
 
 }  // namespace
 }  // namespace distgemm::quant

@@ -39,8 +39,8 @@ __global__ void __launch_bounds__(kThreads)
 
 template <class In, __nv_fp8_interpretation_t I>
 __global__ void __launch_bounds__(kThreads)
-    tensor_quantize_kernel(const typename In::Storage* __restrict__ x, int64_t n, bool vec,
-                           const uint32_t* amax, uint8_t* __restrict__ out, float* scale) {
+    tensor_quantize_kernel(const typename In::Storage* __restrict__ x, int64_t n, bool vec, const uint32_t* amax,
+                           uint8_t* __restrict__ out, float* scale) {
   const float s = scale_of<I>(*amax);
   const Divisor d(s);
   if (blockIdx.x == 0 && threadIdx.x == 0) *scale = s;
@@ -142,8 +142,8 @@ __global__ void __launch_bounds__(kThreads)
 // Block (b, rb, cb) of the (batch, row blocks, column blocks) grid has scale[block index].
 template <class In, __nv_fp8_interpretation_t I>
 __global__ void __launch_bounds__(kThreads)
-    quantize_128x128_kernel(const typename In::Storage* __restrict__ x, int64_t batch, int64_t rows,
-                            int64_t cols, bool vec, uint8_t* __restrict__ out, float* __restrict__ scale) {
+    quantize_128x128_kernel(const typename In::Storage* __restrict__ x, int64_t batch, int64_t rows, int64_t cols,
+                            bool vec, uint8_t* __restrict__ out, float* __restrict__ scale) {
   __shared__ uint32_t red[kThreads / 32];
   const int64_t row_blocks = (rows + kBlock - 1) / kBlock;
   const int64_t col_blocks = (cols + kBlock - 1) / kBlock;
@@ -194,16 +194,15 @@ constexpr int kTileCols = 64;  // columns of x per tile: rows of out
 // group's rows; a block without rows gets scale 1). Scale (p, c) goes to scale[p * cols + c].
 template <class In, __nv_fp8_interpretation_t I>
 __global__ void __launch_bounds__(kThreads)
-    quantize_transposed_kernel(const typename In::Storage* __restrict__ x, int64_t rows, int64_t cols,
-                               bool vec_in, const int32_t* __restrict__ ends, int64_t groups,
-                               int64_t row_blocks, uint8_t* __restrict__ out, int64_t out_ld,
-                               bool vec_out, float* __restrict__ scale) {
+    quantize_transposed_kernel(const typename In::Storage* __restrict__ x, int64_t rows, int64_t cols, bool vec_in,
+                               const int32_t* __restrict__ ends, int64_t groups, int64_t row_blocks,
+                               uint8_t* __restrict__ out, int64_t out_ld, bool vec_out, float* __restrict__ scale) {
   __shared__ float tile[kBlock][kTileCols + 1];
   __shared__ uint32_t red[kThreads / kTileCols][kTileCols];
   __shared__ int64_t span[2];
   const int64_t col_tiles = (cols + kTileCols - 1) / kTileCols;
-  const int j = threadIdx.x % kTileCols;  // the tile column this thread reduces and writes
-  const int q = threadIdx.x / kTileCols;  // and its quarter of the 128 rows
+  const int j = threadIdx.x % kTileCols;                           // the tile column this thread reduces and writes
+  const int q = threadIdx.x / kTileCols;                           // and its quarter of the 128 rows
   constexpr int kRowsPerThread = kBlock / (kThreads / kTileCols);  // 32
   for (int64_t p = blockIdx.x; p < row_blocks; p += gridDim.x) {
     if (threadIdx.x < 32) {
@@ -303,21 +302,20 @@ cudaError_t launch_typed(const QuantizeProblem& p, cudaStream_t stream) {
       if (err != cudaSuccess) return err;
       const int64_t ctas = ((n + 7) / 8 + kThreads - 1) / kThreads;
       tensor_amax_kernel<In><<<grid(ctas, 8), kThreads, 0, stream>>>(x, n, x16, amax);
-      tensor_quantize_kernel<In, I><<<grid(ctas, 32), kThreads, 0, stream>>>(x, n, x16 && out16, amax, out,
-                                                                              p.scale);
+      tensor_quantize_kernel<In, I><<<grid(ctas, 32), kThreads, 0, stream>>>(x, n, x16 && out16, amax, out, p.scale);
       break;
     }
     case kRow:
       if (p.rows > 0)
-        row_quantize_kernel<In, I><<<grid(p.rows, 32), kThreads, 0, stream>>>(x, p.rows, p.cols, rows_vec, out,
-                                                                             p.scale);
+        row_quantize_kernel<In, I>
+            <<<grid(p.rows, 32), kThreads, 0, stream>>>(x, p.rows, p.cols, rows_vec, out, p.scale);
       break;
     case k1x128:
       if (!p.transpose) {
         const int64_t items = p.rows * ((p.cols + kBlock - 1) / kBlock);
         if (items > 0)
-          quantize_1x128_kernel<In, I><<<grid((items + 15) / 16, 64), kThreads, 0, stream>>>(
-              x, p.rows, p.cols, rows_vec, out, p.scale);
+          quantize_1x128_kernel<In, I>
+              <<<grid((items + 15) / 16, 64), kThreads, 0, stream>>>(x, p.rows, p.cols, rows_vec, out, p.scale);
       } else if (p.cols > 0 && p.row_blocks > 0) {
         int32_t* ends = nullptr;
         if (p.offs) {
@@ -341,8 +339,8 @@ cudaError_t launch_typed(const QuantizeProblem& p, cudaStream_t stream) {
     case k128x128: {
       const int64_t blocks = p.batch * ((p.rows + kBlock - 1) / kBlock) * ((p.cols + kBlock - 1) / kBlock);
       if (blocks > 0)
-        quantize_128x128_kernel<In, I><<<grid(blocks, 16), kThreads, 0, stream>>>(x, p.batch, p.rows, p.cols,
-                                                                                  rows_vec, out, p.scale);
+        quantize_128x128_kernel<In, I>
+            <<<grid(blocks, 16), kThreads, 0, stream>>>(x, p.batch, p.rows, p.cols, rows_vec, out, p.scale);
       break;
     }
     default:
@@ -360,10 +358,14 @@ cudaError_t launch_for_input(const QuantizeProblem& p, cudaStream_t stream) {
 
 cudaError_t launch_quantize_fp8(const QuantizeProblem& p, cudaStream_t stream) {
   switch (p.x_dtype) {
-    case DG_BF16: return launch_for_input<Bf16>(p, stream);
-    case DG_F16: return launch_for_input<F16>(p, stream);
-    case DG_F32: return launch_for_input<F32>(p, stream);
-    default: return cudaErrorInvalidValue;
+    case DG_BF16:
+      return launch_for_input<Bf16>(p, stream);
+    case DG_F16:
+      return launch_for_input<F16>(p, stream);
+    case DG_F32:
+      return launch_for_input<F32>(p, stream);
+    default:
+      return cudaErrorInvalidValue;
   }
 }
 

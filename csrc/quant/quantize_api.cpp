@@ -21,10 +21,14 @@ std::string dtype_str(int raw) {
 
 const char* granularity_name(int g) {
   switch (g) {
-    case kTensor: return "tensor";
-    case kRow: return "row";
-    case k1x128: return "1 x 128";
-    case k128x128: return "128 x 128";
+    case kTensor:
+      return "tensor";
+    case kRow:
+      return "row";
+    case k1x128:
+      return "1 x 128";
+    case k128x128:
+      return "128 x 128";
   }
   return "unknown";
 }
@@ -43,30 +47,30 @@ struct Layout {
 // The shape fields of d (no pointer is read): dtypes, granularity, sizes and their products.
 dg_status check_shape(const dg_quantize_desc& d, Layout* l) {
   const int in = raw_enum(d.x_dtype), out = raw_enum(d.out_dtype), g = raw_enum(d.granularity);
-  DG_REQUIRE(in == DG_BF16 || in == DG_F16 || in == DG_F32,
-             "x must be bfloat16, float16 or float32, got ", dtype_str(in));
-  DG_REQUIRE(out == DG_E4M3 || out == DG_E5M2, "out dtype must be float8_e4m3fn or float8_e5m2, got ",
-             dtype_str(out));
+  DG_REQUIRE(in == DG_BF16 || in == DG_F16 || in == DG_F32, "x must be bfloat16, float16 or float32, got ",
+             dtype_str(in));
+  DG_REQUIRE(out == DG_E4M3 || out == DG_E5M2, "out dtype must be float8_e4m3fn or float8_e5m2, got ", dtype_str(out));
   DG_REQUIRE(g >= kTensor && g <= k128x128,
              "granularity must be DG_QUANT_TENSOR, DG_QUANT_ROW, DG_QUANT_1X128 or DG_QUANT_128X128, got ", g);
-  DG_REQUIRE(d.rows >= 0 && d.cols >= 0, "x must have non-negative rows and cols, got (", d.rows, ", ",
-             d.cols, ")");
+  DG_REQUIRE(d.rows >= 0 && d.cols >= 0, "x must have non-negative rows and cols, got (", d.rows, ", ", d.cols, ")");
   if (g == k128x128) {
     DG_REQUIRE(d.batch >= 0, "batch must be non-negative, got ", d.batch);
   } else {
     DG_REQUIRE(d.batch == 1, "batch must be 1 for ", granularity_name(g),
                " scales (only 128 x 128 blocks take a batch of matrices), got ", d.batch);
   }
-  DG_REQUIRE(!d.transpose || g == k1x128, "transpose needs 1 x 128 blocks (DG_QUANT_1X128), got ",
-             granularity_name(g), " scales");
-  DG_REQUIRE(d.num_groups >= 0 && d.num_groups < kInt32Limit,
-             "num_groups must be 0 (no offs) or in [1, 2^31), got ", d.num_groups);
+  DG_REQUIRE(!d.transpose || g == k1x128, "transpose needs 1 x 128 blocks (DG_QUANT_1X128), got ", granularity_name(g),
+             " scales");
+  DG_REQUIRE(d.num_groups >= 0 && d.num_groups < kInt32Limit, "num_groups must be 0 (no offs) or in [1, 2^31), got ",
+             d.num_groups);
   DG_REQUIRE(d.num_groups == 0 || d.transpose, "offs (num_groups = ", d.num_groups,
              ") apply to the transposed 1 x 128 quantization only");
-  DG_REQUIRE(d.num_groups == 0 || d.rows < kInt32Limit, "x must have fewer than 2^31 rows with offs (int32 "
-             "group ends), got ", d.rows);
-  DG_REQUIRE(checked_product({d.batch, d.rows, d.cols}, &l->x_elems), "x of (", d.batch, ", ", d.rows, ", ",
-             d.cols, ") elements overflows int64");
+  DG_REQUIRE(d.num_groups == 0 || d.rows < kInt32Limit,
+             "x must have fewer than 2^31 rows with offs (int32 "
+             "group ends), got ",
+             d.rows);
+  DG_REQUIRE(checked_product({d.batch, d.rows, d.cols}, &l->x_elems), "x of (", d.batch, ", ", d.rows, ", ", d.cols,
+             ") elements overflows int64");
 
   dg_quantize_sizes& s = l->sizes;
   switch (g) {
@@ -95,12 +99,12 @@ dg_status check_shape(const dg_quantize_desc& d, Layout* l) {
   // Every buffer's bytes fit in int64 (x's elements are at most 4 bytes, the scales 4).
   const int64_t batch = g == k128x128 ? d.batch : 1;
   int64_t bytes = 0;
-  DG_REQUIRE(checked_mul(l->x_elems, dtype_bytes(d.x_dtype), &bytes), "x of (", d.batch, ", ", d.rows, ", ",
-             d.cols, ") elements spans more than 2^63 bytes");
-  DG_REQUIRE(checked_product({batch, s.data_rows, s.data_cols}, &l->data_elems),
-             "the FP8 data of (", s.data_rows, ", ", s.data_cols, ") elements spans more than 2^63 bytes");
-  DG_REQUIRE(checked_product({batch, s.scale_rows, s.scale_cols, 4}, &bytes),
-             "the scales of (", s.scale_rows, ", ", s.scale_cols, ") values span more than 2^63 bytes");
+  DG_REQUIRE(checked_mul(l->x_elems, dtype_bytes(d.x_dtype), &bytes), "x of (", d.batch, ", ", d.rows, ", ", d.cols,
+             ") elements spans more than 2^63 bytes");
+  DG_REQUIRE(checked_product({batch, s.data_rows, s.data_cols}, &l->data_elems), "the FP8 data of (", s.data_rows, ", ",
+             s.data_cols, ") elements spans more than 2^63 bytes");
+  DG_REQUIRE(checked_product({batch, s.scale_rows, s.scale_cols, 4}, &bytes), "the scales of (", s.scale_rows, ", ",
+             s.scale_cols, ") values span more than 2^63 bytes");
   l->scale_elems = bytes / 4;
   return DG_SUCCESS;
 }
@@ -116,10 +120,9 @@ dg_status lower(const dg_quantize_desc* desc, QuantizeProblem* p) {
   DG_RETURN_IF_ERROR(check_extent(d.scale, "scale", {l.scale_elems}, 4, 4));
   if (d.num_groups > 0) DG_RETURN_IF_ERROR(check_extent(d.offs, "offs", {d.num_groups}, 4, 4));
   const size_t needed = l.sizes.workspace_bytes;
-  DG_REQUIRE(d.workspace_bytes >= needed, "workspace of ", d.workspace_bytes, " bytes is smaller than the ",
-             needed, " needed");
-  if (needed > 0)
-    DG_RETURN_IF_ERROR(check_extent(d.workspace, "workspace", {static_cast<int64_t>(needed)}, 1, 4));
+  DG_REQUIRE(d.workspace_bytes >= needed, "workspace of ", d.workspace_bytes, " bytes is smaller than the ", needed,
+             " needed");
+  if (needed > 0) DG_RETURN_IF_ERROR(check_extent(d.workspace, "workspace", {static_cast<int64_t>(needed)}, 1, 4));
 
   p->x = d.x;
   p->x_dtype = d.x_dtype;

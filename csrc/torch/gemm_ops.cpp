@@ -13,8 +13,7 @@ at::Tensor aligned16(const at::Tensor& t) {
   return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 ? t : t.contiguous().clone();
 }
 
-dg_gemm_desc make_desc(at::ScalarType a, at::ScalarType b, at::ScalarType out, bool b_k_major,
-                       bool fast_accum) {
+dg_gemm_desc make_desc(at::ScalarType a, at::ScalarType b, at::ScalarType out, bool b_k_major, bool fast_accum) {
   dg_gemm_desc d{};
   d.fast_accum = fast_accum;
   d.a = {nullptr, to_dg_dtype(a, "a"), 0, 0, 0, 1};
@@ -24,19 +23,17 @@ dg_gemm_desc make_desc(at::ScalarType a, at::ScalarType b, at::ScalarType out, b
   return d;
 }
 
-at::Tensor gemm_cuda(const at::Tensor& a, const at::Tensor& b, const c10::optional<at::Tensor>& c,
-                     double alpha, double beta, at::ScalarType out_dtype,
-                     const c10::optional<at::Tensor>& scale_a,
-                     const c10::optional<at::Tensor>& scale_b, bool fast_accum, int64_t config,
-                     int64_t swizzle) {
+at::Tensor gemm_cuda(const at::Tensor& a, const at::Tensor& b, const c10::optional<at::Tensor>& c, double alpha,
+                     double beta, at::ScalarType out_dtype, const c10::optional<at::Tensor>& scale_a,
+                     const c10::optional<at::Tensor>& scale_b, bool fast_accum, int64_t config, int64_t swizzle) {
   TORCH_CHECK_VALUE(a.dim() == 2 && b.dim() == 2, "distgemm.gemm: a and b must be 2-D");
   const c10::cuda::CUDAGuard guard(a.device());
   at::Tensor out = at::empty({a.size(0), b.size(0)}, a.options().dtype(out_dtype));
   if (out.numel() == 0) return out;
 
   dg_gemm_desc desc = gemm_desc("distgemm.gemm", aligned16(a), aligned16(b),
-                                c ? c10::optional<at::Tensor>(aligned16(*c)) : c10::nullopt, out, alpha,
-                                beta, scale_a, scale_b, fast_accum);
+                                c ? c10::optional<at::Tensor>(aligned16(*c)) : c10::nullopt, out, alpha, beta, scale_a,
+                                scale_b, fast_accum);
   desc.config = static_cast<int>(config);
   desc.swizzle = static_cast<int>(swizzle);
 
@@ -47,8 +44,8 @@ at::Tensor gemm_cuda(const at::Tensor& a, const at::Tensor& b, const c10::option
   return out;
 }
 
-std::vector<std::string> gemm_configs(at::ScalarType a, at::ScalarType b, at::ScalarType out,
-                                      bool b_k_major, int64_t arch, bool fast_accum) {
+std::vector<std::string> gemm_configs(at::ScalarType a, at::ScalarType b, at::ScalarType out, bool b_k_major,
+                                      int64_t arch, bool fast_accum) {
   const dg_gemm_desc d = make_desc(a, b, out, b_k_major, fast_accum);
   std::vector<std::string> names;
   const int count = dg_gemm_config_count(&d, static_cast<int>(arch));
@@ -56,9 +53,8 @@ std::vector<std::string> gemm_configs(at::ScalarType a, at::ScalarType b, at::Sc
   return names;
 }
 
-int64_t gemm_select_config(int64_t m, int64_t n, int64_t k, at::ScalarType a, at::ScalarType b,
-                           at::ScalarType out, bool b_k_major, int64_t arch, int64_t sm_count,
-                           bool fast_accum) {
+int64_t gemm_select_config(int64_t m, int64_t n, int64_t k, at::ScalarType a, at::ScalarType b, at::ScalarType out,
+                           bool b_k_major, int64_t arch, int64_t sm_count, bool fast_accum) {
   dg_gemm_desc d = make_desc(a, b, out, b_k_major, fast_accum);
   // Shapes only: aligned dummy pointers and packed strides.
   alignas(16) static const char dummy[16] = {};
@@ -73,17 +69,18 @@ int64_t gemm_select_config(int64_t m, int64_t n, int64_t k, at::ScalarType a, at
 
 TORCH_LIBRARY_FRAGMENT(distgemm, m) {
   // alpha * (scale_a * scale_b * (a @ b.T)) + beta * c; see distgemm/gemm.py.
-  m.def("gemm(Tensor a, Tensor b, Tensor? c, float alpha, float beta, ScalarType out_dtype, "
-        "Tensor? scale_a, Tensor? scale_b, bool fast_accum=False, int config=-1, int swizzle=0) -> Tensor");
+  m.def(
+      "gemm(Tensor a, Tensor b, Tensor? c, float alpha, float beta, ScalarType out_dtype, "
+      "Tensor? scale_a, Tensor? scale_b, bool fast_accum=False, int config=-1, int swizzle=0) -> Tensor");
   // Host-side heuristics, for tests and the tuning sweep (no device needed).
-  m.def("gemm_configs(ScalarType a, ScalarType b, ScalarType out, bool b_k_major, int arch, "
-        "bool fast_accum=False) -> str[]",
-        &distgemm::torch_binding::gemm_configs);
-  m.def("gemm_select_config(int m, int n, int k, ScalarType a, ScalarType b, ScalarType out, "
-        "bool b_k_major, int arch, int sm_count, bool fast_accum=False) -> int",
-        &distgemm::torch_binding::gemm_select_config);
+  m.def(
+      "gemm_configs(ScalarType a, ScalarType b, ScalarType out, bool b_k_major, int arch, "
+      "bool fast_accum=False) -> str[]",
+      &distgemm::torch_binding::gemm_configs);
+  m.def(
+      "gemm_select_config(int m, int n, int k, ScalarType a, ScalarType b, ScalarType out, "
+      "bool b_k_major, int arch, int sm_count, bool fast_accum=False) -> int",
+      &distgemm::torch_binding::gemm_select_config);
 }
 
-TORCH_LIBRARY_IMPL(distgemm, CUDA, m) {
-  m.impl("gemm", &distgemm::torch_binding::gemm_cuda);
-}
+TORCH_LIBRARY_IMPL(distgemm, CUDA, m) { m.impl("gemm", &distgemm::torch_binding::gemm_cuda); }

@@ -17,14 +17,13 @@ dg_matrix to_matrix(const at::Tensor& t, const char* arg);
 
 // A float32 scale's pointer and length (none if `scale` is absent), checked to be contiguous
 // and on a's device.
-void set_scale(const char* op, const c10::optional<at::Tensor>& scale, const at::Tensor& a,
-               const char* arg, const float** ptr, int64_t* len);
+void set_scale(const char* op, const c10::optional<at::Tensor>& scale, const at::Tensor& a, const char* arg,
+               const float** ptr, int64_t* len);
 
 // dg_gemm_desc of alpha * (scale_a * scale_b * (a @ b.T)) + beta * c into `out`; `op` names
 // the caller in errors about mismatched devices or scale dtypes.
-dg_gemm_desc gemm_desc(const char* op, const at::Tensor& a, const at::Tensor& b,
-                       const c10::optional<at::Tensor>& c, const at::Tensor& out, double alpha,
-                       double beta, const c10::optional<at::Tensor>& scale_a,
+dg_gemm_desc gemm_desc(const char* op, const at::Tensor& a, const at::Tensor& b, const c10::optional<at::Tensor>& c,
+                       const at::Tensor& out, double alpha, double beta, const c10::optional<at::Tensor>& scale_a,
                        const c10::optional<at::Tensor>& scale_b, bool fast_accum);
 
 // Raises the Python exception matching `status` (ValueError for bad arguments and ranks that

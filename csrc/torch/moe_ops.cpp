@@ -28,15 +28,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_act(
                     swiglu ? "2 * inner" : "inner", " columns (inner = ", inner, "), got ", x_in.size(1));
   TORCH_CHECK_VALUE(backward == dy_in.has_value(), kOp, ": dy is needed by (and only by) the backward activations");
   if (dy_in) {
-    TORCH_CHECK_VALUE(dy_in->device() == x_in.device() && dy_in->scalar_type() == at::kBFloat16 &&
-                          dy_in->dim() == 2 && dy_in->size(0) == x_in.size(0) && dy_in->size(1) == inner,
+    TORCH_CHECK_VALUE(dy_in->device() == x_in.device() && dy_in->scalar_type() == at::kBFloat16 && dy_in->dim() == 2 &&
+                          dy_in->size(0) == x_in.size(0) && dy_in->size(1) == inner,
                       kOp, ": dy must be a bfloat16 (T, inner) = (", x_in.size(0), ", ", inner, ") tensor on ",
                       x_in.device(), ", got ", dy_in->scalar_type(), " ", dy_in->sizes(), " on ", dy_in->device());
   }
   TORCH_CHECK_VALUE(!want_t || offs_in.has_value(), kOp, ": the transposed copy needs offs");
   if (offs_in) {
-    TORCH_CHECK_VALUE(offs_in->device() == x_in.device(), kOp, ": offs is on ", offs_in->device(),
-                      " but x is on ", x_in.device());
+    TORCH_CHECK_VALUE(offs_in->device() == x_in.device(), kOp, ": offs is on ", offs_in->device(), " but x is on ",
+                      x_in.device());
     TORCH_CHECK_VALUE(offs_in->scalar_type() == at::kInt && offs_in->dim() == 1 && offs_in->numel() >= 1, kOp,
                       ": offs must be a 1-D int32 tensor of at least one group end, got ", offs_in->scalar_type(),
                       " of shape ", offs_in->sizes());
@@ -57,7 +57,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_act(
   desc.tokens = tokens;
   desc.inner = inner;
   desc.fp8_dtype = to_dg_dtype(fp8_dtype, "fp8_dtype");
-  at::Tensor y = at::empty({0}, x.options()), y8 = at::empty({0}, x.options().dtype(fp8_dtype)), sy = at::empty({0}, none);
+  at::Tensor y = at::empty({0}, x.options()), y8 = at::empty({0}, x.options().dtype(fp8_dtype)),
+             sy = at::empty({0}, none);
   at::Tensor yt8 = at::empty({0}, x.options().dtype(fp8_dtype)), syt = at::empty({0}, none);
   if (want_y) {
     y = at::empty({tokens, y_cols}, x.options());
@@ -119,8 +120,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_fp8_weight(const at::Ten
 TORCH_LIBRARY_FRAGMENT(distgemm, m) {
   // act: 0 identity, 1 SwiGLU, 2 GELU, 3 SwiGLU backward, 4 GELU backward (dg_moe_act); see
   // distgemm/moe.py.
-  m.def("moe_act(Tensor x, Tensor? dy, int act, int inner, Tensor? offs, bool want_y, bool want_fp8, "
-        "bool want_t, ScalarType fp8_dtype) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "moe_act(Tensor x, Tensor? dy, int act, int inner, Tensor? offs, bool want_y, bool want_fp8, "
+      "bool want_t, ScalarType fp8_dtype) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("quantize_fp8_weight(Tensor w, ScalarType dtype, bool want_out, bool want_t) -> (Tensor, Tensor, Tensor)");
 }
 

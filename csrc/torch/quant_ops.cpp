@@ -15,21 +15,18 @@ constexpr const char* kOp = "distgemm.quantize_fp8";
 // x (R, C), or (B, R, C) with 128 x 128 blocks -> (FP8 data, float32 scales) in the layouts of
 // distgemm.h. Checked here only what the desc cannot carry: x's rank, the granularity code as a
 // C enum value, and offs as a flat int32 array on x's device; the core checks the rest.
-std::tuple<at::Tensor, at::Tensor> quantize_fp8(const at::Tensor& x_in, int64_t granularity,
-                                                at::ScalarType dtype, bool transpose,
-                                                const c10::optional<at::Tensor>& offs) {
+std::tuple<at::Tensor, at::Tensor> quantize_fp8(const at::Tensor& x_in, int64_t granularity, at::ScalarType dtype,
+                                                bool transpose, const c10::optional<at::Tensor>& offs) {
   TORCH_CHECK_VALUE(granularity >= DG_QUANT_TENSOR && granularity <= DG_QUANT_128X128, kOp,
-                    ": granularity must be 0 (tensor), 1 (row), 2 (1 x 128) or 3 (128 x 128), got ",
-                    granularity);
+                    ": granularity must be 0 (tensor), 1 (row), 2 (1 x 128) or 3 (128 x 128), got ", granularity);
   TORCH_CHECK_VALUE(x_in.dim() == 2 || (x_in.dim() == 3 && granularity == DG_QUANT_128X128), kOp,
-                    ": x must be 2-D (R, C), or 3-D (B, R, C) with 128 x 128 blocks, got shape ",
-                    x_in.sizes());
+                    ": x must be 2-D (R, C), or 3-D (B, R, C) with 128 x 128 blocks, got shape ", x_in.sizes());
   if (offs) {
-    TORCH_CHECK_VALUE(offs->device() == x_in.device(), kOp, ": offs is on ", offs->device(),
-                      " but x is on ", x_in.device());
+    TORCH_CHECK_VALUE(offs->device() == x_in.device(), kOp, ": offs is on ", offs->device(), " but x is on ",
+                      x_in.device());
     TORCH_CHECK_VALUE(offs->scalar_type() == at::kInt && offs->dim() == 1 && offs->numel() >= 1, kOp,
-                      ": offs must be a 1-D int32 tensor of at least one group end, got ",
-                      offs->scalar_type(), " of shape ", offs->sizes());
+                      ": offs must be a 1-D int32 tensor of at least one group end, got ", offs->scalar_type(),
+                      " of shape ", offs->sizes());
   }
   const c10::cuda::CUDAGuard guard(x_in.device());
   const at::Tensor x = x_in.contiguous();
@@ -83,10 +80,9 @@ std::tuple<at::Tensor, at::Tensor> quantize_fp8(const at::Tensor& x_in, int64_t 
 TORCH_LIBRARY_FRAGMENT(distgemm, m) {
   // granularity: 0 tensor, 1 row, 2 1 x 128, 3 128 x 128 (dg_quant_granularity); see
   // distgemm/quantize.py.
-  m.def("quantize_fp8(Tensor x, int granularity, ScalarType dtype, bool transpose=False, "
-        "Tensor? offs=None) -> (Tensor, Tensor)");
+  m.def(
+      "quantize_fp8(Tensor x, int granularity, ScalarType dtype, bool transpose=False, "
+      "Tensor? offs=None) -> (Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(distgemm, CUDA, m) {
-  m.impl("quantize_fp8", &distgemm::torch_binding::quantize_fp8);
-}
+TORCH_LIBRARY_IMPL(distgemm, CUDA, m) { m.impl("quantize_fp8", &distgemm::torch_binding::quantize_fp8); }

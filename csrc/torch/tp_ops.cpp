@@ -13,10 +13,9 @@
 namespace distgemm::torch_binding {
 namespace {
 
-dg_tp_desc tp_desc(const dg_gemm_desc& gemm, int64_t rank, int64_t world,
-                   const std::vector<int64_t>& workspaces, std::vector<void*>& storage,
-                   int64_t workspace_bytes, double timeout_s, const std::vector<double>& settings,
-                   int agree_only) {
+dg_tp_desc tp_desc(const dg_gemm_desc& gemm, int64_t rank, int64_t world, const std::vector<int64_t>& workspaces,
+                   std::vector<void*>& storage, int64_t workspace_bytes, double timeout_s,
+                   const std::vector<double>& settings, int agree_only) {
   // Checked before the narrowing casts below (int64 -> int, int64 -> size_t, double -> int).
   TORCH_CHECK_VALUE(world >= 1 && world <= INT_MAX, "distgemm: world must be a positive group size, got ", world);
   TORCH_CHECK_VALUE(rank >= 0 && rank < world, "distgemm: rank ", rank, " is out of range for world size ", world);
@@ -34,47 +33,44 @@ dg_tp_desc tp_desc(const dg_gemm_desc& gemm, int64_t rank, int64_t world,
   d.timeout_s = timeout_s;
   // settings: (algo, pieces, tapered, rs_split_gflops), as distgemm/tp.py reads them
   std::string why;
-  TORCH_CHECK_VALUE(tp::settings_from_doubles(settings.data(), settings.size(), &d.settings, &why),
-                    "distgemm: ", why);
+  TORCH_CHECK_VALUE(tp::settings_from_doubles(settings.data(), settings.size(), &d.settings, &why), "distgemm: ", why);
   d.agree_only = agree_only;
   return d;
 }
 
 std::tuple<at::Tensor, at::Tensor> tp_all_gather_gemm(
-    const at::Tensor& a, const at::Tensor& b, const c10::optional<at::Tensor>& c, double alpha,
-    double beta, at::ScalarType out_dtype, const c10::optional<at::Tensor>& scale_a,
-    const c10::optional<at::Tensor>& scale_b, bool fast_accum, int64_t rank, int64_t world,
-    const std::vector<int64_t>& workspaces, int64_t workspace_bytes, double timeout_s,
-    bool return_gathered, const std::vector<double>& settings, bool agree_only) {
+    const at::Tensor& a, const at::Tensor& b, const c10::optional<at::Tensor>& c, double alpha, double beta,
+    at::ScalarType out_dtype, const c10::optional<at::Tensor>& scale_a, const c10::optional<at::Tensor>& scale_b,
+    bool fast_accum, int64_t rank, int64_t world, const std::vector<int64_t>& workspaces, int64_t workspace_bytes,
+    double timeout_s, bool return_gathered, const std::vector<double>& settings, bool agree_only) {
   const char* op = "distgemm.all_gather_matmul";
   TORCH_CHECK_VALUE(a.dim() == 2 && b.dim() == 2, op, ": a and b must be 2-D");
   const c10::cuda::CUDAGuard guard(a.device());
   at::Tensor out = at::empty({a.size(0) * world, b.size(0)}, a.options().dtype(out_dtype));
-  at::Tensor gathered = return_gathered ? at::empty({a.size(0) * world, a.size(1)}, a.options())
-                                        : at::empty({0}, a.options());
+  at::Tensor gathered =
+      return_gathered ? at::empty({a.size(0) * world, a.size(1)}, a.options()) : at::empty({0}, a.options());
   std::vector<void*> storage;
-  dg_tp_desc d = tp_desc(gemm_desc(op, a, b, c, out, alpha, beta, scale_a, scale_b, fast_accum),
-                         rank, world, workspaces, storage, workspace_bytes, timeout_s, settings, agree_only);
+  dg_tp_desc d = tp_desc(gemm_desc(op, a, b, c, out, alpha, beta, scale_a, scale_b, fast_accum), rank, world,
+                         workspaces, storage, workspace_bytes, timeout_s, settings, agree_only);
   if (return_gathered) d.gathered_out = gathered.data_ptr();
   check(dg_all_gather_gemm(&d, current_stream()), op);
   return {out, gathered};
 }
 
-at::Tensor tp_gemm_reduce_scatter(const at::Tensor& a, const at::Tensor& b,
-                                  const c10::optional<at::Tensor>& bias, double alpha, double beta,
-                                  at::ScalarType out_dtype, const c10::optional<at::Tensor>& scale_a,
-                                  const c10::optional<at::Tensor>& scale_b, bool fast_accum,
-                                  int64_t rank, int64_t world, const std::vector<int64_t>& workspaces,
+at::Tensor tp_gemm_reduce_scatter(const at::Tensor& a, const at::Tensor& b, const c10::optional<at::Tensor>& bias,
+                                  double alpha, double beta, at::ScalarType out_dtype,
+                                  const c10::optional<at::Tensor>& scale_a, const c10::optional<at::Tensor>& scale_b,
+                                  bool fast_accum, int64_t rank, int64_t world, const std::vector<int64_t>& workspaces,
                                   int64_t workspace_bytes, double timeout_s, const std::vector<double>& settings,
-                   bool agree_only) {
+                                  bool agree_only) {
   const char* op = "distgemm.matmul_reduce_scatter";
   TORCH_CHECK_VALUE(a.dim() == 2 && b.dim() == 2, op, ": a and b must be 2-D");
   TORCH_CHECK_VALUE(a.size(0) % world == 0, op, ": a's ", a.size(0), " rows must divide by the world size ", world);
   const c10::cuda::CUDAGuard guard(a.device());
   at::Tensor out = at::empty({a.size(0) / world, b.size(0)}, a.options().dtype(out_dtype));
   std::vector<void*> storage;
-  dg_tp_desc d = tp_desc(gemm_desc(op, a, b, bias, out, alpha, beta, scale_a, scale_b, fast_accum),
-                         rank, world, workspaces, storage, workspace_bytes, timeout_s, settings, agree_only);
+  dg_tp_desc d = tp_desc(gemm_desc(op, a, b, bias, out, alpha, beta, scale_a, scale_b, fast_accum), rank, world,
+                         workspaces, storage, workspace_bytes, timeout_s, settings, agree_only);
   check(dg_gemm_reduce_scatter(&d, current_stream()), op);
   return out;
 }
@@ -95,8 +91,8 @@ void tp_agree_elsewhere(int64_t kind, const at::Tensor& a, int64_t out_rows, int
   g.d = dg_matrix{nullptr, to_dg_dtype(out_dtype, "out_dtype"), out_rows, n, n, 1};
   set_scale(op, scale_a, a, "scale_a", &g.scale_a, &g.scale_a_len);  // its length is the scale mode
   std::vector<void*> storage;
-  const dg_tp_desc d = tp_desc(g, rank, world, workspaces, storage, workspace_bytes, timeout_s, {0, 0, 0, 0},
-                               DG_TP_AGREE_ELSEWHERE);
+  const dg_tp_desc d =
+      tp_desc(g, rank, world, workspaces, storage, workspace_bytes, timeout_s, {0, 0, 0, 0}, DG_TP_AGREE_ELSEWHERE);
   check(all_gather ? dg_all_gather_gemm(&d, current_stream()) : dg_gemm_reduce_scatter(&d, current_stream()), op);
 }
 
@@ -115,27 +111,29 @@ int64_t tp_workspace_size(int64_t kind, int64_t rows, int64_t k, int64_t n, at::
 
 int64_t tp_error(int64_t device) { return dg_tp_error(static_cast<int>(device)); }
 
-void tp_clear_error(int64_t device) {
-  check(dg_tp_clear_error(static_cast<int>(device)), "distgemm.tp_clear_error");
-}
+void tp_clear_error(int64_t device) { check(dg_tp_clear_error(static_cast<int>(device)), "distgemm.tp_clear_error"); }
 
 }  // namespace
 }  // namespace distgemm::torch_binding
 
 TORCH_LIBRARY_FRAGMENT(distgemm, m) {
-  m.def("tp_all_gather_gemm(Tensor a, Tensor b, Tensor? c, float alpha, float beta, "
-        "ScalarType out_dtype, Tensor? scale_a, Tensor? scale_b, bool fast_accum, int rank, "
-        "int world, int[] workspaces, int workspace_bytes, float timeout_s, bool return_gathered, "
-        "float[] settings, bool agree_only=False) -> (Tensor, Tensor)");
-  m.def("tp_gemm_reduce_scatter(Tensor a, Tensor b, Tensor? bias, float alpha, float beta, "
-        "ScalarType out_dtype, Tensor? scale_a, Tensor? scale_b, bool fast_accum, int rank, "
-        "int world, int[] workspaces, int workspace_bytes, float timeout_s, float[] settings, "
-        "bool agree_only=False) -> Tensor");
-  m.def("tp_agree_elsewhere(int kind, Tensor a, int out_rows, int n, ScalarType out_dtype, Tensor? scale_a, "
-        "int rank, int world, int[] workspaces, int workspace_bytes, float timeout_s) -> ()");
-  m.def("tp_workspace_size(int kind, int rows, int k, int n, ScalarType in_dtype, "
-        "ScalarType out_dtype, int world) -> int",
-        &distgemm::torch_binding::tp_workspace_size);
+  m.def(
+      "tp_all_gather_gemm(Tensor a, Tensor b, Tensor? c, float alpha, float beta, "
+      "ScalarType out_dtype, Tensor? scale_a, Tensor? scale_b, bool fast_accum, int rank, "
+      "int world, int[] workspaces, int workspace_bytes, float timeout_s, bool return_gathered, "
+      "float[] settings, bool agree_only=False) -> (Tensor, Tensor)");
+  m.def(
+      "tp_gemm_reduce_scatter(Tensor a, Tensor b, Tensor? bias, float alpha, float beta, "
+      "ScalarType out_dtype, Tensor? scale_a, Tensor? scale_b, bool fast_accum, int rank, "
+      "int world, int[] workspaces, int workspace_bytes, float timeout_s, float[] settings, "
+      "bool agree_only=False) -> Tensor");
+  m.def(
+      "tp_agree_elsewhere(int kind, Tensor a, int out_rows, int n, ScalarType out_dtype, Tensor? scale_a, "
+      "int rank, int world, int[] workspaces, int workspace_bytes, float timeout_s) -> ()");
+  m.def(
+      "tp_workspace_size(int kind, int rows, int k, int n, ScalarType in_dtype, "
+      "ScalarType out_dtype, int world) -> int",
+      &distgemm::torch_binding::tp_workspace_size);
   m.def("tp_error(int device) -> int", &distgemm::torch_binding::tp_error);
   m.def("tp_clear_error(int device) -> ()", &distgemm::torch_binding::tp_clear_error);
 }

@@ -22,8 +22,8 @@ extern "C" dg_status dg_all_gather_gemm(const dg_tp_desc* desc, cudaStream_t str
   DG_RETURN_IF_ERROR(check_exchange_size(world, g.a.rows, g.a.cols, g.a.dtype, "a (this rank's shard)"));
   DG_RETURN_IF_ERROR(check_exchange_size(world, 1, g.d.cols, g.d.dtype, "out"));
   const int64_t m = g.a.rows, k = g.a.cols, rows = m * world;
-  DG_REQUIRE(g.a.col_stride == 1 && g.a.row_stride >= k, "a must be row-major, got strides (",
-             g.a.row_stride, ", ", g.a.col_stride, ")");
+  DG_REQUIRE(g.a.col_stride == 1 && g.a.row_stride >= k, "a must be row-major, got strides (", g.a.row_stride, ", ",
+             g.a.col_stride, ")");
   DG_REQUIRE(g.d.rows == rows, "out must have world * m = ", rows, " rows, got ", g.d.rows);
   DG_RETURN_IF_ERROR(check_scale_a(d, m, "m (this rank's shard rows)"));
 
@@ -41,8 +41,8 @@ extern "C" dg_status dg_all_gather_gemm(const dg_tp_desc* desc, cudaStream_t str
   choices.decomposed = ag_decomposed_split(work, pushed_bytes);
   // What is pushed, and the scale mode (one value per shard, or per row), which a decomposed
   // GEMM over a peer's rows reads as its own.
-  choices.dtypes = static_cast<uint32_t>(g.a.dtype) | (g.scale_a ? 1u << 8 : 0u) |
-                   (g.scale_a && g.scale_a_len > 1 ? 1u << 9 : 0u);
+  choices.dtypes =
+      static_cast<uint32_t>(g.a.dtype) | (g.scale_a ? 1u << 8 : 0u) | (g.scale_a && g.scale_a_len > 1 ? 1u << 9 : 0u);
   choices.tag = kTagAllGather;
   return plan_and_execute(d, peers, shape, choices, stream);
 }

@@ -14,10 +14,8 @@ namespace distgemm::tp {
 
 dg_status check_tp(const dg_tp_desc* d, Peers* peers) {
   DG_REQUIRE(d != nullptr, "desc must not be NULL");
-  DG_REQUIRE(d->world >= 2 && d->world <= kMaxWorld, "world size must be in [2, ", kMaxWorld,
-             "], got ", d->world);
-  DG_REQUIRE(d->rank >= 0 && d->rank < d->world, "rank ", d->rank, " is out of range for world size ",
-             d->world);
+  DG_REQUIRE(d->world >= 2 && d->world <= kMaxWorld, "world size must be in [2, ", kMaxWorld, "], got ", d->world);
+  DG_REQUIRE(d->rank >= 0 && d->rank < d->world, "rank ", d->rank, " is out of range for world size ", d->world);
   DG_REQUIRE(d->peer_workspaces != nullptr, "peer_workspaces must not be NULL");
   DG_REQUIRE(std::isfinite(d->timeout_s) && d->timeout_s > 0,
              "timeout_s must be a finite positive number of seconds, got ", d->timeout_s);
@@ -36,8 +34,7 @@ dg_status check_tp(const dg_tp_desc* d, Peers* peers) {
              "gemm.d (out) must be row-major: col_stride 1 and row_stride >= cols = ", d->gemm.d.cols,
              ", got strides (", d->gemm.d.row_stride, ", ", d->gemm.d.col_stride, ")");
   for (int r = 0; r < d->world; ++r) {
-    DG_REQUIRE(d->peer_workspaces[r] != nullptr &&
-                   (reinterpret_cast<uintptr_t>(d->peer_workspaces[r]) & 255u) == 0,
+    DG_REQUIRE(d->peer_workspaces[r] != nullptr && (reinterpret_cast<uintptr_t>(d->peer_workspaces[r]) & 255u) == 0,
                "the workspace of rank ", r, " must be a 256-byte aligned device pointer");
     peers->base[r] = static_cast<char*>(d->peer_workspaces[r]);
   }
@@ -48,23 +45,31 @@ dg_status check_tp(const dg_tp_desc* d, Peers* peers) {
 namespace {
 
 const char* op_name(int tag) {
-  return tag == kTagAllGather ? "all-gather + GEMM" : tag == kTagReduceScatter ? "GEMM + reduce-scatter"
-                                                                               : "tensor-parallel call";
+  return tag == kTagAllGather       ? "all-gather + GEMM"
+         : tag == kTagReduceScatter ? "GEMM + reduce-scatter"
+                                    : "tensor-parallel call";
 }
 
 const char* reason_text(int reason) {
   switch (reason) {
-    case kReasonOutOfStep: return "is at another call (the ranks' call counts differ: an earlier call failed or "
-                                  "was skipped on one side)";
-    case kReasonPlan: return "runs another op, algorithm or piece split (the settings: algo, pieces and "
-                             "rs_split_gflops must match on every rank)";
-    case kReasonRows: return "passed another number of rows";
-    case kReasonWidth: return "passed another K (all-gather) or N (reduce-scatter)";
-    case kReasonDtypes: return "passed other dtypes or FP8 scale modes";
-    case kReasonWorld: return "has another group size";
-    case kReasonElsewhere: return "runs the call elsewhere than the other (one through the collectives fallback, "
-                                  "for dtypes or a K or N the fused kernels cannot take, or another backend "
-                                  "setting; the other on the workspaces)";
+    case kReasonOutOfStep:
+      return "is at another call (the ranks' call counts differ: an earlier call failed or "
+             "was skipped on one side)";
+    case kReasonPlan:
+      return "runs another op, algorithm or piece split (the settings: algo, pieces and "
+             "rs_split_gflops must match on every rank)";
+    case kReasonRows:
+      return "passed another number of rows";
+    case kReasonWidth:
+      return "passed another K (all-gather) or N (reduce-scatter)";
+    case kReasonDtypes:
+      return "passed other dtypes or FP8 scale modes";
+    case kReasonWorld:
+      return "has another group size";
+    case kReasonElsewhere:
+      return "runs the call elsewhere than the other (one through the collectives fallback, "
+             "for dtypes or a K or N the fused kernels cannot take, or another backend "
+             "setting; the other on the workspaces)";
   }
   return "disagrees";
 }
@@ -80,14 +85,16 @@ dg_status check_no_earlier_failure(int device) {
   const int tag = code & (0xff << kErrorPeerBits);
   const int peer = (code & ((1 << kErrorPeerBits) - 1)) - 1;
   if (reason == kReasonTimeout)
-    return fail(DG_ERROR_TIMEOUT, cat("a ", op_name(tag), " on device ", device, " waited past its timeout for rank ",
-                                      peer, ", which never arrived (died, hung, or was not in the call); the "
-                                      "outputs of that call were filled with NaN. The group must be re-synchronised "
-                                      "(dg_tp_clear_error on every rank, and new workspaces) before the next call"));
-  return fail(DG_ERROR_PEER_MISMATCH,
-              cat("the ranks disagree: in a ", op_name(tag), " on device ", device, " rank ", peer, " ",
-                  reason_text(reason), "; the outputs of that call were filled with NaN. The group must be "
-                  "re-synchronised (dg_tp_clear_error on every rank, and new workspaces) before the next call"));
+    return fail(DG_ERROR_TIMEOUT,
+                cat("a ", op_name(tag), " on device ", device, " waited past its timeout for rank ", peer,
+                    ", which never arrived (died, hung, or was not in the call); the "
+                    "outputs of that call were filled with NaN. The group must be re-synchronised "
+                    "(dg_tp_clear_error on every rank, and new workspaces) before the next call"));
+  return fail(
+      DG_ERROR_PEER_MISMATCH,
+      cat("the ranks disagree: in a ", op_name(tag), " on device ", device, " rank ", peer, " ", reason_text(reason),
+          "; the outputs of that call were filled with NaN. The group must be "
+          "re-synchronised (dg_tp_clear_error on every rank, and new workspaces) before the next call"));
 }
 
 CallSignature call_signature(const TpPlan& plan, uint32_t dtypes) {
@@ -95,8 +102,8 @@ CallSignature call_signature(const TpPlan& plan, uint32_t dtypes) {
   const int64_t width = s.kind == DG_TP_ALL_GATHER_GEMM ? s.k : s.n;
   CallSignature sig;
   sig.words[CallSignature::kPlan] = static_cast<uint32_t>(s.kind) | (s.decomposed ? 1u << 4 : 0u) |
-                                    static_cast<uint32_t>(plan.cut.count) << 8 |
-                                    (s.split.tapered ? 1u << 12 : 0u) | (s.elsewhere ? CallSignature::kElsewhere : 0u);
+                                    static_cast<uint32_t>(plan.cut.count) << 8 | (s.split.tapered ? 1u << 12 : 0u) |
+                                    (s.elsewhere ? CallSignature::kElsewhere : 0u);
   sig.words[CallSignature::kRows] = static_cast<uint32_t>(s.m);
   sig.words[CallSignature::kRowsHigh] = static_cast<uint32_t>(static_cast<uint64_t>(s.m) >> 32);
   sig.words[CallSignature::kWidth] = static_cast<uint32_t>(width);
@@ -113,15 +120,13 @@ dg_status use_decomposed(const dg_tp_desc& d, const char* why_not, bool auto_fus
   return DG_SUCCESS;
 }
 
-dg_status check_exchange_size(int world, int64_t rows, int64_t cols, const dg_dtype& dtype,
-                              const char* what) {
+dg_status check_exchange_size(int world, int64_t rows, int64_t cols, const dg_dtype& dtype, const char* what) {
   const int code = raw_enum(dtype);
   DG_REQUIRE(code >= DG_F32 && code <= DG_E5M2, what, " has an unknown dtype (", code, ")");
-  DG_REQUIRE(rows >= 1 && cols >= 1, what, " must have at least one row and column, got (", rows, ", ", cols,
-             ")");
+  DG_REQUIRE(rows >= 1 && cols >= 1, what, " must have at least one row and column, got (", rows, ", ", cols, ")");
   int64_t bytes = 0;
-  DG_REQUIRE(checked_product({world, rows, cols, dtype_bytes(dtype)}, &bytes) && bytes < (int64_t{1} << 48),
-             what, " of (", rows, ", ", cols, ") ", dtype_name(dtype), " on ", world,
+  DG_REQUIRE(checked_product({world, rows, cols, dtype_bytes(dtype)}, &bytes) && bytes < (int64_t{1} << 48), what,
+             " of (", rows, ", ", cols, ") ", dtype_name(dtype), " on ", world,
              " ranks needs a workspace beyond 256 TiB");
   return DG_SUCCESS;
 }
@@ -139,9 +144,7 @@ uint32_t elsewhere_dtypes(const dg_gemm_desc& g) {
   return static_cast<uint32_t>(g.a.dtype) | static_cast<uint32_t>(g.d.dtype) << 8 | scales << 16;
 }
 
-bool needs_scaled_bias(const dg_gemm_desc& g) {
-  return g.c.data && g.c.rows == 1 && g.beta != 0.f && g.beta != 1.f;
-}
+bool needs_scaled_bias(const dg_gemm_desc& g) { return g.c.data && g.c.rows == 1 && g.beta != 0.f && g.beta != 1.f; }
 
 TpShape base_shape(dg_tp_kind kind, const dg_tp_desc& d) {
   TpShape s;

@@ -31,8 +31,7 @@ struct Peers {
 // Refuses a shard of (rows, cols) `dtype` that is empty or whose exchange over `world` ranks
 // would not fit the workspace arithmetic (no int64 overflow anywhere in the layouts). `dtype`
 // by reference: it is read as a raw int until checked (a C caller may store any value).
-dg_status check_exchange_size(int world, int64_t rows, int64_t cols, const dg_dtype& dtype,
-                              const char* what);
+dg_status check_exchange_size(int world, int64_t rows, int64_t cols, const dg_dtype& dtype, const char* what);
 
 // Checks what every op needs of `d` (world, rank, workspaces, timeout, settings), maps the
 // workspaces, binds the current device and refuses the call while an earlier one's failure

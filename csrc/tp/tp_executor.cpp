@@ -51,7 +51,7 @@ StepGemm TpBuffers::gemm(const Step& st) const {
   const Rows a = rows(st.src), o = rows(st.dst);
   s.a = {a.data, g.a.dtype, st.src.rows, a.cols, a.pitch, 1};
   s.d = {o.data, g.d.dtype, st.dst.rows, o.cols, o.pitch, 1};
-  if (g.scale_a) {  // FP8 row scales follow a's rows
+  if (g.scale_a) {                            // FP8 row scales follow a's rows
     if (st.src.space == Space::kWorkspace) {  // gathered with the shards
       s.scale_a = reinterpret_cast<const float*>(peers_.base[d_.rank] + plan_.regions.scales) + st.src.row0;
       // A decomposed GEMM's rows come from one peer's shard: with one scale per shard (the ranks
@@ -65,8 +65,8 @@ StepGemm TpBuffers::gemm(const Step& st) const {
   if (!st.bias || !g.c.data) {
     s.c = {};
   } else if (g.c.rows != 1) {  // a full C: the rows of out this step writes
-    s.c.data = static_cast<const char*>(g.c.data) +
-               static_cast<size_t>(st.dst.row0 * g.c.row_stride) * dtype_bytes(g.c.dtype);
+    s.c.data =
+        static_cast<const char*>(g.c.data) + static_cast<size_t>(st.dst.row0 * g.c.row_stride) * dtype_bytes(g.c.dtype);
     s.c.rows = st.dst.rows;
   } else if (plan_.shape.scale_bias) {
     s.c.data = peers_.base[d_.rank] + plan_.regions.bias;
@@ -119,8 +119,8 @@ dg_status copy_rows(const TpBuffers& buffers, const Step& st, cudaStream_t on) {
   if (src.pitch == src.cols && dst.pitch == dst.cols) {  // one DMA: a 2-D copy of many short rows runs far slower
     DG_CUDA_RETURN(cudaMemcpyAsync(dst.data, src.data, width * st.src.rows, cudaMemcpyDeviceToDevice, on));
   } else {
-    DG_CUDA_RETURN(cudaMemcpy2DAsync(dst.data, dst.pitch * dst.elem_bytes, src.data, src.pitch * src.elem_bytes,
-                                     width, st.src.rows, cudaMemcpyDeviceToDevice, on));
+    DG_CUDA_RETURN(cudaMemcpy2DAsync(dst.data, dst.pitch * dst.elem_bytes, src.data, src.pitch * src.elem_bytes, width,
+                                     st.src.rows, cudaMemcpyDeviceToDevice, on));
   }
   return DG_SUCCESS;
 }
@@ -132,8 +132,8 @@ struct RunState {
 };
 
 dg_status run_steps(const dg_tp_desc& d, const Peers& peers, const TpPlan& plan, uint32_t dtypes, int tag,
-                    const GemmConsumer& consumer, const TpBuffers& buffers, const ErrorState* err,
-                    StreamPool* pool, cudaStream_t stream, RunState* run);
+                    const GemmConsumer& consumer, const TpBuffers& buffers, const ErrorState* err, StreamPool* pool,
+                    cudaStream_t stream, RunState* run);
 
 }  // namespace
 
@@ -170,8 +170,8 @@ dg_status execute(const dg_tp_desc& d, const Peers& peers, const TpPlan& plan, u
 namespace {
 
 dg_status run_steps(const dg_tp_desc& d, const Peers& peers, const TpPlan& plan, uint32_t dtypes, int tag,
-                    const GemmConsumer& consumer, const TpBuffers& buffers, const ErrorState* err,
-                    StreamPool* pool, cudaStream_t stream, RunState* run) {
+                    const GemmConsumer& consumer, const TpBuffers& buffers, const ErrorState* err, StreamPool* pool,
+                    cudaStream_t stream, RunState* run) {
   const int rank = d.rank;
   SyncParams sync;
   sync.epoch = peers.word(rank, TpHeader::kEpoch);
@@ -223,8 +223,8 @@ dg_status run_steps(const dg_tp_desc& d, const Peers& peers, const TpPlan& plan,
         break;
       }
       case StepKind::kScaleBias:
-        DG_CUDA_RETURN(launch_scale_row(g.c.data, peers.base[rank] + plan.regions.bias, plan.shape.n, g.d.dtype,
-                                        g.beta, on));
+        DG_CUDA_RETURN(
+            launch_scale_row(g.c.data, peers.base[rank] + plan.regions.bias, plan.shape.n, g.d.dtype, g.beta, on));
         break;
       case StepKind::kCopy:
         DG_RETURN_IF_ERROR(copy_rows(buffers, st, on));
@@ -236,7 +236,8 @@ dg_status run_steps(const dg_tp_desc& d, const Peers& peers, const TpPlan& plan,
         break;
       }
       case StepKind::kWait:
-        for (const PlannedWait& w : st.waits) DG_CUDA_RETURN(launch_wait_flag(buffers.flag(w.flag), 0, sync, w.peer, on));
+        for (const PlannedWait& w : st.waits)
+          DG_CUDA_RETURN(launch_wait_flag(buffers.flag(w.flag), 0, sync, w.peer, on));
         break;
       case StepKind::kGemm: {
         SyncParams waits;
@@ -246,8 +247,8 @@ dg_status run_steps(const dg_tp_desc& d, const Peers& peers, const TpPlan& plan,
       }
       case StepKind::kPoison: {
         const TpBuffers::Rows rows = buffers.rows(st.dst);
-        DG_CUDA_RETURN(launch_poison_on_error(rows.data, st.dst.rows, rows.cols, rows.pitch, rows.elem_bytes,
-                                              sync.error, on));
+        DG_CUDA_RETURN(
+            launch_poison_on_error(rows.data, st.dst.rows, rows.cols, rows.pitch, rows.elem_bytes, sync.error, on));
         break;
       }
     }

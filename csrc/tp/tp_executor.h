@@ -38,8 +38,7 @@ class TpBuffers {
 };
 
 // Why `consumer` cannot take one of `plan`'s GEMMs (nullptr if it takes them all).
-const char* unsupported_gemm(const dg_tp_desc& d, const Peers& peers, const TpPlan& plan,
-                             const GemmConsumer& consumer);
+const char* unsupported_gemm(const dg_tp_desc& d, const Peers& peers, const TpPlan& plan, const GemmConsumer& consumer);
 
 // Checks every GEMM of `plan` with `consumer`, then enqueues the plan on `stream` (kMain) and a
 // pool stream forked from it (kPush). `dtypes` and the plan make the call's signature; `tag`
@@ -49,8 +48,8 @@ dg_status execute(const dg_tp_desc& d, const Peers& peers, const TpPlan& plan, u
 
 // How a call may be cut, as its op works it out from the shape and the settings.
 struct TpChoices {
-  PieceSplit decomposed;  // the pieces of the decomposed algorithm
-  PieceSplit fused;       // the pieces of the fused one
+  PieceSplit decomposed;    // the pieces of the decomposed algorithm
+  PieceSplit fused;         // the pieces of the fused one
   bool auto_fused = false;  // DG_TP_ALGO_AUTO picks the fused algorithm even where cuBLASLt could run
   uint32_t dtypes = 0;      // what the ranks must agree on besides the plan (dtypes, scale modes)
   int tag = 0;              // the op, in the error word

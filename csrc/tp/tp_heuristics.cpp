@@ -14,9 +14,7 @@ double push_over_gemm(double flops, double pushed_bytes) {
 
 }  // namespace
 
-double bf16_equivalent_flops(double flops, dg_dtype in) {
-  return in == DG_E4M3 || in == DG_E5M2 ? flops / 2 : flops;
-}
+double bf16_equivalent_flops(double flops, dg_dtype in) { return in == DG_E4M3 || in == DG_E5M2 ? flops / 2 : flops; }
 
 bool rs_auto_prefers_fused(double flops) {
   // 8B attn-out at 4096 tokens (69 GFLOP): decomposed 0.135-0.138 ms, fused 0.147-0.152.

@@ -38,21 +38,19 @@ __global__ void check_peers_kernel(PeerChecks peers, CallSignature own, SyncPara
   for (int i = 0; i < peers.count; ++i) {
     const int p = peers.rank[i];
     if (!wait_flag(peers.started[i], epoch, s, p)) return;  // timed out (recorded) or failed
-    const auto* slot = reinterpret_cast<const volatile uint32_t*>(
-        (peers.sig[i] + (epoch & 1u) * kMaxWorld)->words);
+    const auto* slot = reinterpret_cast<const volatile uint32_t*>((peers.sig[i] + (epoch & 1u) * kMaxWorld)->words);
     int reason = -1;
     if (slot[CallSignature::kEpoch] != epoch) {
       reason = kReasonOutOfStep;
     } else {
       for (int w = 1; w < CallSignature::kFields && reason < 0; ++w) {
         if (slot[w] == own.words[w]) continue;
-        reason = w == CallSignature::kPlan && ((slot[w] ^ own.words[w]) & CallSignature::kElsewhere)
-                   ? kReasonElsewhere
-               : w == CallSignature::kPlan ? kReasonPlan
-               : w == CallSignature::kRows || w == CallSignature::kRowsHigh ? kReasonRows
-               : w == CallSignature::kWidth ? kReasonWidth
-               : w == CallSignature::kDtypes ? kReasonDtypes
-               : kReasonWorld;
+        reason = w == CallSignature::kPlan && ((slot[w] ^ own.words[w]) & CallSignature::kElsewhere) ? kReasonElsewhere
+                 : w == CallSignature::kPlan                                                         ? kReasonPlan
+                 : w == CallSignature::kRows || w == CallSignature::kRowsHigh                        ? kReasonRows
+                 : w == CallSignature::kWidth                                                        ? kReasonWidth
+                 : w == CallSignature::kDtypes                                                       ? kReasonDtypes
+                                                                                                     : kReasonWorld;
       }
     }
     if (reason >= 0) {
@@ -63,12 +61,10 @@ __global__ void check_peers_kernel(PeerChecks peers, CallSignature own, SyncPara
 }
 
 template <class Word>
-__global__ void poison_kernel(Word* data, int64_t rows, int64_t cols, int64_t ld, Word nan,
-                              const int* error) {
+__global__ void poison_kernel(Word* data, int64_t rows, int64_t cols, int64_t ld, Word nan, const int* error) {
   if (error != nullptr && *reinterpret_cast<const volatile int*>(error) == 0) return;
   const int64_t total = rows * cols;
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
-       i += gridDim.x * int64_t(blockDim.x))
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += gridDim.x * int64_t(blockDim.x))
     data[(i / cols) * ld + i % cols] = nan;
 }
 
@@ -84,8 +80,7 @@ __global__ void signal_kernel(SignalTargets targets, const uint32_t* epoch) {
   }
 }
 
-__global__ void scatter_scales_kernel(const float* src, int64_t count, int64_t rows,
-                                      ScaleTargets targets) {
+__global__ void scatter_scales_kernel(const float* src, int64_t count, int64_t rows, ScaleTargets targets) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < rows; i += gridDim.x * int64_t(blockDim.x)) {
     const float v = src[count == 1 ? 0 : i];
     for (int q = 0; q < targets.count; ++q) targets.dst[q][i] = v;
@@ -101,8 +96,7 @@ __global__ void scale_row_kernel(const T* src, T* dst, int64_t n, float beta) {
 
 }  // namespace
 
-cudaError_t launch_scale_row(const void* src, void* dst, int64_t n, dg_dtype dtype, float beta,
-                             cudaStream_t stream) {
+cudaError_t launch_scale_row(const void* src, void* dst, int64_t n, dg_dtype dtype, float beta, cudaStream_t stream) {
   const int blocks = static_cast<int>(std::min<int64_t>((n + 255) / 256, 256));
   switch (dtype) {
     case DG_F32:
@@ -121,8 +115,8 @@ cudaError_t launch_scale_row(const void* src, void* dst, int64_t n, dg_dtype dty
   return cudaGetLastError();
 }
 
-cudaError_t launch_scatter_scales(const float* src, int64_t count, int64_t rows,
-                                  const ScaleTargets& targets, cudaStream_t stream) {
+cudaError_t launch_scatter_scales(const float* src, int64_t count, int64_t rows, const ScaleTargets& targets,
+                                  cudaStream_t stream) {
   const int blocks = static_cast<int>(std::min<int64_t>((rows + 255) / 256, 256));
   scatter_scales_kernel<<<blocks, 256, 0, stream>>>(src, count, rows, targets);
   return cudaGetLastError();
@@ -140,28 +134,27 @@ cudaError_t launch_check_peers(const PeerChecks& peers, const CallSignature& own
   return cudaGetLastError();
 }
 
-cudaError_t launch_poison_on_error(void* data, int64_t rows, int64_t cols, int64_t ld, int elem_bytes,
-                                   const int* error, cudaStream_t stream) {
+cudaError_t launch_poison_on_error(void* data, int64_t rows, int64_t cols, int64_t ld, int elem_bytes, const int* error,
+                                   cudaStream_t stream) {
   if (!data || rows <= 0 || cols <= 0) return cudaSuccess;
   constexpr int kBlocks = 32, kThreads = 256;  // the common case returns at once
   switch (elem_bytes) {
     case 2:  // bf16 and fp16 NaN share no pattern: 0x7fff is NaN in both
-      poison_kernel<uint16_t><<<kBlocks, kThreads, 0, stream>>>(static_cast<uint16_t*>(data), rows, cols, ld,
-                                                               uint16_t{0x7fff}, error);
+      poison_kernel<uint16_t>
+          <<<kBlocks, kThreads, 0, stream>>>(static_cast<uint16_t*>(data), rows, cols, ld, uint16_t{0x7fff}, error);
       break;
     case 4:
-      poison_kernel<uint32_t><<<kBlocks, kThreads, 0, stream>>>(static_cast<uint32_t*>(data), rows, cols, ld,
-                                                               0x7fffffffu, error);
+      poison_kernel<uint32_t>
+          <<<kBlocks, kThreads, 0, stream>>>(static_cast<uint32_t*>(data), rows, cols, ld, 0x7fffffffu, error);
       break;
     default:  // 1-byte (FP8) data: 0x7f is NaN in e4m3fn and e5m2
-      poison_kernel<uint8_t><<<kBlocks, kThreads, 0, stream>>>(static_cast<uint8_t*>(data), rows, cols, ld,
-                                                              uint8_t{0x7f}, error);
+      poison_kernel<uint8_t>
+          <<<kBlocks, kThreads, 0, stream>>>(static_cast<uint8_t*>(data), rows, cols, ld, uint8_t{0x7f}, error);
   }
   return cudaGetLastError();
 }
 
-cudaError_t launch_wait_flag(const uint32_t* flag, int32_t offset, const SyncParams& s, int peer,
-                             cudaStream_t stream) {
+cudaError_t launch_wait_flag(const uint32_t* flag, int32_t offset, const SyncParams& s, int peer, cudaStream_t stream) {
   wait_flag_kernel<<<1, 1, 0, stream>>>(flag, offset, s, peer);
   return cudaGetLastError();
 }

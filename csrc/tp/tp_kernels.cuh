@@ -21,14 +21,14 @@ struct SignalTargets {
 // Error word: bits 24.. the reason (below), 16..23 the op tag, 0..15 the peer rank + 1.
 constexpr int kErrorReasonShift = 24;
 enum ErrorReason : int {
-  kReasonTimeout = 0,      // a wait on the peer ran past its bound
-  kReasonOutOfStep = 1,    // the peer is at another call (earlier calls failed on one side)
-  kReasonPlan = 2,         // op, algorithm or pieces differ (DISTGEMM_TP_* settings)
-  kReasonRows = 3,         // this rank's rows differ
-  kReasonWidth = 4,        // all-gather: K; reduce-scatter: N
-  kReasonDtypes = 5,       // dtypes or FP8 scale modes differ
-  kReasonWorld = 6,        // group sizes differ
-  kReasonElsewhere = 7,    // one rank runs the call elsewhere (collectives), the other here
+  kReasonTimeout = 0,    // a wait on the peer ran past its bound
+  kReasonOutOfStep = 1,  // the peer is at another call (earlier calls failed on one side)
+  kReasonPlan = 2,       // op, algorithm or pieces differ (DISTGEMM_TP_* settings)
+  kReasonRows = 3,       // this rank's rows differ
+  kReasonWidth = 4,      // all-gather: K; reduce-scatter: N
+  kReasonDtypes = 5,     // dtypes or FP8 scale modes differ
+  kReasonWorld = 6,      // group sizes differ
+  kReasonElsewhere = 7,  // one rank runs the call elsewhere (collectives), the other here
 };
 
 // The first kernel of a call: *epoch += 1 (every later kernel of the call reads the new value);
@@ -41,8 +41,7 @@ struct PeerTargets {
   CallSignature* sig_slots[kMaxWorld];  // [2] slots each, this rank's entry
   int count;
 };
-cudaError_t launch_begin_call(uint32_t* epoch, const PeerTargets& peers, const CallSignature& sig,
-                              cudaStream_t stream);
+cudaError_t launch_begin_call(uint32_t* epoch, const PeerTargets& peers, const CallSignature& sig, cudaStream_t stream);
 
 // Bounded wait until every peer p (peers[i]) has begun this call (its kConsumed flag in this
 // rank's workspace reaches the epoch), then checks the signature p published against `own`:
@@ -61,12 +60,11 @@ cudaError_t launch_check_peers(const PeerChecks& peers, const CallSignature& own
 // elements of `elem_bytes` at `data` (row pitch `ld` elements) with NaN, so that no output of a
 // failed call reads as valid. error NULL: fills them whatever the word says (a call the host saw
 // fail).
-cudaError_t launch_poison_on_error(void* data, int64_t rows, int64_t cols, int64_t ld, int elem_bytes,
-                                   const int* error, cudaStream_t stream);
+cudaError_t launch_poison_on_error(void* data, int64_t rows, int64_t cols, int64_t ld, int elem_bytes, const int* error,
+                                   cudaStream_t stream);
 
 // Bounded wait until *flag >= *s.epoch + offset; a timeout records s.error_tag | (peer + 1).
-cudaError_t launch_wait_flag(const uint32_t* flag, int32_t offset, const SyncParams& s, int peer,
-                             cudaStream_t stream);
+cudaError_t launch_wait_flag(const uint32_t* flag, int32_t offset, const SyncParams& s, int peer, cudaStream_t stream);
 
 // Writes *epoch to every target flag after the stream's earlier work.
 cudaError_t launch_signal(const SignalTargets& targets, const uint32_t* epoch, cudaStream_t stream);
@@ -77,12 +75,11 @@ struct ScaleTargets {
   float* dst[kMaxWorld];
   int count;
 };
-cudaError_t launch_scatter_scales(const float* src, int64_t count, int64_t rows,
-                                  const ScaleTargets& targets, cudaStream_t stream);
+cudaError_t launch_scatter_scales(const float* src, int64_t count, int64_t rows, const ScaleTargets& targets,
+                                  cudaStream_t stream);
 
 // dst[i] = beta * src[i] for a row of n values of `dtype` (float32, float16 or bfloat16): the
 // bias the cuBLASLt pieces add unscaled, scaled once per call.
-cudaError_t launch_scale_row(const void* src, void* dst, int64_t n, dg_dtype dtype, float beta,
-                             cudaStream_t stream);
+cudaError_t launch_scale_row(const void* src, void* dst, int64_t n, dg_dtype dtype, float beta, cudaStream_t stream);
 
 }  // namespace distgemm::tp

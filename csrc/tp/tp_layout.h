@@ -17,7 +17,7 @@ constexpr int kMaxPieces = DG_TP_MAX_PIECES;
 // Header: monotonic epoch flags, one 32-bit word each, written by the rank named in the
 // comment and read by the owner of the workspace.
 struct TpHeader {
-  static constexpr size_t kEpoch = 0;                            // this rank's call counter
+  static constexpr size_t kEpoch = 0;  // this rank's call counter
   // [world] peer p has begun its call of this epoch, so it is done reading what earlier calls
   // wrote into its workspace: the writer may overwrite it
   static constexpr size_t kConsumed = 256;
@@ -40,8 +40,7 @@ struct CallSignature {
   static constexpr uint32_t kElsewhere = 1u << 13;
   uint32_t words[kFields] = {};
 };
-static_assert(TpHeader::kSignatures + 2 * kMaxWorld * sizeof(CallSignature) <= TpHeader::kBytes,
-              "header overflow");
+static_assert(TpHeader::kSignatures + 2 * kMaxWorld * sizeof(CallSignature) <= TpHeader::kBytes, "header overflow");
 
 inline size_t align_up(size_t bytes, size_t to) { return (bytes + to - 1) / to * to; }
 

@@ -183,8 +183,8 @@ void plan_reduce_scatter(TpPlan& plan, Builder& b) {
       const int64_t row0 = cut.row0(j), rows = cut.rows(j);
       const PlannedWait received{{r, FlagRegion::kStepReady, (step - 1) * cut.count + j}, prev};
       if (s.decomposed && step > 0) b.wait(received.flag, received.peer);
-      const RowsRef out = last ? caller(Space::kOut, row0, rows)
-                               : workspace(r, ws.slots + step * ws.slot_bytes, row0, rows);
+      const RowsRef out =
+          last ? caller(Space::kOut, row0, rows) : workspace(r, ws.slots + step * ws.slot_bytes, row0, rows);
       Step& g = b.gemm(caller(Space::kA, chunk * m + row0, rows), out, last);
       if (step > 0) {
         g.chain = workspace(r, ws.received + (step - 1) * ws.slot_bytes, row0, rows);
@@ -205,26 +205,40 @@ void plan_reduce_scatter(TpPlan& plan, Builder& b) {
 
 const char* region_name(FlagRegion r) {
   switch (r) {
-    case FlagRegion::kConsumed: return "consumed";
-    case FlagRegion::kReady: return "ready";
-    case FlagRegion::kStepReady: return "step_ready";
+    case FlagRegion::kConsumed:
+      return "consumed";
+    case FlagRegion::kReady:
+      return "ready";
+    case FlagRegion::kStepReady:
+      return "step_ready";
   }
   return "?";
 }
 
 const char* kind_name(StepKind k) {
   switch (k) {
-    case StepKind::kBeginCall: return "begin_call";
-    case StepKind::kCheckPeers: return "check_peers";
-    case StepKind::kFork: return "fork";
-    case StepKind::kJoin: return "join";
-    case StepKind::kScatterScales: return "scatter_scales";
-    case StepKind::kScaleBias: return "scale_bias";
-    case StepKind::kCopy: return "copy";
-    case StepKind::kSignal: return "signal";
-    case StepKind::kWait: return "wait";
-    case StepKind::kGemm: return "gemm";
-    case StepKind::kPoison: return "poison";
+    case StepKind::kBeginCall:
+      return "begin_call";
+    case StepKind::kCheckPeers:
+      return "check_peers";
+    case StepKind::kFork:
+      return "fork";
+    case StepKind::kJoin:
+      return "join";
+    case StepKind::kScatterScales:
+      return "scatter_scales";
+    case StepKind::kScaleBias:
+      return "scale_bias";
+    case StepKind::kCopy:
+      return "copy";
+    case StepKind::kSignal:
+      return "signal";
+    case StepKind::kWait:
+      return "wait";
+    case StepKind::kGemm:
+      return "gemm";
+    case StepKind::kPoison:
+      return "poison";
   }
   return "?";
 }
@@ -232,15 +246,25 @@ const char* kind_name(StepKind k) {
 std::string rows_str(const RowsRef& ref, const TpRegions& ws) {
   std::ostringstream o;
   switch (ref.space) {
-    case Space::kA: o << "a"; break;
-    case Space::kOut: o << "out"; break;
-    case Space::kGatheredOut: o << "gathered_out"; break;
+    case Space::kA:
+      o << "a";
+      break;
+    case Space::kOut:
+      o << "out";
+      break;
+    case Space::kGatheredOut:
+      o << "gathered_out";
+      break;
     case Space::kWorkspace: {
       o << "ws" << ref.owner << '.';
-      if (ref.offset == ws.gathered && ws.slot_bytes == 0) o << "gathered";
-      else if (ws.slot_bytes && ref.offset >= ws.received) o << "received" << (ref.offset - ws.received) / ws.slot_bytes;
-      else if (ws.slot_bytes) o << "slot" << (ref.offset - ws.slots) / ws.slot_bytes;
-      else o << '@' << ref.offset;
+      if (ref.offset == ws.gathered && ws.slot_bytes == 0)
+        o << "gathered";
+      else if (ws.slot_bytes && ref.offset >= ws.received)
+        o << "received" << (ref.offset - ws.received) / ws.slot_bytes;
+      else if (ws.slot_bytes)
+        o << "slot" << (ref.offset - ws.slots) / ws.slot_bytes;
+      else
+        o << '@' << ref.offset;
       break;
     }
   }
@@ -276,23 +300,33 @@ TpPlan make_plan(const TpShape& shape) {
 
 std::string TpPlan::str() const {
   std::ostringstream o;
-  o << (shape.kind == DG_TP_ALL_GATHER_GEMM ? "all-gather + GEMM" : "GEMM + reduce-scatter") << ", rank "
-    << shape.rank << " of " << shape.world << ", m " << shape.m << ", k " << shape.k << ", n " << shape.n << ", "
+  o << (shape.kind == DG_TP_ALL_GATHER_GEMM ? "all-gather + GEMM" : "GEMM + reduce-scatter") << ", rank " << shape.rank
+    << " of " << shape.world << ", m " << shape.m << ", k " << shape.k << ", n " << shape.n << ", "
     << (shape.decomposed ? "decomposed" : "fused") << ", " << cut.count << (shape.split.tapered ? " tapered" : "")
-    << " piece(s)" << (shape.elsewhere ? ", agreement only, run elsewhere" : shape.agree_only ? ", agreement only" : "")
+    << " piece(s)"
+    << (shape.elsewhere    ? ", agreement only, run elsewhere"
+        : shape.agree_only ? ", agreement only"
+                           : "")
     << '\n';
   for (const Step& st : steps) {
     o << (st.lane == Lane::kMain ? "main " : "push ") << kind_name(st.kind);
     switch (st.kind) {
-      case StepKind::kCopy: o << ' ' << rows_str(st.src, regions) << " -> " << rows_str(st.dst, regions); break;
+      case StepKind::kCopy:
+        o << ' ' << rows_str(st.src, regions) << " -> " << rows_str(st.dst, regions);
+        break;
       case StepKind::kGemm:
         o << ' ' << rows_str(st.dst, regions) << " = " << rows_str(st.src, regions) << " @ b^T";
         if (st.chain.rows) o << " + " << rows_str(st.chain, regions);
         if (st.bias) o << " + c";
         break;
-      case StepKind::kPoison: o << ' ' << rows_str(st.dst, regions); break;
-      case StepKind::kScatterScales: o << " -> ws" << st.peer << ".scales"; break;
-      default: break;
+      case StepKind::kPoison:
+        o << ' ' << rows_str(st.dst, regions);
+        break;
+      case StepKind::kScatterScales:
+        o << " -> ws" << st.peer << ".scales";
+        break;
+      default:
+        break;
     }
     for (const FlagRef& f : st.signals) o << " !" << flag_str(f);
     if (st.waits_per_chunk) o << " (per chunk)";

@@ -89,13 +89,13 @@ struct Step {
   Lane lane = Lane::kMain;
   RowsRef src;
   RowsRef dst;
-  RowsRef chain;                    // kGemm: partial sums added with coefficient 1 (rows 0: none)
-  bool bias = false;                // kGemm: adds the caller's c (bias row, or full C rows of dst)
-  bool waits_per_chunk = false;     // kGemm: tile rows of chunk q (of shape.m rows) wait for waits[q]
-  int first_chunk = 0;              // kGemm with waits_per_chunk: the chunk its tiles start at
-  int peer = -1;                    // kScatterScales: the destination rank
-  std::vector<FlagRef> signals;     // kBeginCall, kSignal
-  std::vector<PlannedWait> waits;   // kCheckPeers, kWait, kGemm (waited inside the kernel)
+  RowsRef chain;                   // kGemm: partial sums added with coefficient 1 (rows 0: none)
+  bool bias = false;               // kGemm: adds the caller's c (bias row, or full C rows of dst)
+  bool waits_per_chunk = false;    // kGemm: tile rows of chunk q (of shape.m rows) wait for waits[q]
+  int first_chunk = 0;             // kGemm with waits_per_chunk: the chunk its tiles start at
+  int peer = -1;                   // kScatterScales: the destination rank
+  std::vector<FlagRef> signals;    // kBeginCall, kSignal
+  std::vector<PlannedWait> waits;  // kCheckPeers, kWait, kGemm (waited inside the kernel)
 };
 
 // What a plan is made from: one rank's view of the call.
@@ -109,12 +109,12 @@ struct TpShape {
   int in_bytes = 2;
   int out_bytes = 2;
   bool decomposed = false;
-  PieceSplit split;             // the pieces of a chunk (decomposed) or ring step (fused RS)
-  bool row_scales = false;      // all-gather: FP8 row scales travel with the shard
-  bool gathered_out = false;    // all-gather: a copy of the gathered a is returned
-  bool scale_bias = false;      // decomposed: the bias is scaled by beta into the workspace
-  bool agree_only = false;      // only the per-call agreement
-  bool elsewhere = false;       // with agree_only: this rank runs the call without the workspaces
+  PieceSplit split;           // the pieces of a chunk (decomposed) or ring step (fused RS)
+  bool row_scales = false;    // all-gather: FP8 row scales travel with the shard
+  bool gathered_out = false;  // all-gather: a copy of the gathered a is returned
+  bool scale_bias = false;    // decomposed: the bias is scaled by beta into the workspace
+  bool agree_only = false;    // only the per-call agreement
+  bool elsewhere = false;     // with agree_only: this rank runs the call without the workspaces
 };
 
 // The workspace regions of a call (byte offsets; every rank's workspace has the same layout).
@@ -124,9 +124,9 @@ struct TpRegions {
   size_t slots = 0;     // reduce-scatter: world - 1 slots of m x N partial sums computed here
   size_t received = 0;  // reduce-scatter: world - 1 slots pushed by the previous rank
   size_t slot_bytes = 0;
-  size_t bias = 0;      // N output elements: the scaled bias
-  size_t scratch = 0;   // the cuBLASLt pieces' scratch (kGemmScratchBytes)
-  size_t bytes = 0;     // the whole workspace
+  size_t bias = 0;     // N output elements: the scaled bias
+  size_t scratch = 0;  // the cuBLASLt pieces' scratch (kGemmScratchBytes)
+  size_t bytes = 0;    // the whole workspace
 };
 TpRegions tp_regions(const TpShape& shape);
 

@@ -12,21 +12,21 @@
 #include <random>
 #include <vector>
 
-#define CHECK_CUDA(expr)                                                                   \
-  do {                                                                                     \
-    cudaError_t err_ = (expr);                                                             \
-    if (err_ != cudaSuccess) {                                                             \
-      std::fprintf(stderr, "%s: %s\n", #expr, cudaGetErrorString(err_));                   \
-      return 1;                                                                            \
-    }                                                                                      \
+#define CHECK_CUDA(expr)                                                 \
+  do {                                                                   \
+    cudaError_t err_ = (expr);                                           \
+    if (err_ != cudaSuccess) {                                           \
+      std::fprintf(stderr, "%s: %s\n", #expr, cudaGetErrorString(err_)); \
+      return 1;                                                          \
+    }                                                                    \
   } while (0)
-#define CHECK_DG(expr)                                                                     \
-  do {                                                                                     \
-    dg_status st_ = (expr);                                                                \
-    if (st_ != DG_SUCCESS) {                                                               \
-      std::fprintf(stderr, "%s: %s (%s)\n", #expr, dg_last_error(), dg_status_name(st_));  \
-      return 1;                                                                            \
-    }                                                                                      \
+#define CHECK_DG(expr)                                                                    \
+  do {                                                                                    \
+    dg_status st_ = (expr);                                                               \
+    if (st_ != DG_SUCCESS) {                                                              \
+      std::fprintf(stderr, "%s: %s (%s)\n", #expr, dg_last_error(), dg_status_name(st_)); \
+      return 1;                                                                           \
+    }                                                                                     \
   } while (0)
 
 int main() {
@@ -110,8 +110,8 @@ int main() {
     }
   }
   const double rel = std::sqrt(err2 / (ref2 > 0 ? ref2 : 1.0));
-  std::printf("grouped GEMM: %d experts, %d tokens, N=%d K=%d: %.3f ms, %.0f TFLOP/s, relative error %.2e\n",
-              groups, tokens, n, k, ms / iters, tflops, rel);
+  std::printf("grouped GEMM: %d experts, %d tokens, N=%d K=%d: %.3f ms, %.0f TFLOP/s, relative error %.2e\n", groups,
+              tokens, n, k, ms / iters, tflops, rel);
   cudaFree(dx);
   cudaFree(dw);
   cudaFree(dy);

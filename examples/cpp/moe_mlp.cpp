@@ -16,21 +16,21 @@
 #include <tuple>
 #include <vector>
 
-#define CHECK_CUDA(expr)                                                                   \
-  do {                                                                                     \
-    cudaError_t err_ = (expr);                                                             \
-    if (err_ != cudaSuccess) {                                                             \
-      std::fprintf(stderr, "%s: %s\n", #expr, cudaGetErrorString(err_));                   \
-      return 1;                                                                            \
-    }                                                                                      \
+#define CHECK_CUDA(expr)                                                 \
+  do {                                                                   \
+    cudaError_t err_ = (expr);                                           \
+    if (err_ != cudaSuccess) {                                           \
+      std::fprintf(stderr, "%s: %s\n", #expr, cudaGetErrorString(err_)); \
+      return 1;                                                          \
+    }                                                                    \
   } while (0)
-#define CHECK_DG(expr)                                                                     \
-  do {                                                                                     \
-    dg_status st_ = (expr);                                                                \
-    if (st_ != DG_SUCCESS) {                                                               \
-      std::fprintf(stderr, "%s: %s (%s)\n", #expr, dg_last_error(), dg_status_name(st_));  \
-      return 1;                                                                            \
-    }                                                                                      \
+#define CHECK_DG(expr)                                                                    \
+  do {                                                                                    \
+    dg_status st_ = (expr);                                                               \
+    if (st_ != DG_SUCCESS) {                                                              \
+      std::fprintf(stderr, "%s: %s (%s)\n", #expr, dg_last_error(), dg_status_name(st_)); \
+      return 1;                                                                           \
+    }                                                                                     \
   } while (0)
 
 namespace {
@@ -112,8 +112,8 @@ int main() {
   auto* a8 = device_alloc<uint8_t>(size_t(tokens) * ffn);
   auto* sa = device_alloc<float>(blocks(ffn) * tokens);
   auto* y = device_alloc<__nv_bfloat16>(size_t(tokens) * hidden);
-  if (!dx || !dw1 || !dw2 || !doffs || !w1_8 || !w2_8 || !s1 || !s1_kn || !s2 || !s2_kn || !x8 || !sx || !h ||
-      !a8 || !sa || !y) {
+  if (!dx || !dw1 || !dw2 || !doffs || !w1_8 || !w2_8 || !s1 || !s1_kn || !s2 || !s2_kn || !x8 || !sx || !h || !a8 ||
+      !sa || !y) {
     std::fprintf(stderr, "cudaMalloc failed\n");
     return 1;
   }
@@ -125,8 +125,8 @@ int main() {
   CHECK_CUDA(cudaStreamCreate(&stream));
 
   // The weights' FP8 copies, once per optimizer step: fc1 (G, 2F, H), fc2 (G, H, F).
-  for (auto [w, w8, s, s_kn, rows, cols] : {std::tuple{dw1, w1_8, s1, s1_kn, 2 * ffn, hidden},
-                                            std::tuple{dw2, w2_8, s2, s2_kn, hidden, ffn}}) {
+  for (auto [w, w8, s, s_kn, rows, cols] :
+       {std::tuple{dw1, w1_8, s1, s1_kn, 2 * ffn, hidden}, std::tuple{dw2, w2_8, s2, s2_kn, hidden, ffn}}) {
     dg_quantize_weight_desc q{};
     q.w = w;
     q.w_dtype = DG_BF16;
@@ -209,13 +209,15 @@ int main() {
   }
   const double rel = std::sqrt(err2 / (ref2 > 0 ? ref2 : 1.0));
   // FP8 e4m3 keeps 3 mantissa bits: four quantized operands give ~7% (tests/gpu/test_moe_gpu.py).
-  std::printf("FP8 expert MLP forward: %d experts, %d tokens, hidden %lld, ffn %lld: %.3f ms (%.0f TFLOP/s), "
-              "relative error %.3f against FP32\n",
-              groups, tokens, static_cast<long long>(hidden), static_cast<long long>(ffn), ms / iters, tflops, rel);
-  for (void* p : {static_cast<void*>(dx), static_cast<void*>(dw1), static_cast<void*>(dw2), static_cast<void*>(doffs),
-                  static_cast<void*>(w1_8), static_cast<void*>(w2_8), static_cast<void*>(s1), static_cast<void*>(s1_kn),
-                  static_cast<void*>(s2), static_cast<void*>(s2_kn), static_cast<void*>(x8), static_cast<void*>(sx),
-                  static_cast<void*>(h), static_cast<void*>(a8), static_cast<void*>(sa), static_cast<void*>(y), workspace})
+  std::printf(
+      "FP8 expert MLP forward: %d experts, %d tokens, hidden %lld, ffn %lld: %.3f ms (%.0f TFLOP/s), "
+      "relative error %.3f against FP32\n",
+      groups, tokens, static_cast<long long>(hidden), static_cast<long long>(ffn), ms / iters, tflops, rel);
+  for (void* p :
+       {static_cast<void*>(dx), static_cast<void*>(dw1), static_cast<void*>(dw2), static_cast<void*>(doffs),
+        static_cast<void*>(w1_8), static_cast<void*>(w2_8), static_cast<void*>(s1), static_cast<void*>(s1_kn),
+        static_cast<void*>(s2), static_cast<void*>(s2_kn), static_cast<void*>(x8), static_cast<void*>(sx),
+        static_cast<void*>(h), static_cast<void*>(a8), static_cast<void*>(sa), static_cast<void*>(y), workspace})
     cudaFree(p);
   return rel < 0.1 ? 0 : 2;
 }

@@ -36,47 +36,47 @@ namespace {
 
 int g_rank = -1;  // for messages
 
-#define CHECK_CUDA(expr)                                                                          \
-  do {                                                                                            \
-    cudaError_t err_ = (expr);                                                                    \
-    if (err_ != cudaSuccess) {                                                                    \
-      std::fprintf(stderr, "[rank %d] %s: %s\n", g_rank, #expr, cudaGetErrorString(err_));        \
-      return 1;                                                                                   \
-    }                                                                                             \
+#define CHECK_CUDA(expr)                                                                   \
+  do {                                                                                     \
+    cudaError_t err_ = (expr);                                                             \
+    if (err_ != cudaSuccess) {                                                             \
+      std::fprintf(stderr, "[rank %d] %s: %s\n", g_rank, #expr, cudaGetErrorString(err_)); \
+      return 1;                                                                            \
+    }                                                                                      \
   } while (0)
-#define CHECK_NCCL(expr)                                                                          \
-  do {                                                                                            \
-    ncclResult_t res_ = (expr);                                                                   \
-    if (res_ != ncclSuccess) {                                                                    \
-      std::fprintf(stderr, "[rank %d] %s: %s\n", g_rank, #expr, ncclGetErrorString(res_));        \
-      return 1;                                                                                   \
-    }                                                                                             \
+#define CHECK_NCCL(expr)                                                                   \
+  do {                                                                                     \
+    ncclResult_t res_ = (expr);                                                            \
+    if (res_ != ncclSuccess) {                                                             \
+      std::fprintf(stderr, "[rank %d] %s: %s\n", g_rank, #expr, ncclGetErrorString(res_)); \
+      return 1;                                                                            \
+    }                                                                                      \
   } while (0)
-#define CHECK_CUBLAS(expr)                                                                        \
-  do {                                                                                            \
-    cublasStatus_t st_ = (expr);                                                                  \
-    if (st_ != CUBLAS_STATUS_SUCCESS) {                                                           \
-      std::fprintf(stderr, "[rank %d] %s: cuBLAS status %d\n", g_rank, #expr, int(st_));          \
-      return 1;                                                                                   \
-    }                                                                                             \
+#define CHECK_CUBLAS(expr)                                                               \
+  do {                                                                                   \
+    cublasStatus_t st_ = (expr);                                                         \
+    if (st_ != CUBLAS_STATUS_SUCCESS) {                                                  \
+      std::fprintf(stderr, "[rank %d] %s: cuBLAS status %d\n", g_rank, #expr, int(st_)); \
+      return 1;                                                                          \
+    }                                                                                    \
   } while (0)
-#define CHECK_DG(expr)                                                                            \
-  do {                                                                                            \
-    dg_status st_ = (expr);                                                                       \
-    if (st_ != DG_SUCCESS) {                                                                      \
-      int dev_ = 0;                                                                               \
-      cudaGetDevice(&dev_);                                                                       \
-      std::fprintf(stderr, "[rank %d] %s: %s (%s; dg_tp_error 0x%x)\n", g_rank, #expr,            \
-                   dg_last_error(), dg_status_name(st_), unsigned(dg_tp_error(dev_)));            \
-      return 1;                                                                                   \
-    }                                                                                             \
+#define CHECK_DG(expr)                                                                                  \
+  do {                                                                                                  \
+    dg_status st_ = (expr);                                                                             \
+    if (st_ != DG_SUCCESS) {                                                                            \
+      int dev_ = 0;                                                                                     \
+      cudaGetDevice(&dev_);                                                                             \
+      std::fprintf(stderr, "[rank %d] %s: %s (%s; dg_tp_error 0x%x)\n", g_rank, #expr, dg_last_error(), \
+                   dg_status_name(st_), unsigned(dg_tp_error(dev_)));                                   \
+      return 1;                                                                                         \
+    }                                                                                                   \
   } while (0)
 
 struct Options {
-  int world = 0;              // self-launch: ranks to fork (0: every visible GPU)
-  int64_t tokens = 8192;      // M
-  int64_t hidden = 8192;      // H
-  int64_t ffn = 28672;        // F
+  int world = 0;          // self-launch: ranks to fork (0: every visible GPU)
+  int64_t tokens = 8192;  // M
+  int64_t hidden = 8192;  // H
+  int64_t ffn = 28672;    // F
   dg_tp_algo algo = DG_TP_ALGO_AUTO;
   double timeout_s = 600;
 };
@@ -89,22 +89,32 @@ bool parse(int argc, char** argv, Options* o) {
       if (!val) std::fprintf(stderr, "%s needs a value\n", arg.c_str());
       return val != nullptr;
     };
-    if (arg == "--world" && need()) o->world = std::atoi(val), ++i;
-    else if (arg == "--m" && need()) o->tokens = std::atoll(val), ++i;
-    else if (arg == "--k" && need()) o->hidden = std::atoll(val), ++i;
-    else if (arg == "--n" && need()) o->ffn = std::atoll(val), ++i;
-    else if (arg == "--timeout" && need()) o->timeout_s = std::atof(val), ++i;
+    if (arg == "--world" && need())
+      o->world = std::atoi(val), ++i;
+    else if (arg == "--m" && need())
+      o->tokens = std::atoll(val), ++i;
+    else if (arg == "--k" && need())
+      o->hidden = std::atoll(val), ++i;
+    else if (arg == "--n" && need())
+      o->ffn = std::atoll(val), ++i;
+    else if (arg == "--timeout" && need())
+      o->timeout_s = std::atof(val), ++i;
     else if (arg == "--algo" && need()) {
       const std::string a = val;
       ++i;
-      if (a == "auto") o->algo = DG_TP_ALGO_AUTO;
-      else if (a == "fused") o->algo = DG_TP_ALGO_FUSED;
-      else if (a == "decomposed") o->algo = DG_TP_ALGO_DECOMPOSED;
-      else return std::fprintf(stderr, "--algo: auto, fused or decomposed, not %s\n", val), false;
+      if (a == "auto")
+        o->algo = DG_TP_ALGO_AUTO;
+      else if (a == "fused")
+        o->algo = DG_TP_ALGO_FUSED;
+      else if (a == "decomposed")
+        o->algo = DG_TP_ALGO_DECOMPOSED;
+      else
+        return std::fprintf(stderr, "--algo: auto, fused or decomposed, not %s\n", val), false;
     } else {
       std::fprintf(stderr,
                    "usage: %s [--world N] [--m tokens] [--k hidden] [--n ffn] "
-                   "[--algo auto|fused|decomposed] [--timeout seconds]\n", argv[0]);
+                   "[--algo auto|fused|decomposed] [--timeout seconds]\n",
+                   argv[0]);
       return false;
     }
   }
@@ -153,12 +163,11 @@ dg_matrix mat(const void* p, int64_t rows, int64_t cols) { return {p, DG_BF16, r
 
 // Row-major D (rows, n) = A (rows, k) @ B (n, k)^T in bf16 with fp32 accumulation: column-major,
 // D^T (n, rows) = B^T^T A^T.
-cublasStatus_t reference_gemm(cublasHandle_t h, const void* a, const void* b, void* d, int64_t rows,
-                              int64_t n, int64_t k) {
+cublasStatus_t reference_gemm(cublasHandle_t h, const void* a, const void* b, void* d, int64_t rows, int64_t n,
+                              int64_t k) {
   const float one = 1.f, zero = 0.f;
-  return cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, int(n), int(rows), int(k), &one, b, CUDA_R_16BF, int(k),
-                      a, CUDA_R_16BF, int(k), &zero, d, CUDA_R_16BF, int(n), CUBLAS_COMPUTE_32F,
-                      CUBLAS_GEMM_DEFAULT);
+  return cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, int(n), int(rows), int(k), &one, b, CUDA_R_16BF, int(k), a,
+                      CUDA_R_16BF, int(k), &zero, d, CUDA_R_16BF, int(n), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
 }
 
 // max |out - ref| / max |ref| over two device buffers of `count` bf16.
@@ -211,13 +220,13 @@ int time_op(ncclComm_t comm, cudaStream_t stream, int* flag, float* scratch, Op 
   return barrier(comm, stream, flag);
 }
 
-void report(int rank, const char* name, int64_t m, int64_t n, int64_t k, double ours_ms, double seq_ms,
-            double rel) {
+void report(int rank, const char* name, int64_t m, int64_t n, int64_t k, double ours_ms, double seq_ms, double rel) {
   if (rank != 0) return;
   const double tflops = 2.0 * double(m) * double(n) * double(k) / (ours_ms * 1e-3) / 1e12;
-  std::printf("%-22s M=%-6lld N=%-6lld K=%-6lld  distgemm %8.3f ms %6.0f TFLOP/s | NCCL + cuBLAS %8.3f ms | "
-              "x%.2f | max rel err %.1e\n",
-              name, (long long)m, (long long)n, (long long)k, ours_ms, tflops, seq_ms, seq_ms / ours_ms, rel);
+  std::printf(
+      "%-22s M=%-6lld N=%-6lld K=%-6lld  distgemm %8.3f ms %6.0f TFLOP/s | NCCL + cuBLAS %8.3f ms | "
+      "x%.2f | max rel err %.1e\n",
+      name, (long long)m, (long long)n, (long long)k, ours_ms, tflops, seq_ms, seq_ms / ours_ms, rel);
 }
 
 // One rank: fc1 (all-gather + GEMM) and fc2 (GEMM + reduce-scatter), checked and timed.
@@ -292,7 +301,9 @@ int run_rank(int rank, int world, int device, const ncclUniqueId& id, const Opti
   if (rank == 0)
     std::printf("distgemm %s, %d ranks, workspace %.1f MiB per rank, algo %s\n", dg_get_version(), world,
                 dg_nccl_workspace_bytes(ws) / 1048576.0,
-                o.algo == DG_TP_ALGO_FUSED ? "fused" : o.algo == DG_TP_ALGO_DECOMPOSED ? "decomposed" : "auto");
+                o.algo == DG_TP_ALGO_FUSED        ? "fused"
+                : o.algo == DG_TP_ALGO_DECOMPOSED ? "decomposed"
+                                                  : "auto");
 
   // The sequential references: NCCL, then cuBLAS (or cuBLAS, then NCCL).
   auto seq_ag = [&]() -> int {
@@ -340,8 +351,7 @@ int run_rank(int rank, int world, int device, const ncclUniqueId& id, const Opti
   double ag_ms = 0, ag_seq_ms = 0, rs_ms = 0, rs_seq_ms = 0;
   if (time_op(comm, stream, flag, scratch, ours_ag, &ag_ms) ||
       time_op(comm, stream, flag, scratch, seq_ag, &ag_seq_ms) ||
-      time_op(comm, stream, flag, scratch, ours_rs, &rs_ms) ||
-      time_op(comm, stream, flag, scratch, seq_rs, &rs_seq_ms))
+      time_op(comm, stream, flag, scratch, ours_rs, &rs_ms) || time_op(comm, stream, flag, scratch, seq_rs, &rs_seq_ms))
     return 1;
   report(rank, "fc1 all-gather + GEMM", M, Fs, H, ag_ms, ag_seq_ms, ag_err);
   report(rank, "fc2 GEMM + red.-scat.", M, H, Fs, rs_ms, rs_seq_ms, rs_err);
@@ -355,8 +365,10 @@ int run_rank(int rank, int world, int device, const ncclUniqueId& id, const Opti
   CHECK_NCCL(ncclCommDestroy(comm));
   const double tol = 2e-2;
   if (ag_err > tol || rs_err > tol) {
-    std::fprintf(stderr, "[rank %d] max relative error above %.0e: all-gather + GEMM %.2e, GEMM + "
-                 "reduce-scatter %.2e\n", rank, tol, ag_err, rs_err);
+    std::fprintf(stderr,
+                 "[rank %d] max relative error above %.0e: all-gather + GEMM %.2e, GEMM + "
+                 "reduce-scatter %.2e\n",
+                 rank, tol, ag_err, rs_err);
     return 2;
   }
   return 0;
@@ -395,8 +407,10 @@ int run_launched(int rank, int world, int local_rank, const Options& o) {
   int visible = 0;
   const int sm90 = count_sm90(&visible);
   if (world < 2 || sm90 < 1 || local_rank >= visible) {
-    std::printf("[rank %d] needs a world of >= 2 ranks with one sm_90 GPU each (world %d, %d GPUs visible, "
-                "%d sm_90): nothing to run\n", rank, world, visible, sm90);
+    std::printf(
+        "[rank %d] needs a world of >= 2 ranks with one sm_90 GPU each (world %d, %d GPUs visible, "
+        "%d sm_90): nothing to run\n",
+        rank, world, visible, sm90);
     return 0;
   }
   const int device = local_rank % visible;
@@ -411,8 +425,10 @@ int run_launched(int rank, int world, int local_rank, const Options& o) {
     const char* addr = env("MASTER_ADDR");
     const char* port = env("MASTER_PORT");
     if (!addr || !port) {
-      std::fprintf(stderr, "[rank %d] set NCCL_COMM_ID=host:port (a free port on rank 0's host) for the NCCL "
-                   "bootstrap\n", rank);
+      std::fprintf(stderr,
+                   "[rank %d] set NCCL_COMM_ID=host:port (a free port on rank 0's host) for the NCCL "
+                   "bootstrap\n",
+                   rank);
       return 1;
     }
     comm_id = std::string(addr) + ":" + std::to_string(std::atoi(port) + 1);
@@ -475,9 +491,12 @@ int run_forked(const Options& o) {
       const pid_t got = waitpid(pids[r], &status, WNOHANG);
       if (got == 0) continue;
       if (got < 0 || !WIFEXITED(status) || WEXITSTATUS(status) != 0) {
-        if (got < 0) std::fprintf(stderr, "waitpid(rank %zu) failed\n", r);
-        else if (WIFSIGNALED(status)) std::fprintf(stderr, "rank %zu died of signal %d\n", r, WTERMSIG(status));
-        else std::fprintf(stderr, "rank %zu exited with status %d\n", r, WEXITSTATUS(status));
+        if (got < 0)
+          std::fprintf(stderr, "waitpid(rank %zu) failed\n", r);
+        else if (WIFSIGNALED(status))
+          std::fprintf(stderr, "rank %zu died of signal %d\n", r, WTERMSIG(status));
+        else
+          std::fprintf(stderr, "rank %zu exited with status %d\n", r, WEXITSTATUS(status));
         result = 1;
         failed_at = std::min(failed_at, clock::now());
       }
@@ -487,8 +506,8 @@ int run_forked(const Options& o) {
     if (!running) break;
     const auto now = clock::now();
     if (now > deadline || (failed_at != clock::time_point::max() && now - failed_at > std::chrono::seconds(30))) {
-      std::fprintf(stderr, "%s: killing the %zu ranks still running\n",
-                   now > deadline ? "timed out" : "a rank failed", running);
+      std::fprintf(stderr, "%s: killing the %zu ranks still running\n", now > deadline ? "timed out" : "a rank failed",
+                   running);
       for (pid_t p : pids)
         if (p > 0) kill(p, SIGKILL);
       for (pid_t p : pids)

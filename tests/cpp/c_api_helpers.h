@@ -17,16 +17,21 @@ inline void* fake_ptr(uint64_t slot) {
 
 inline int dtype_bytes(dg_dtype t) {
   switch (t) {
-    case DG_F32: case DG_I32: return 4;
-    case DG_F16: case DG_BF16: return 2;
-    case DG_E4M3: case DG_E5M2: return 1;
+    case DG_F32:
+    case DG_I32:
+      return 4;
+    case DG_F16:
+    case DG_BF16:
+      return 2;
+    case DG_E4M3:
+    case DG_E5M2:
+      return 1;
   }
   return 0;
 }
 
 // D (m, n) = A (m, k) @ B (n, k)^T, packed row-major, K-major b.
-inline dg_gemm_desc gemm_desc(int64_t m, int64_t n, int64_t k, dg_dtype in = DG_BF16,
-                              dg_dtype out = DG_BF16) {
+inline dg_gemm_desc gemm_desc(int64_t m, int64_t n, int64_t k, dg_dtype in = DG_BF16, dg_dtype out = DG_BF16) {
   dg_gemm_desc d{};
   d.a = {fake_ptr(1), in, m, k, k, 1};
   d.b = {fake_ptr(2), in, n, k, k, 1};
@@ -74,8 +79,8 @@ inline dg_grouped_desc grouped_desc(dg_grouped_kind kind, int64_t g, int64_t t, 
 }
 
 // FP8 quantization of x (rows, cols) at `g`, with a workspace large enough for any desc.
-inline dg_quantize_desc quantize_desc(dg_quant_granularity g, int64_t rows, int64_t cols,
-                                      dg_dtype in = DG_BF16, dg_dtype out = DG_E4M3) {
+inline dg_quantize_desc quantize_desc(dg_quant_granularity g, int64_t rows, int64_t cols, dg_dtype in = DG_BF16,
+                                      dg_dtype out = DG_E4M3) {
   dg_quantize_desc d{};
   d.x = fake_ptr(8);
   d.x_dtype = in;

@@ -32,37 +32,70 @@ std::mt19937_64 rng;
 uint64_t below(uint64_t n) { return rng() % n; }
 bool coin(int one_in) { return below(one_in) == 0; }
 
-const int64_t kExtremes[] = {0, 1, -1, 2, 7, 8, 15, 16, 64, 127, 128,
-                             (int64_t(1) << 31) - 1, int64_t(1) << 31, (int64_t(1) << 31) + 1,
-                             int64_t(1) << 32, int64_t(1) << 40, int64_t(1) << 61,
-                             int64_t(1) << 62, INT64_MAX, INT64_MAX - 1, INT64_MAX / 2,
-                             INT64_MAX / 3, INT64_MIN, INT64_MIN + 1, -(int64_t(1) << 31)};
+const int64_t kExtremes[] = {0,
+                             1,
+                             -1,
+                             2,
+                             7,
+                             8,
+                             15,
+                             16,
+                             64,
+                             127,
+                             128,
+                             (int64_t(1) << 31) - 1,
+                             int64_t(1) << 31,
+                             (int64_t(1) << 31) + 1,
+                             int64_t(1) << 32,
+                             int64_t(1) << 40,
+                             int64_t(1) << 61,
+                             int64_t(1) << 62,
+                             INT64_MAX,
+                             INT64_MAX - 1,
+                             INT64_MAX / 2,
+                             INT64_MAX / 3,
+                             INT64_MIN,
+                             INT64_MIN + 1,
+                             -(int64_t(1) << 31)};
 
 int64_t any_int64() {
   switch (below(4)) {
-    case 0: return kExtremes[below(std::size(kExtremes))];
-    case 1: return static_cast<int64_t>(rng());
-    case 2: return static_cast<int64_t>(below(1 << 20)) - 16;
-    default: return int64_t(1) << below(63);
+    case 0:
+      return kExtremes[below(std::size(kExtremes))];
+    case 1:
+      return static_cast<int64_t>(rng());
+    case 2:
+      return static_cast<int64_t>(below(1 << 20)) - 16;
+    default:
+      return int64_t(1) << below(63);
   }
 }
 
 int any_int() {
   switch (below(3)) {
-    case 0: return static_cast<int>(kExtremes[below(std::size(kExtremes))]);
-    case 1: return static_cast<int>(rng());
-    default: return static_cast<int>(below(12)) - 2;
+    case 0:
+      return static_cast<int>(kExtremes[below(std::size(kExtremes))]);
+    case 1:
+      return static_cast<int>(rng());
+    default:
+      return static_cast<int>(below(12)) - 2;
   }
 }
 
 const void* any_ptr(const void* valid) {
   switch (below(6)) {
-    case 0: return nullptr;
-    case 1: return reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(valid) + 1 + below(15));  // misaligned
-    case 2: return reinterpret_cast<const void*>(UINTPTR_MAX & ~uintptr_t{15});
-    case 3: return reinterpret_cast<const void*>((UINTPTR_MAX - (uintptr_t{1} << below(48))) & ~uintptr_t{15});
-    case 4: return reinterpret_cast<const void*>(uintptr_t{16});
-    default: return reinterpret_cast<const void*>(rng());
+    case 0:
+      return nullptr;
+    case 1:
+      return reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(valid) + 1 + below(15));  // misaligned
+    case 2:
+      return reinterpret_cast<const void*>(UINTPTR_MAX & ~uintptr_t{15});
+    case 3:
+      return reinterpret_cast<const void*>((UINTPTR_MAX - (uintptr_t{1} << below(48))) & ~uintptr_t{15});
+    case 4:
+      return reinterpret_cast<const void*>(uintptr_t{16});
+    default:
+      return reinterpret_cast<const void*>(rng());
   }
 }
 
@@ -135,12 +168,24 @@ dg_gemm_desc random_valid_gemm() {
 
 void mutate_matrix(dg_matrix* m) {
   switch (below(6)) {
-    case 0: m->data = any_ptr(m->data ? m->data : fake_ptr(10)); break;
-    case 1: mutate_enum(&m->dtype); break;
-    case 2: m->rows = any_int64(); break;
-    case 3: m->cols = any_int64(); break;
-    case 4: m->row_stride = any_int64(); break;
-    default: m->col_stride = any_int64(); break;
+    case 0:
+      m->data = any_ptr(m->data ? m->data : fake_ptr(10));
+      break;
+    case 1:
+      mutate_enum(&m->dtype);
+      break;
+    case 2:
+      m->rows = any_int64();
+      break;
+    case 3:
+      m->cols = any_int64();
+      break;
+    case 4:
+      m->row_stride = any_int64();
+      break;
+    default:
+      m->col_stride = any_int64();
+      break;
   }
 }
 
@@ -148,14 +193,34 @@ void mutate_gemm(dg_gemm_desc* d) {
   const int count = 1 + static_cast<int>(below(3));
   for (int i = 0; i < count; ++i) {
     switch (below(10)) {
-      case 0: mutate_matrix(&d->a); break;
-      case 1: mutate_matrix(&d->b); break;
-      case 2: mutate_matrix(&d->c); break;
-      case 3: case 4: mutate_matrix(&d->d); break;
-      case 5: d->scale_a = static_cast<const float*>(any_ptr(fake_ptr(11))); d->scale_a_len = any_int64(); break;
-      case 6: d->scale_b = static_cast<const float*>(any_ptr(fake_ptr(11))); d->scale_b_len = any_int64(); break;
-      case 7: d->config = any_int(); d->swizzle = any_int(); break;
-      case 8: d->fast_accum = any_int(); break;
+      case 0:
+        mutate_matrix(&d->a);
+        break;
+      case 1:
+        mutate_matrix(&d->b);
+        break;
+      case 2:
+        mutate_matrix(&d->c);
+        break;
+      case 3:
+      case 4:
+        mutate_matrix(&d->d);
+        break;
+      case 5:
+        d->scale_a = static_cast<const float*>(any_ptr(fake_ptr(11)));
+        d->scale_a_len = any_int64();
+        break;
+      case 6:
+        d->scale_b = static_cast<const float*>(any_ptr(fake_ptr(11)));
+        d->scale_b_len = any_int64();
+        break;
+      case 7:
+        d->config = any_int();
+        d->swizzle = any_int();
+        break;
+      case 8:
+        d->fast_accum = any_int();
+        break;
       default: {  // one size changed consistently: shape checks pass, size checks are hit
         const int64_t v = any_int64();
         d->a.rows = d->d.rows = v;
@@ -225,7 +290,8 @@ void fuzz_gemm(bool launch) {
   if (count < 0 || chosen < -1 || chosen >= (count > 0 ? count : 1)) report("dg_gemm_select_config", "out of range");
   const int config = coin(2) ? static_cast<int>(below(4)) : any_int();
   const char* name = dg_gemm_config_name(&d, arch, config);
-  if ((name != nullptr) != (config >= 0 && config < count)) report("dg_gemm_config_name", "inconsistent with the count");
+  if ((name != nullptr) != (config >= 0 && config < count))
+    report("dg_gemm_config_name", "inconsistent with the count");
   size_t bytes = 0;
   expect_status(dg_gemm_workspace_size(&d, coin(16) ? nullptr : &bytes), "dg_gemm_workspace_size");
   if (launch) expect_status(dg_gemm(&d, nullptr, 0, nullptr), "dg_gemm");
@@ -248,26 +314,51 @@ dg_grouped_desc random_valid_grouped() {
 }
 
 void mutate_shape(dg_grouped_shape* s) {
-  if (coin(5)) s->ndim = coin(2) ? static_cast<int>(below(6)) - 1 : any_int();
-  else if (coin(3)) s->size[below(3)] = static_cast<int64_t>(static_cast<uint64_t>(s->size[below(3)]) + below(3) - 1);
-  else s->size[below(3)] = any_int64();
+  if (coin(5))
+    s->ndim = coin(2) ? static_cast<int>(below(6)) - 1 : any_int();
+  else if (coin(3))
+    s->size[below(3)] = static_cast<int64_t>(static_cast<uint64_t>(s->size[below(3)]) + below(3) - 1);
+  else
+    s->size[below(3)] = any_int64();
 }
 
 void mutate_grouped(dg_grouped_desc* d) {
   const int count = 1 + static_cast<int>(below(3));
   for (int i = 0; i < count; ++i) {
     switch (below(11)) {
-      case 0: mutate_enum(&d->kind); break;
-      case 1: mutate_enum(&d->in_dtype); break;
-      case 2: mutate_enum(&d->out_dtype); break;
-      case 3: d->num_groups = any_int64(); break;
-      case 4: d->offs = static_cast<const int32_t*>(any_ptr(d->offs)); break;
-      case 5: d->a = any_ptr(fake_ptr(5)); break;
-      case 6: d->b = any_ptr(fake_ptr(6)); break;
-      case 7: d->out = const_cast<void*>(any_ptr(fake_ptr(7))); break;
-      case 8: mutate_shape(&d->a_shape); break;
-      case 9: mutate_shape(&d->b_shape); break;
-      default: mutate_shape(&d->out_shape); break;
+      case 0:
+        mutate_enum(&d->kind);
+        break;
+      case 1:
+        mutate_enum(&d->in_dtype);
+        break;
+      case 2:
+        mutate_enum(&d->out_dtype);
+        break;
+      case 3:
+        d->num_groups = any_int64();
+        break;
+      case 4:
+        d->offs = static_cast<const int32_t*>(any_ptr(d->offs));
+        break;
+      case 5:
+        d->a = any_ptr(fake_ptr(5));
+        break;
+      case 6:
+        d->b = any_ptr(fake_ptr(6));
+        break;
+      case 7:
+        d->out = const_cast<void*>(any_ptr(fake_ptr(7)));
+        break;
+      case 8:
+        mutate_shape(&d->a_shape);
+        break;
+      case 9:
+        mutate_shape(&d->b_shape);
+        break;
+      default:
+        mutate_shape(&d->out_shape);
+        break;
     }
   }
   if (coin(6)) {  // consistent extreme sizes: the overflow checks, not the shape checks, refuse
@@ -308,7 +399,8 @@ void check_grouped_oracle(const dg_grouped_desc& d) {
   const int64_t t = d.a_shape.size[0];
   const int64_t n = wgrad ? d.a_shape.size[1] : kind == DG_GROUPED_FORWARD ? d.b_shape.size[1] : d.b_shape.size[2];
   const int64_t k = wgrad ? d.b_shape.size[1] : d.a_shape.size[1];
-  if (t < 0 || t >= lim || n < 1 || n >= lim || k < 1 || k >= lim || n % 8 || k % 8) return report("grouped oracle", "T/N/K");
+  if (t < 0 || t >= lim || n < 1 || n >= lim || k < 1 || k >= lim || n % 8 || k % 8)
+    return report("grouped oracle", "T/N/K");
   const int ib = in == DG_F32 ? 4 : 2, ob = out == DG_F32 ? 4 : 2;
   bool ok = extent_ok(d.offs, {g}, 4, 4);
   if (wgrad) {
@@ -342,7 +434,8 @@ void fuzz_grouped(bool launch) {
   const int count = dg_grouped_gemm_config_count(&d, arch);
   const int config = coin(2) ? static_cast<int>(below(4)) : any_int();
   const char* name = dg_grouped_gemm_config_name(&d, arch, config);
-  if (count < 0 || (name != nullptr) != (config >= 0 && config < count)) report("dg_grouped_gemm_config_name", "inconsistent");
+  if (count < 0 || (name != nullptr) != (config >= 0 && config < count))
+    report("dg_grouped_gemm_config_name", "inconsistent");
   expect_status(dg_grouped_gemm_cublas(&d, nullptr, nullptr), "dg_grouped_gemm_cublas");
   if (launch) expect_status(dg_grouped_gemm(&d, nullptr, 0, nullptr), "dg_grouped_gemm");
 }
@@ -393,20 +486,48 @@ void mutate_quantize(dg_quantize_desc* d) {
   const int count = 1 + static_cast<int>(below(3));
   for (int i = 0; i < count; ++i) {
     switch (below(14)) {
-      case 0: mutate_enum(&d->x_dtype); break;
-      case 1: mutate_enum(&d->out_dtype); break;
-      case 2: mutate_enum(&d->granularity); break;
-      case 3: d->rows = any_int64(); break;
-      case 4: d->cols = any_int64(); break;
-      case 5: d->batch = any_int64(); break;
-      case 6: d->transpose = coin(2) ? static_cast<int>(below(2)) : any_int(); break;
-      case 7: d->num_groups = any_int64(); break;
-      case 8: d->x = any_ptr(d->x); break;
-      case 9: d->out = const_cast<void*>(any_ptr(d->out)); break;
-      case 10: d->scale = static_cast<float*>(const_cast<void*>(any_ptr(d->scale))); break;
-      case 11: d->offs = static_cast<const int32_t*>(any_ptr(d->offs)); break;
-      case 12: d->workspace = const_cast<void*>(any_ptr(d->workspace)); break;
-      default: d->workspace_bytes = static_cast<size_t>(any_int64()); break;
+      case 0:
+        mutate_enum(&d->x_dtype);
+        break;
+      case 1:
+        mutate_enum(&d->out_dtype);
+        break;
+      case 2:
+        mutate_enum(&d->granularity);
+        break;
+      case 3:
+        d->rows = any_int64();
+        break;
+      case 4:
+        d->cols = any_int64();
+        break;
+      case 5:
+        d->batch = any_int64();
+        break;
+      case 6:
+        d->transpose = coin(2) ? static_cast<int>(below(2)) : any_int();
+        break;
+      case 7:
+        d->num_groups = any_int64();
+        break;
+      case 8:
+        d->x = any_ptr(d->x);
+        break;
+      case 9:
+        d->out = const_cast<void*>(any_ptr(d->out));
+        break;
+      case 10:
+        d->scale = static_cast<float*>(const_cast<void*>(any_ptr(d->scale)));
+        break;
+      case 11:
+        d->offs = static_cast<const int32_t*>(any_ptr(d->offs));
+        break;
+      case 12:
+        d->workspace = const_cast<void*>(any_ptr(d->workspace));
+        break;
+      default:
+        d->workspace_bytes = static_cast<size_t>(any_int64());
+        break;
     }
   }
 }
@@ -444,9 +565,19 @@ bool quant_layout(const dg_quantize_desc& d, QuantLayout* l, std::string* why) {
   l->data_rows = rows;
   l->data_cols = cols;
   switch (g) {
-    case DG_QUANT_TENSOR: l->scale_rows = 1; l->scale_cols = 1; l->workspace = 4; break;
-    case DG_QUANT_ROW: l->scale_rows = rows; l->scale_cols = 1; break;
-    case DG_QUANT_128X128: l->scale_rows = nb(rows); l->scale_cols = nb(cols); break;
+    case DG_QUANT_TENSOR:
+      l->scale_rows = 1;
+      l->scale_cols = 1;
+      l->workspace = 4;
+      break;
+    case DG_QUANT_ROW:
+      l->scale_rows = rows;
+      l->scale_cols = 1;
+      break;
+    case DG_QUANT_128X128:
+      l->scale_rows = nb(rows);
+      l->scale_cols = nb(cols);
+      break;
     default:
       if (!d.transpose) {
         l->scale_rows = nb(cols);
@@ -485,7 +616,8 @@ void fuzz_quant(bool launch) {
   if (ss == DG_SUCCESS && (s.data_rows != l.data_rows || s.data_cols != l.data_cols || s.scale_rows != l.scale_rows ||
                            s.scale_cols != l.scale_cols || (i128)s.workspace_bytes != l.workspace))
     report("dg_quantize_fp8_sizes", "sizes differ from the oracle's");
-  if (ss != DG_SUCCESS && valid_shape && !null_sizes) report("dg_quantize_fp8_sizes", std::string("refused a valid shape: ") + dg_last_error());
+  if (ss != DG_SUCCESS && valid_shape && !null_sizes)
+    report("dg_quantize_fp8_sizes", std::string("refused a valid shape: ") + dg_last_error());
   if (!launch) return;
   const dg_status st = dg_quantize_fp8(&d, nullptr);
   expect_status(st, "dg_quantize_fp8");
@@ -493,15 +625,21 @@ void fuzz_quant(bool launch) {
   quant_passed += st != DG_ERROR_INVALID_ARGUMENT;
   if (st != DG_ERROR_INVALID_ARGUMENT) {
     const int eb = raw(d.x_dtype) == DG_F32 ? 4 : 2;
-    if (!valid_shape) report("dg_quantize_fp8 oracle", why);
-    else if (!quant_buffer(d.x, l.x_bytes, eb)) report("dg_quantize_fp8 oracle", "x");
-    else if (!quant_buffer(d.out, l.data, 1)) report("dg_quantize_fp8 oracle", "out");
-    else if (!quant_buffer(d.scale, 4 * l.scale, 4)) report("dg_quantize_fp8 oracle", "scale");
-    else if (d.num_groups > 0 && !quant_buffer(d.offs, 4 * (i128)d.num_groups, 4)) report("dg_quantize_fp8 oracle", "offs");
+    if (!valid_shape)
+      report("dg_quantize_fp8 oracle", why);
+    else if (!quant_buffer(d.x, l.x_bytes, eb))
+      report("dg_quantize_fp8 oracle", "x");
+    else if (!quant_buffer(d.out, l.data, 1))
+      report("dg_quantize_fp8 oracle", "out");
+    else if (!quant_buffer(d.scale, 4 * l.scale, 4))
+      report("dg_quantize_fp8 oracle", "scale");
+    else if (d.num_groups > 0 && !quant_buffer(d.offs, 4 * (i128)d.num_groups, 4))
+      report("dg_quantize_fp8 oracle", "offs");
     else if ((i128)d.workspace_bytes < l.workspace || (l.workspace > 0 && !quant_buffer(d.workspace, l.workspace, 4)))
       report("dg_quantize_fp8 oracle", "workspace");
   }
-  if (!mutated && !passes_checks(st)) report("dg_quantize_fp8", std::string("refused a valid desc: ") + dg_last_error());
+  if (!mutated && !passes_checks(st))
+    report("dg_quantize_fp8", std::string("refused a valid desc: ") + dg_last_error());
 }
 
 // ---------------------------------------------------------------- MoE activation
@@ -539,18 +677,42 @@ void mutate_moe(dg_moe_act_desc* d) {
   const int count = 1 + static_cast<int>(below(3));
   for (int i = 0; i < count; ++i) {
     switch (below(12)) {
-      case 0: mutate_enum(&d->act); break;
-      case 1: mutate_enum(&d->fp8_dtype); break;
-      case 2: d->tokens = any_int64(); break;
-      case 3: d->inner = any_int64(); break;
-      case 4: d->x = any_ptr(fake_ptr(40)); break;
-      case 5: d->dy = any_ptr(fake_ptr(41)); break;
-      case 6: d->y = const_cast<void*>(any_ptr(fake_ptr(42))); break;
-      case 7: d->y_scale = static_cast<float*>(const_cast<void*>(any_ptr(fake_ptr(44)))); break;
-      case 8: d->yt_scale = static_cast<float*>(const_cast<void*>(any_ptr(fake_ptr(46)))); break;
-      case 9: d->num_groups = any_int64(); break;
-      case 10: d->workspace_bytes = static_cast<size_t>(any_int64()); break;
-      default: d->offs = static_cast<const int32_t*>(any_ptr(fake_ptr(47))); break;
+      case 0:
+        mutate_enum(&d->act);
+        break;
+      case 1:
+        mutate_enum(&d->fp8_dtype);
+        break;
+      case 2:
+        d->tokens = any_int64();
+        break;
+      case 3:
+        d->inner = any_int64();
+        break;
+      case 4:
+        d->x = any_ptr(fake_ptr(40));
+        break;
+      case 5:
+        d->dy = any_ptr(fake_ptr(41));
+        break;
+      case 6:
+        d->y = const_cast<void*>(any_ptr(fake_ptr(42)));
+        break;
+      case 7:
+        d->y_scale = static_cast<float*>(const_cast<void*>(any_ptr(fake_ptr(44))));
+        break;
+      case 8:
+        d->yt_scale = static_cast<float*>(const_cast<void*>(any_ptr(fake_ptr(46))));
+        break;
+      case 9:
+        d->num_groups = any_int64();
+        break;
+      case 10:
+        d->workspace_bytes = static_cast<size_t>(any_int64());
+        break;
+      default:
+        d->offs = static_cast<const int32_t*>(any_ptr(fake_ptr(47)));
+        break;
     }
   }
 }
@@ -573,20 +735,25 @@ void fuzz_moe(bool launch) {
     const bool swiglu = act == DG_MOE_SWIGLU || act == DG_MOE_SWIGLU_BACKWARD;
     const i128 t = d.tokens, c = d.inner, y_cols = act == DG_MOE_SWIGLU_BACKWARD ? 2 * c : c;
     const i128 tp = 128 * ((t + 127) / 128 + d.num_groups);
-    if (act < 0 || act > 4 || t < 0 || c < 0) report("dg_moe_activation oracle", "act or sizes");
-    else if (!quant_buffer(d.x, t * (swiglu ? 2 * c : c) * 2, 2)) report("dg_moe_activation oracle", "x");
+    if (act < 0 || act > 4 || t < 0 || c < 0)
+      report("dg_moe_activation oracle", "act or sizes");
+    else if (!quant_buffer(d.x, t * (swiglu ? 2 * c : c) * 2, 2))
+      report("dg_moe_activation oracle", "x");
     else if ((act == DG_MOE_SWIGLU_BACKWARD || act == DG_MOE_GELU_BACKWARD) && !quant_buffer(d.dy, t * c * 2, 2))
       report("dg_moe_activation oracle", "dy");
-    else if (d.y && !quant_buffer(d.y, t * y_cols * 2, 2)) report("dg_moe_activation oracle", "y");
+    else if (d.y && !quant_buffer(d.y, t * y_cols * 2, 2))
+      report("dg_moe_activation oracle", "y");
     else if (d.y_fp8 && !quant_buffer(d.y_scale, 4 * t * ((y_cols + 127) / 128), 4))
       report("dg_moe_activation oracle", "y_scale");
-    else if (d.yt_fp8 && (d.num_groups < 1 || !quant_buffer(d.yt_scale, 4 * y_cols * (tp / 128), 4) ||
-                          !quant_buffer(d.offs, 4 * (i128)d.num_groups, 4) ||
-                          (i128)d.workspace_bytes < 4 * (i128)d.num_groups))
+    else if (d.yt_fp8 &&
+             (d.num_groups < 1 || !quant_buffer(d.yt_scale, 4 * y_cols * (tp / 128), 4) ||
+              !quant_buffer(d.offs, 4 * (i128)d.num_groups, 4) || (i128)d.workspace_bytes < 4 * (i128)d.num_groups))
       report("dg_moe_activation oracle", "transposed copy, offs or workspace");
-    else if (ss != DG_SUCCESS) report("dg_moe_activation", "accepted a desc its workspace query refused");
+    else if (ss != DG_SUCCESS)
+      report("dg_moe_activation", "accepted a desc its workspace query refused");
   }
-  if (!mutated && !passes_checks(st)) report("dg_moe_activation", std::string("refused a valid desc: ") + dg_last_error());
+  if (!mutated && !passes_checks(st))
+    report("dg_moe_activation", std::string("refused a valid desc: ") + dg_last_error());
 }
 
 }  // namespace
@@ -608,9 +775,16 @@ int main(int argc, char** argv) {
   cudaGetLastError();
   for (long i = 0; i < iterations; ++i) {
     switch (i % 4) {
-      case 0: case 1: if (gemm) fuzz_gemm(launch); break;
-      case 2: if (grouped) fuzz_grouped(launch); break;
-      default: if (tp) fuzz_tp(); break;
+      case 0:
+      case 1:
+        if (gemm) fuzz_gemm(launch);
+        break;
+      case 2:
+        if (grouped) fuzz_grouped(launch);
+        break;
+      default:
+        if (tp) fuzz_tp();
+        break;
     }
     if (quant && i % 4 == 3) fuzz_quant(launch);
     if (moe && i % 4 == 1) fuzz_moe(launch);
@@ -618,11 +792,11 @@ int main(int argc, char** argv) {
     set_raw(&s, static_cast<int>(below(8)));  // within the enum's range (C++)
     if (dg_status_name(s) == nullptr) report("dg_status_name", "NULL");
   }
-  std::printf("%ld iterations over %s (seed %llu, launching entry points %s)\n"
-              "passed the checks: gemm %ld of %ld, grouped %ld of %ld, tp %ld of %ld, quant %ld of %ld, moe %ld of %ld\n"
-              "%ld failures\n",
-              iterations, families.c_str(), seed, launch ? "included" : "skipped: a GPU is present",
-              gemm_passed, gemm_calls, grouped_passed, grouped_calls, tp_passed, tp_calls, quant_passed,
-              quant_calls, moe_passed, moe_calls, failures);
+  std::printf(
+      "%ld iterations over %s (seed %llu, launching entry points %s)\n"
+      "passed the checks: gemm %ld of %ld, grouped %ld of %ld, tp %ld of %ld, quant %ld of %ld, moe %ld of %ld\n"
+      "%ld failures\n",
+      iterations, families.c_str(), seed, launch ? "included" : "skipped: a GPU is present", gemm_passed, gemm_calls,
+      grouped_passed, grouped_calls, tp_passed, tp_calls, quant_passed, quant_calls, moe_passed, moe_calls, failures);
   return failures == 0 ? 0 : 1;
 }

@@ -35,8 +35,7 @@ inline int count_sm90_gpus_in_child() {
     int devices = 0, n = 0;
     if (cudaGetDeviceCount(&devices) == cudaSuccess) {
       for (int major = 0; n < devices && n < 100; ++n)
-        if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, n) != cudaSuccess || major != 9)
-          break;
+        if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, n) != cudaSuccess || major != 9) break;
     }
     _exit(n);
   }
@@ -87,10 +86,14 @@ inline std::vector<RankOutcome> run_ranks(int world, double timeout_s, const std
         continue;
       }
       pids[r] = 0;
-      if (got < 0) out[r].what = "waitpid failed";
-      else if (WIFSIGNALED(status)) out[r].what = "killed by signal " + std::to_string(WTERMSIG(status));
-      else if (WEXITSTATUS(status) != 0) out[r].what = "exit code " + std::to_string(WEXITSTATUS(status));
-      else out[r].ok = true;
+      if (got < 0)
+        out[r].what = "waitpid failed";
+      else if (WIFSIGNALED(status))
+        out[r].what = "killed by signal " + std::to_string(WTERMSIG(status));
+      else if (WEXITSTATUS(status) != 0)
+        out[r].what = "exit code " + std::to_string(WEXITSTATUS(status));
+      else
+        out[r].ok = true;
     }
     if (!running) return out;
     if (std::chrono::steady_clock::now() > deadline) {
@@ -120,12 +123,11 @@ inline std::vector<__nv_bfloat16> random_bf16(size_t count, uint64_t seed, float
 }
 
 // Row-major D (rows, n) = A (rows, k) @ B (n, k)^T: bf16 in and out, fp32 accumulation.
-inline cublasStatus_t reference_gemm(cublasHandle_t h, const void* a, const void* b, void* d, int64_t rows,
-                                     int64_t n, int64_t k) {
+inline cublasStatus_t reference_gemm(cublasHandle_t h, const void* a, const void* b, void* d, int64_t rows, int64_t n,
+                                     int64_t k) {
   const float one = 1.f, zero = 0.f;
-  return cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, int(n), int(rows), int(k), &one, b, CUDA_R_16BF, int(k),
-                      a, CUDA_R_16BF, int(k), &zero, d, CUDA_R_16BF, int(n), CUBLAS_COMPUTE_32F,
-                      CUBLAS_GEMM_DEFAULT);
+  return cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, int(n), int(rows), int(k), &one, b, CUDA_R_16BF, int(k), a,
+                      CUDA_R_16BF, int(k), &zero, d, CUDA_R_16BF, int(n), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
 }
 
 // max |out - ref| / max |ref| of two device buffers of `count` bf16 (infinite for a NaN in

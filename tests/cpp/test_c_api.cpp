@@ -546,8 +546,7 @@ TEST(GroupedQueries, EntryPointsCheckFirst) {
   EXPECT_TRUE(refused(dg_grouped_gemm_cublas(&bad, host_offs, nullptr), "out (out) must have shape"));
   EXPECT_EQ(dg_grouped_gemm_config_count(nullptr, 90), 0);
   EXPECT_EQ(dg_grouped_gemm_config_name(nullptr, 90, 0), nullptr);
-  for (int arch : {0, -1, 80, 90, 100, INT_MAX})
-    EXPECT_EQ(dg_grouped_gemm_config_name(&good, arch, 0), nullptr);
+  for (int arch : {0, -1, 80, 90, 100, INT_MAX}) EXPECT_EQ(dg_grouped_gemm_config_name(&good, arch, 0), nullptr);
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
     cudaGetLastError();
@@ -567,7 +566,8 @@ TEST(GroupedCublas, RefusesFp8Descriptors) {
     d.in_dtype = in;
     EXPECT_EQ(dg_grouped_gemm_cublas(&d, host_offs, nullptr), DG_ERROR_NOT_SUPPORTED);
     EXPECT_NE(std::string(dg_last_error()).find("dg_grouped_gemm_cublas takes bfloat16/float16 inputs without scales"),
-              std::string::npos) << dg_last_error();
+              std::string::npos)
+        << dg_last_error();
     EXPECT_NE(std::string(dg_last_error()).find("dg_grouped_gemm"), std::string::npos);
   }
   d = grouped_desc(DG_GROUPED_WGRAD, 4, 0, 256, 384, DG_E4M3, DG_F32);
@@ -998,11 +998,24 @@ TEST(TpSettings, FloatsAreCheckedBeforeTheirCastToInt) {
     double value;
     const char* name;
   };
-  const Case cases[] = {{0, nan, "algo"},    {0, inf, "algo"},     {0, 1e300, "algo"},  {0, -1, "algo"},
-                        {0, 3, "algo"},      {0, 1.5, "algo"},     {1, nan, "pieces"},  {1, -inf, "pieces"},
-                        {1, 4.5, "pieces"},  {1, 5, "pieces"},     {1, 3e9, "pieces"},  {1, -3e9, "pieces"},
-                        {2, nan, "tapered"}, {2, 2, "tapered"},    {2, inf, "tapered"}, {3, nan, "rs_split_gflops"},
-                        {3, inf, "rs_split_gflops"}, {3, -inf, "rs_split_gflops"}};
+  const Case cases[] = {{0, nan, "algo"},
+                        {0, inf, "algo"},
+                        {0, 1e300, "algo"},
+                        {0, -1, "algo"},
+                        {0, 3, "algo"},
+                        {0, 1.5, "algo"},
+                        {1, nan, "pieces"},
+                        {1, -inf, "pieces"},
+                        {1, 4.5, "pieces"},
+                        {1, 5, "pieces"},
+                        {1, 3e9, "pieces"},
+                        {1, -3e9, "pieces"},
+                        {2, nan, "tapered"},
+                        {2, 2, "tapered"},
+                        {2, inf, "tapered"},
+                        {3, nan, "rs_split_gflops"},
+                        {3, inf, "rs_split_gflops"},
+                        {3, -inf, "rs_split_gflops"}};
   for (const Case& c : cases) {
     double v[4] = {0, 0, 0, 0};
     v[c.index] = c.value;
@@ -1093,7 +1106,12 @@ TEST(PerDevice, CreatesOnTheTargetDeviceAndRestoresTheCurrentOne) {
   EXPECT_EQ(FakeDevices::current_device, 1);
   // Cached: the second call neither creates nor selects.
   const int selects = FakeDevices::selects;
-  EXPECT_EQ(values.get(3, "the value", [](int, int*) { ADD_FAILURE() << "created twice"; return DG_SUCCESS; }), v);
+  EXPECT_EQ(values.get(3, "the value",
+                       [](int, int*) {
+                         ADD_FAILURE() << "created twice";
+                         return DG_SUCCESS;
+                       }),
+            v);
   EXPECT_EQ(FakeDevices::selects, selects);
 }
 
@@ -1116,7 +1134,10 @@ TEST(PerDevice, FailuresAreNotCached) {
 
 TEST(PerDevice, RefusesDevicesOutOfRange) {
   static distgemm::PerDevice<int, FakeDevices> values;  // static: its values live for the process
-  auto never = [](int, int*) { ADD_FAILURE() << "created"; return DG_SUCCESS; };
+  auto never = [](int, int*) {
+    ADD_FAILURE() << "created";
+    return DG_SUCCESS;
+  };
   for (int device : {-1, distgemm::kMaxDevices, INT_MAX, INT_MIN}) {
     EXPECT_EQ(values.get(device, "the value", never), nullptr);
     EXPECT_TRUE(refused(DG_ERROR_INVALID_ARGUMENT, "out of range"));
@@ -1124,8 +1145,7 @@ TEST(PerDevice, RefusesDevicesOutOfRange) {
   }
   // In range of the table but not a device the runtime knows.
   EXPECT_EQ(values.get(FakeDevices::devices, "the value", never), nullptr);
-  EXPECT_NE(std::string(dg_last_error()).find("cannot select the device: invalid device ordinal"),
-            std::string::npos);
+  EXPECT_NE(std::string(dg_last_error()).find("cannot select the device: invalid device ordinal"), std::string::npos);
   FakeDevices::devices = 0;
   EXPECT_EQ(values.get(0, "the value", never), nullptr);
   FakeDevices::devices = 4;

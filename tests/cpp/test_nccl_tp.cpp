@@ -57,7 +57,7 @@ TEST(NcclWorkspaceArgs, RefusedBeforeAnyCudaOrNcclCall) {
 // ---------------------------------------------------------------- two ranks
 
 constexpr int kWorld = 2;
-constexpr double kTimeoutS = 20.0;       // every wait on the peer
+constexpr double kTimeoutS = 20.0;               // every wait on the peer
 constexpr int64_t kM = 200, kK = 512, kN = 384;  // per-rank rows, K, N: odd tile counts
 constexpr int64_t kMismatchRows[kWorld] = {256, 128};
 
@@ -85,8 +85,8 @@ struct Device {  // device buffers of one rank, freed at exit of the child anywa
   std::vector<void*> ptrs;
 };
 
-dg_tp_desc make_desc(const void* a, int64_t a_rows, int64_t a_cols, const void* b, int64_t n, void* d,
-                     int64_t d_rows, dg_tp_algo algo) {
+dg_tp_desc make_desc(const void* a, int64_t a_rows, int64_t a_cols, const void* b, int64_t n, void* d, int64_t d_rows,
+                     dg_tp_algo algo) {
   dg_tp_desc desc{};
   desc.gemm.a = dgtest::bf16_matrix(a, a_rows, a_cols);
   desc.gemm.b = dgtest::bf16_matrix(b, n, a_cols);
@@ -183,8 +183,7 @@ int rank_main(int rank, const ncclUniqueId& id) {
         cudaMemsetAsync(rs_d, 0xff, kM * kN * 2, stream) != cudaSuccess)  // NaN: every element written
       return child_fail(rank, code + 2, "cudaMemset");
     if (dg_all_gather_gemm(&ag, stream) != DG_SUCCESS) return child_fail(rank, code + 3, "%s all-gather", name);
-    if (dg_gemm_reduce_scatter(&rs, stream) != DG_SUCCESS)
-      return child_fail(rank, code + 4, "%s reduce-scatter", name);
+    if (dg_gemm_reduce_scatter(&rs, stream) != DG_SUCCESS) return child_fail(rank, code + 4, "%s reduce-scatter", name);
     if (dgtest::wait_stream(stream, 3 * kTimeoutS) != cudaSuccess)
       return child_fail(rank, code + 5, "%s: stream did not finish", name);
     if (const int err = dg_tp_error(rank)) return child_fail(rank, code + 6, "%s: dg_tp_error 0x%x", name, err);

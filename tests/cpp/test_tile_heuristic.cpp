@@ -21,11 +21,10 @@ struct Candidate {
   int tile_m, tile_n, cluster_m, cluster_n;
 };
 
-const Candidate* pick_grouped(const std::vector<const Candidate*>& list, int64_t tokens,
-                              int64_t groups, int64_t n, double k) {
-  return select_cheapest_by(list, [&](const TileConfig& c) {
-    return estimate_grouped_cost(c, tokens, groups, n, k, kH200Sms);
-  });
+const Candidate* pick_grouped(const std::vector<const Candidate*>& list, int64_t tokens, int64_t groups, int64_t n,
+                              double k) {
+  return select_cheapest_by(
+      list, [&](const TileConfig& c) { return estimate_grouped_cost(c, tokens, groups, n, k, kH200Sms); });
 }
 
 const Candidate kFp8ClusterM{gemm::kCooperative, 256, 128, 2, 1};
@@ -66,11 +65,10 @@ TEST(GroupedCost, ContiguousKernelSkipsThePtrArraySetUp) {
 
 TEST(GroupedCost, PicksTheContiguousTileOfTheProfiledSmallProblems) {
   // The bf16 forward / dgrad instances (grouped_instances.def), in table order.
-  const std::vector<Candidate> table = {
-      {gemm::kCooperative, 128, 256, 2, 1}, {gemm::kCooperative, 128, 256, 1, 2},
-      {gemm::kPingpong, 64, 256, 1, 1},     {gemm::kPingpong, 64, 128, 1, 1},
-      {gemm::kPingpong, 128, 128, 1, 2},    {gemm::kContiguous, 64, 128, 1, 1},
-      {gemm::kContiguous, 128, 128, 1, 1},  {gemm::kContiguous, 128, 128, 2, 1}};
+  const std::vector<Candidate> table = {{gemm::kCooperative, 128, 256, 2, 1}, {gemm::kCooperative, 128, 256, 1, 2},
+                                        {gemm::kPingpong, 64, 256, 1, 1},     {gemm::kPingpong, 64, 128, 1, 1},
+                                        {gemm::kPingpong, 128, 128, 1, 2},    {gemm::kContiguous, 64, 128, 1, 1},
+                                        {gemm::kContiguous, 128, 128, 1, 1},  {gemm::kContiguous, 128, 128, 2, 1}};
   std::vector<const Candidate*> list;
   for (const Candidate& c : table) list.push_back(&c);
   // 4 experts x 256 tokens: forward (N 2048, K 768) best in contiguous 128x128 (0.78x bmm alone,
@@ -107,14 +105,12 @@ TEST(GroupedCost, PicksTheClusterAlongNForManyExperts) {
   for (int64_t groups : {32, 64}) {
     for (int64_t n : {4096, 7168}) {
       for (double k : {7168 / 2.0, 2048 / 2.0}) {
-        EXPECT_EQ(pick_grouped(fp8, 32768, groups, n, k), &kFp8ClusterN)
-            << groups << " groups, n " << n << ", k " << k;
+        EXPECT_EQ(pick_grouped(fp8, 32768, groups, n, k), &kFp8ClusterN) << groups << " groups, n " << n << ", k " << k;
       }
     }
   }
   // Few large experts: the padding is within a wave; either 256-row tile, never the small one.
-  for (int64_t groups : {1, 4, 8})
-    EXPECT_NE(pick_grouped(fp8, 32768, groups, 4096, 3584), &kFp8Small) << groups;
+  for (int64_t groups : {1, 4, 8}) EXPECT_NE(pick_grouped(fp8, 32768, groups, 4096, 3584), &kFp8Small) << groups;
 }
 
 TEST(GroupedCost, PicksTheSmallTileForFewTokensPerGroup) {
@@ -126,8 +122,7 @@ TEST(GroupedCost, PicksTheSmallTileForFewTokensPerGroup) {
 TEST(DenseCost, RoundsTilesToWholeClusters) {
   const TileConfig c{gemm::kCooperative, 128, 256, 2, 1};
   // 129 rows are two tiles, and a cluster of two: the same cost as 256 rows.
-  EXPECT_DOUBLE_EQ(estimate_cost(c, 129, 4096, 4096, 1, kH200Sms),
-                   estimate_cost(c, 256, 4096, 4096, 1, kH200Sms));
+  EXPECT_DOUBLE_EQ(estimate_cost(c, 129, 4096, 4096, 1, kH200Sms), estimate_cost(c, 256, 4096, 4096, 1, kH200Sms));
 }
 
 TEST(DenseCost, ChargesAnFp32EpilogueTwice) {
@@ -144,8 +139,7 @@ TEST(DenseCost, ChargesAnFp32EpilogueTwice) {
   const TileConfig pingpong{gemm::kPingpong, 128, 128, 2, 1};
   EXPECT_LT(estimate_cost(pingpong, 1536, 2048, 256, 128, kH200Sms, 2.0) /
                 estimate_cost(c, 1536, 2048, 256, 128, kH200Sms, 2.0),
-            estimate_cost(pingpong, 1536, 2048, 256, 128, kH200Sms) /
-                estimate_cost(c, 1536, 2048, 256, 128, kH200Sms));
+            estimate_cost(pingpong, 1536, 2048, 256, 128, kH200Sms) / estimate_cost(c, 1536, 2048, 256, 128, kH200Sms));
 }
 
 TEST(SelectCheapest, BreaksNearTiesTowardTheLargerCluster) {
@@ -164,8 +158,8 @@ TEST(SelectCheapest, BreaksNearTiesTowardTheLargerCluster) {
 }
 
 TEST(SelectCheapest, NearTiesPreferPairsNotClustersOfFour) {
-  // Clusters of four measured slower than pairs (bench/results/h200_grouped_fp8_cluster4_configs.json): a near-tie keeps
-  // the pair, whichever comes first; a clearly cheaper cluster of four still wins.
+  // Clusters of four measured slower than pairs (bench/results/h200_grouped_fp8_cluster4_configs.json): a near-tie
+  // keeps the pair, whichever comes first; a clearly cheaper cluster of four still wins.
   const Candidate c2x1{gemm::kCooperative, 128, 128, 2, 1};
   const Candidate c1x4{gemm::kCooperative, 128, 128, 1, 4};
   const Candidate c2x2{gemm::kCooperative, 128, 128, 2, 2};

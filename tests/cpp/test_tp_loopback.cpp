@@ -243,8 +243,7 @@ TEST(TpLoopback, GemmReduceScatterMatchesTheReference) {
             for (int64_t p = 0; p < k; ++p) acc += double(a[q][(r * m + i) * k + p]) * b[q][j * k + p];
           want[i * n + j] = acc + double(beta) * bias[j];
         }
-      EXPECT_LT(rel_error(download(out[r], want.size(), c.out), want), c.out == DG_F32 ? 1e-4 : 1e-2)
-          << "rank " << r;
+      EXPECT_LT(rel_error(download(out[r], want.size(), c.out), want), c.out == DG_F32 ? 1e-4 : 1e-2) << "rank " << r;
     }
   }
 }
@@ -361,8 +360,7 @@ void make_fp8_ranks(Fp8Ranks& x, dg_tp_kind kind, int64_t a_rows, int64_t out_ro
 // Runs a case's calls on both ranks; false where the decomposed algorithm refused it by name.
 bool run_fp8_case(const Fp8Ranks& x, TpOp op, const Fp8Case& c) {
   auto make_desc = [&](const LoopbackGroup& group, int r) { return group.desc(r, x.gemms[r], c.settings); };
-  if (c.settings.algo == DG_TP_ALGO_DECOMPOSED && !decomposed_runs(x.need, op, make_desc, c.row_wise))
-    return false;
+  if (c.settings.algo == DG_TP_ALGO_DECOMPOSED && !decomposed_runs(x.need, op, make_desc, c.row_wise)) return false;
   run_together(x.need, op, make_desc);
   return !::testing::Test::HasFatalFailure();
 }
@@ -527,9 +525,8 @@ TEST(TpLoopback, RankRunningElsewhereIsNamed) {
     d.agree_only = mode;
     return d;
   };
-  load_each_rank_alone(need, dg_all_gather_gemm, [&](const LoopbackGroup& group, int r) {
-    return desc(group, r, m, 0);
-  });
+  load_each_rank_alone(need, dg_all_gather_gemm,
+                       [&](const LoopbackGroup& group, int r) { return desc(group, r, m, 0); });
   auto run = [&](const LoopbackGroup& group, int64_t rows1, int mode0, int mode1) {
     const dg_tp_desc d0 = desc(group, 0, m, mode0), d1 = desc(group, 1, rows1, mode1);
     ASSERT_EQ(dg_all_gather_gemm(&d0, group.streams[0]), DG_SUCCESS) << dg_last_error();
@@ -619,9 +616,9 @@ TEST(TpLoopback, TwoThreadsCallingAtOnceEachPushTheirOwnNewShard) {
     for (int i = 0; i < iterations; ++i) {
       barrier();  // both threads start the iteration together
       cudaStream_t s = group.streams[r];
-      bool ok = cudaMemcpyAsync(delay_dst[r].ptr, delay_src.ptr, delay_bytes, cudaMemcpyDeviceToDevice, s) ==
-                    cudaSuccess &&
-                cudaMemsetAsync(a[r].ptr, pattern(i, r), m * k * 2, s) == cudaSuccess;
+      bool ok =
+          cudaMemcpyAsync(delay_dst[r].ptr, delay_src.ptr, delay_bytes, cudaMemcpyDeviceToDevice, s) == cudaSuccess &&
+          cudaMemsetAsync(a[r].ptr, pattern(i, r), m * k * 2, s) == cudaSuccess;
       const dg_tp_desc d = make_desc(group, r);
       ok = ok && dg_all_gather_gemm(&d, s) == DG_SUCCESS && cudaStreamSynchronize(s) == cudaSuccess &&
            cudaMemcpy(host.data(), gathered[r].ptr, host.size() * 2, cudaMemcpyDeviceToHost) == cudaSuccess;

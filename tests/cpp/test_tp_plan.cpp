@@ -138,8 +138,7 @@ int check_group(TpShape base) {
           if (read->rows == 0 || read->space != Space::kWorkspace) continue;
           EXPECT_EQ(read->owner, r) << ctx;
           EXPECT_TRUE(covered(*read, readable))
-              << ctx << ": rank " << r << " reads rows " << read->row0 << "+" << read->rows
-              << " no wait made ready";
+              << ctx << ": rank " << r << " reads rows " << read->row0 << "+" << read->rows << " no wait made ready";
         }
       }
     }
@@ -259,8 +258,7 @@ TEST(TpPlan, ElsewhereIsMarkedInTheSignature) {
     const CallSignature here = call_signature(make_plan(agreement_only(kind, false)), 5);
     const CallSignature elsewhere = call_signature(make_plan(agreement_only(kind, true)), 5);
     for (int w = 0; w < CallSignature::kFields; ++w)
-      EXPECT_EQ(here.words[w] ^ elsewhere.words[w], w == CallSignature::kPlan ? CallSignature::kElsewhere : 0u)
-          << w;
+      EXPECT_EQ(here.words[w] ^ elsewhere.words[w], w == CallSignature::kPlan ? CallSignature::kElsewhere : 0u) << w;
   }
 }
 
@@ -308,8 +306,7 @@ TEST(TpPlan, PiecesFollowTheSettingAndCoverTheRows) {
   const RowPieces tapered(4096, {4, true});
   EXPECT_LT(tapered.rows(0), tapered.rows(1));
   EXPECT_LT(tapered.rows(3), tapered.rows(2));
-  EXPECT_NEAR(static_cast<double>(tapered.rows(0) + tapered.rows(3)) / (tapered.rows(1) + tapered.rows(2)), 0.5,
-              0.15);
+  EXPECT_NEAR(static_cast<double>(tapered.rows(0) + tapered.rows(3)) / (tapered.rows(1) + tapered.rows(2)), 0.5, 0.15);
 }
 
 TEST(TpPlan, SettingsChooseTheSplit) {
@@ -358,8 +355,8 @@ TEST(TpPlan, RegionsFitTheWorkspace) {
       s.k = 256;
       s.n = 384;
       const TpRegions r = tp_regions(s);
-      EXPECT_GE(r.bias, kind == DG_TP_ALL_GATHER_GEMM ? r.scales + 4 * 1000 * world
-                                                      : r.received + r.slot_bytes * (world - 1));
+      EXPECT_GE(r.bias,
+                kind == DG_TP_ALL_GATHER_GEMM ? r.scales + 4 * 1000 * world : r.received + r.slot_bytes * (world - 1));
       EXPECT_GE(r.scratch, r.bias + 384 * 2);
       EXPECT_EQ(r.bytes, r.scratch + kGemmScratchBytes);
       EXPECT_EQ(r.scratch % 4096, 0u);

@@ -51,8 +51,8 @@ typedef struct dg_gemm_desc {
   int64_t scale_b_len;
   int fast_accum; /* FP8 only: accumulate in the tensor cores' reduced precision for the whole K
                      (faster), instead of promoting partial sums to FP32 every 4 k-blocks */
-  int config;  /* -1: pick by heuristic; otherwise an index below dg_gemm_config_count() */
-  int swizzle; /* 0: heuristic; otherwise the tile-raster swizzle (1, 2, 4 or 8) */
+  int config;     /* -1: pick by heuristic; otherwise an index below dg_gemm_config_count() */
+  int swizzle;    /* 0: heuristic; otherwise the tile-raster swizzle (1, 2, 4 or 8) */
 } dg_gemm_desc;
 
 DG_API const char* dg_last_error(void);
@@ -68,8 +68,7 @@ DG_API const char* dg_get_version(void);
  * matrix of one row may have any non-negative row stride (it addresses nothing there). */
 DG_API dg_status dg_gemm_check(const dg_gemm_desc* desc, int device_arch);
 DG_API dg_status dg_gemm_workspace_size(const dg_gemm_desc* desc, size_t* bytes);
-DG_API dg_status dg_gemm(const dg_gemm_desc* desc, void* workspace, size_t workspace_bytes,
-                         cudaStream_t stream);
+DG_API dg_status dg_gemm(const dg_gemm_desc* desc, void* workspace, size_t workspace_bytes, cudaStream_t stream);
 
 /* Tile configurations compiled for the desc's dtypes and layouts on device_arch (90, 100).
  * dg_gemm_select_config returns the heuristic's choice for desc's shape. */
@@ -104,19 +103,19 @@ typedef struct dg_grouped_shape {
 
 typedef struct dg_grouped_desc {
   dg_grouped_kind kind;
-  int64_t num_groups;          /* G: the number of offsets in offs */
-  const int32_t* offs;         /* G int32 values, 4-byte aligned */
-  const void* a;               /* 16-byte aligned; NULL only if a has no elements */
-  dg_grouped_shape a_shape;    /* FORWARD/DGRAD: x (T, K); WGRAD: dy (T, N) */
-  const void* b;               /* 16-byte aligned; NULL only if b has no elements */
-  dg_grouped_shape b_shape;    /* FORWARD: w (G, N, K); DGRAD: w (G, K, N); WGRAD: x (T, K) */
-  void* out;                   /* 16-byte aligned; NULL only if out has no elements */
-  dg_grouped_shape out_shape;  /* FORWARD/DGRAD: (T, N); WGRAD: (G, N, K) */
-  dg_dtype in_dtype;           /* a and b: bfloat16 or float16, or float8_e4m3fn; float8_e5m2:
-                                  a (a gradient) in e5m2 against an e4m3 b (see below) */
-  dg_dtype out_dtype;          /* in_dtype or float32; FP8: see below */
+  int64_t num_groups;         /* G: the number of offsets in offs */
+  const int32_t* offs;        /* G int32 values, 4-byte aligned */
+  const void* a;              /* 16-byte aligned; NULL only if a has no elements */
+  dg_grouped_shape a_shape;   /* FORWARD/DGRAD: x (T, K); WGRAD: dy (T, N) */
+  const void* b;              /* 16-byte aligned; NULL only if b has no elements */
+  dg_grouped_shape b_shape;   /* FORWARD: w (G, N, K); DGRAD: w (G, K, N); WGRAD: x (T, K) */
+  void* out;                  /* 16-byte aligned; NULL only if out has no elements */
+  dg_grouped_shape out_shape; /* FORWARD/DGRAD: (T, N); WGRAD: (G, N, K) */
+  dg_dtype in_dtype;          /* a and b: bfloat16 or float16, or float8_e4m3fn; float8_e5m2:
+                                 a (a gradient) in e5m2 against an e4m3 b (see below) */
+  dg_dtype out_dtype;         /* in_dtype or float32; FP8: see below */
   int accumulate;
-  int config;                  /* -1: heuristic */
+  int config; /* -1: heuristic */
   /* FP8 (in_dtype DG_E4M3 or DG_E5M2; NONE for bfloat16/float16): float32 scales on the device, 4-byte
    * aligned. out = (a * scale_a) @ (b * scale_b), partial sums scaled and promoted to FP32
    * once per 128 of K. Kb = ceil(K / 128), Nb = ceil(N / 128).
@@ -144,19 +143,17 @@ typedef struct dg_grouped_desc {
 
 /* The checks, then the workspace the CUTLASS kernel for desc needs on the current device. */
 DG_API dg_status dg_grouped_gemm_workspace_size(const dg_grouped_desc* desc, size_t* bytes);
-DG_API dg_status dg_grouped_gemm(const dg_grouped_desc* desc, void* workspace,
-                                 size_t workspace_bytes, cudaStream_t stream);
+DG_API dg_status dg_grouped_gemm(const dg_grouped_desc* desc, void* workspace, size_t workspace_bytes,
+                                 cudaStream_t stream);
 DG_API int dg_grouped_gemm_config_count(const dg_grouped_desc* desc, int device_arch);
-DG_API const char* dg_grouped_gemm_config_name(const dg_grouped_desc* desc, int device_arch,
-                                               int config);
+DG_API const char* dg_grouped_gemm_config_name(const dg_grouped_desc* desc, int device_arch, int config);
 /* The multi-stream cuBLAS baseline (one GEMM per non-empty group on a pool of streams joined
  * back to `stream`). It needs the offsets on the host: host_offs (G values). With accumulate
  * into a bf16/fp16 out it is cuBLAS's beta = 1, which can round the product to out's dtype
  * before the addition (1-ulp differences from dg_grouped_gemm, which rounds once); the Python
  * backend computes the product into FP32 first. FP8 descriptors (any scale mode) are refused
  * with DG_ERROR_NOT_SUPPORTED. */
-DG_API dg_status dg_grouped_gemm_cublas(const dg_grouped_desc* desc, const int32_t* host_offs,
-                                        cudaStream_t stream);
+DG_API dg_status dg_grouped_gemm_cublas(const dg_grouped_desc* desc, const int32_t* host_offs, cudaStream_t stream);
 
 /* ---------------------------------------------------------------- tensor-parallel GEMMs */
 
@@ -213,13 +210,13 @@ typedef struct dg_tp_settings {
 } dg_tp_settings;
 
 typedef struct dg_tp_desc {
-  dg_gemm_desc gemm;            /* gemm.d row-major: col_stride 1, row_stride >= its columns */
+  dg_gemm_desc gemm; /* gemm.d row-major: col_stride 1, row_stride >= its columns */
   int rank;
   int world;
   void* const* peer_workspaces; /* [world]: rank r's workspace as mapped in this process */
   size_t workspace_bytes;       /* the size of each */
   double timeout_s;
-  void* gathered_out;           /* all-gather only: optional (world*m, K) copy of gathered a */
+  void* gathered_out; /* all-gather only: optional (world*m, K) copy of gathered a */
   dg_tp_settings settings;
   /* 0: the call. DG_TP_AGREE_ONLY: only the per-call agreement (below) runs, on `stream`, and
    * nothing is read or written but the workspace header (which may then be smaller than this
@@ -303,19 +300,19 @@ typedef enum dg_quant_granularity {
  *       block never mixes two groups; blocks without rows get 1.0.
  * The scale buffer is written whole (every block); so is data. */
 typedef struct dg_quantize_desc {
-  const void* x;                    /* 16-byte alignment gives vector loads; element-aligned at least */
-  dg_dtype x_dtype;                 /* DG_BF16, DG_F16 or DG_F32 */
-  int64_t batch;                    /* 1 (>= 0 for DG_QUANT_128X128) */
-  int64_t rows;                     /* >= 0 */
-  int64_t cols;                     /* >= 0 */
+  const void* x;    /* 16-byte alignment gives vector loads; element-aligned at least */
+  dg_dtype x_dtype; /* DG_BF16, DG_F16 or DG_F32 */
+  int64_t batch;    /* 1 (>= 0 for DG_QUANT_128X128) */
+  int64_t rows;     /* >= 0 */
+  int64_t cols;     /* >= 0 */
   dg_quant_granularity granularity;
-  int transpose;                    /* nonzero: quantize x^T (DG_QUANT_1X128 only) */
-  const int32_t* offs;              /* transpose with num_groups >= 1: 4-byte aligned */
-  int64_t num_groups;               /* 0: no groups; G in [1, 2^31) with offs (rows < 2^31) */
-  void* out;                        /* the FP8 data; 16-byte alignment gives vector stores */
-  dg_dtype out_dtype;               /* DG_E4M3 or DG_E5M2 */
-  float* scale;                     /* 4-byte aligned */
-  void* workspace;                  /* 4-byte aligned, workspace_bytes of dg_quantize_fp8_sizes */
+  int transpose;       /* nonzero: quantize x^T (DG_QUANT_1X128 only) */
+  const int32_t* offs; /* transpose with num_groups >= 1: 4-byte aligned */
+  int64_t num_groups;  /* 0: no groups; G in [1, 2^31) with offs (rows < 2^31) */
+  void* out;           /* the FP8 data; 16-byte alignment gives vector stores */
+  dg_dtype out_dtype;  /* DG_E4M3 or DG_E5M2 */
+  float* scale;        /* 4-byte aligned */
+  void* workspace;     /* 4-byte aligned, workspace_bytes of dg_quantize_fp8_sizes */
   size_t workspace_bytes;
 } dg_quantize_desc;
 
@@ -362,20 +359,20 @@ typedef enum dg_moe_act {
  * (a 1 x 128 block never spans the gate and up halves). */
 typedef struct dg_moe_act_desc {
   dg_moe_act act;
-  const void* x;          /* bf16, row-major, contiguous; 16-byte alignment gives vector loads */
-  const void* dy;         /* bf16 (T, C) for the backward ops, NULL otherwise */
-  int64_t tokens;         /* T >= 0, < 2^31 with yt_fp8 */
-  int64_t inner;          /* C >= 0 */
+  const void* x;  /* bf16, row-major, contiguous; 16-byte alignment gives vector loads */
+  const void* dy; /* bf16 (T, C) for the backward ops, NULL otherwise */
+  int64_t tokens; /* T >= 0, < 2^31 with yt_fp8 */
+  int64_t inner;  /* C >= 0 */
   void* y;
   void* y_fp8;
   float* y_scale;
   void* yt_fp8;
   float* yt_scale;
-  const int32_t* offs;    /* with yt_fp8: num_groups >= 1 int32 cumulative group ends on the device
-                             (never read on the host), as in dg_grouped_desc */
-  int64_t num_groups;     /* 0 without yt_fp8 */
-  dg_dtype fp8_dtype;     /* DG_E4M3 or DG_E5M2 */
-  void* workspace;        /* 4-byte aligned, dg_moe_activation_workspace_size bytes (4 * num_groups) */
+  const int32_t* offs; /* with yt_fp8: num_groups >= 1 int32 cumulative group ends on the device
+                          (never read on the host), as in dg_grouped_desc */
+  int64_t num_groups;  /* 0 without yt_fp8 */
+  dg_dtype fp8_dtype;  /* DG_E4M3 or DG_E5M2 */
+  void* workspace;     /* 4-byte aligned, dg_moe_activation_workspace_size bytes (4 * num_groups) */
   size_t workspace_bytes;
 } dg_moe_act_desc;
 
@@ -391,16 +388,16 @@ DG_API dg_status dg_moe_activation(const dg_moe_act_desc* desc, cudaStream_t str
  * NULL) receives the same scales as (groups, ceil(cols / 128), ceil(rows / 128)): the layout
  * dg_grouped_gemm's FORWARD BLOCK reads for w = out, as scale reads for w = out_t. */
 typedef struct dg_quantize_weight_desc {
-  const void* w;          /* row-major, contiguous */
-  dg_dtype w_dtype;       /* DG_BF16, DG_F16 or DG_F32 */
+  const void* w;    /* row-major, contiguous */
+  dg_dtype w_dtype; /* DG_BF16, DG_F16 or DG_F32 */
   int64_t groups;
   int64_t rows;
   int64_t cols;
   void* out;
   void* out_t;
   float* scale;
-  dg_dtype out_dtype;     /* DG_E4M3 or DG_E5M2 */
-  float* scale_t;         /* 4-byte aligned, or NULL */
+  dg_dtype out_dtype; /* DG_E4M3 or DG_E5M2 */
+  float* scale_t;     /* 4-byte aligned, or NULL */
 } dg_quantize_weight_desc;
 
 DG_API dg_status dg_quantize_fp8_weight(const dg_quantize_weight_desc* desc, cudaStream_t stream);

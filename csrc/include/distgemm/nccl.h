@@ -43,8 +43,8 @@ typedef struct dg_nccl_workspace dg_nccl_workspace;
  *     asynchronous error, aborts comm (ncclCommAbort, which frees it: do not destroy it again)
  *     and returns DG_ERROR_TIMEOUT (DG_ERROR_CUDA for an NCCL error): comm must be recreated.
  *   *out: the workspace (NULL on failure; nothing is left allocated). */
-DG_API dg_status dg_nccl_workspace_create(ncclComm_t comm, size_t bytes, double timeout_s,
-                                          cudaStream_t stream, dg_nccl_workspace** out);
+DG_API dg_status dg_nccl_workspace_create(ncclComm_t comm, size_t bytes, double timeout_s, cudaStream_t stream,
+                                          dg_nccl_workspace** out);
 
 /* Collective too: a bounded barrier on stream (after the tensor-parallel calls enqueued there,
  * so no peer still uses this rank's workspace or maps), then the peers' mappings are closed and
