@@ -23,7 +23,7 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 
 from . import _settings
-from ._library import check_flags, has_kernels, ops
+from ._library import check_flags, check_main_grad, has_kernels, ops
 from .grouped import grouped_mm, grouped_mm_wgrad
 from .quantize import FP8_MAX, quantize_fp8
 
@@ -398,9 +398,8 @@ def grouped_mlp(x: torch.Tensor, offs: torch.Tensor, fc1_weight: torch.Tensor, f
     _check_layer(op, x, offs, fc1_weight, fc2_weight, fc1_bias, fc2_bias, activation, fp8, fp8_grad_dtype)
     if fuse_wgrad_accumulation and torch.is_grad_enabled():
         for name, w in (("fc1_weight", fc1_weight), ("fc2_weight", fc2_weight)):
-            if w.requires_grad and getattr(w, "main_grad", None) is None:
-                raise RuntimeError(f"{op}: fuse_wgrad_accumulation=True needs {name}.main_grad: an FP32 tensor "
-                                   "of the weight's shape")
+            if w.requires_grad:
+                check_main_grad(op, name, w)
     if x.shape[0] == 0:  # no tokens: nothing to compute, and no weight gradient
         return x.new_zeros((0, fc2_weight.shape[1])) + x.sum()
     copies = (None,) * 8

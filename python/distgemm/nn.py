@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from ._library import check_main_grad
 from .grouped import grouped_mm
 from .moe import (ACTIVATIONS, FP8_RECIPES, _expert_of_rows, _forms, _weight_grad, grouped_mlp, permute,
                   quantize_weight, unpermute)
@@ -151,9 +152,8 @@ class GroupedLinear(nn.Module):
             raise ValueError(f"GroupedLinear: x must be a 2-D (T, in_features={self.in_features}) tensor, got "
                              f"{tuple(getattr(x, 'shape', ()))}")
         fuse = self.fuse_wgrad_accumulation and torch.is_grad_enabled() and self.weight.requires_grad
-        if fuse and getattr(self.weight, "main_grad", None) is None:
-            raise RuntimeError("GroupedLinear(fuse_wgrad_accumulation=True) needs weight.main_grad: "
-                               "an FP32 tensor of the weight's shape")
+        if fuse:
+            check_main_grad("GroupedLinear", "weight", self.weight)
         if self.fp8:
             w8, sw, wt8, swt = self._fp8_weight.get(self.weight, is_first_microbatch) or (None,) * 4
             y = _GroupedLinearFP8.apply(x, self.weight, offs, w8, sw, wt8, swt, self.fp8, fuse, self.fp8_grad_dtype)

@@ -205,6 +205,12 @@ def test_grouped_linear_fused_wgrad_accumulation():
     layer = GroupedLinear(g, din, dout, fuse_wgrad_accumulation=True)
     with pytest.raises(RuntimeError, match="needs weight.main_grad"):
         layer(torch.randn(t, din).bfloat16(), offs)
+    for bad, what in ((torch.ones(3), r"torch.float32 \(3,\)"), (torch.ones(g, dout, din).bfloat16(), "torch.bfloat16"),
+                      ("grad", "str")):
+        layer.weight.main_grad = bad
+        with pytest.raises(ValueError, match=f"GroupedLinear: weight.main_grad must be a contiguous float32 "
+                                             f"tensor of shape \\({g}, {dout}, {din}\\) on cpu, got {what}"):
+            layer(torch.randn(t, din).bfloat16(), offs)
     layer.weight.main_grad = torch.ones(g, dout, din)
     layer.weight.grad_added_to_main_grad = False
     x, dy = torch.randn(t, din).bfloat16(), torch.randn(t, dout).bfloat16()

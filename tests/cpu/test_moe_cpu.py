@@ -150,3 +150,12 @@ def test_fp8_weight_arguments_are_checked():
         layer(x, offs, is_first_microbatch="yes")
     with pytest.raises(ValueError, match=r"x must be a 2-D \(T, in_features=16\) tensor, got \(10, 12\)"):
         layer(torch.randn(10, 12).bfloat16(), offs)
+
+
+def test_a_malformed_main_grad_is_named():
+    layer = GroupedMLP(2, 64, 32, fuse_wgrad_accumulation=True)
+    layer.fc1_weight.main_grad = torch.zeros(layer.fc1_weight.shape)
+    layer.fc2_weight.main_grad = torch.zeros(layer.fc2_weight.shape[::-1])  # transposed by mistake
+    with pytest.raises(ValueError, match=r"grouped_mlp: fc2_weight.main_grad must be a contiguous float32 tensor "
+                                         r"of shape \(2, 64, 32\) on cpu, got torch.float32 \(32, 64, 2\)"):
+        layer(torch.randn(10, 64).bfloat16(), _offs([5, 5]))
