@@ -155,6 +155,9 @@ class GroupedLinear(nn.Module):
         if fuse:
             check_main_grad("GroupedLinear", "weight", self.weight)
         if self.fp8:
+            if x.dtype != torch.bfloat16 or self.weight.dtype != torch.bfloat16:
+                raise ValueError(f"GroupedLinear(fp8={self.fp8!r}): x and weight must be bfloat16 (quantized on the "
+                                 f"fly), got {x.dtype} and {self.weight.dtype}")
             w8, sw, wt8, swt = self._fp8_weight.get(self.weight, is_first_microbatch) or (None,) * 4
             y = _GroupedLinearFP8.apply(x, self.weight, offs, w8, sw, wt8, swt, self.fp8, fuse, self.fp8_grad_dtype)
         elif fuse:

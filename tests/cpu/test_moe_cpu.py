@@ -159,3 +159,11 @@ def test_a_malformed_main_grad_is_named():
     with pytest.raises(ValueError, match=r"grouped_mlp: fc2_weight.main_grad must be a contiguous float32 tensor "
                                          r"of shape \(2, 64, 32\) on cpu, got torch.float32 \(32, 64, 2\)"):
         layer(torch.randn(10, 64).bfloat16(), _offs([5, 5]))
+
+
+def test_fp8_grouped_linear_names_a_dtype_it_cannot_quantize():
+    from distgemm.nn import GroupedLinear
+
+    layer = GroupedLinear(2, 16, 8, fp8="block").half()
+    with pytest.raises(ValueError, match=r"GroupedLinear\(fp8='block'\): x and weight must be bfloat16"):
+        layer(torch.randn(10, 16).half(), _offs([4, 6]))
