@@ -483,7 +483,7 @@ def permute(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int) -> Permut
     ids = topk_ids.reshape(-1).long()
     valid = (ids >= 0) & (ids < num_experts)
     key = torch.where(valid, ids, torch.full_like(ids, num_experts))
-    row_map = torch.sort(key, stable=True).indices
+    row_map = torch.sort(key.int(), stable=True).indices  # int32 keys: half the radix passes of int64
     counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=x.device).scatter_add_(0, key, torch.ones_like(key))
     offs = counts[:num_experts].cumsum(0).to(torch.int32)
     rows = x.index_select(0, torch.div(row_map, k, rounding_mode="floor"))
