@@ -245,6 +245,15 @@ def check_arguments_are_named(rank, world):
          r"ColumnParallelLinear: x must be a \(\.\.\., 64\) tensor, got NoneType"),
         (lambda: RowParallelLinear(64 * world, 32, device=dev)(torch.ones(4, 63, device=dev)), ValueError,
          r"RowParallelLinear: x must be a \(\.\.\., 64\) tensor, got \(4, 63\)"),
+        (lambda: ColumnParallelLinear(0, 32 * world, device=dev), ValueError,
+         "ColumnParallelLinear: in_features must be an int >= 1, got 0"),  # was a ZeroDivisionError
+        (lambda: RowParallelLinear(64 * world, "32", device=dev), ValueError,
+         "RowParallelLinear: out_features must be an int >= 1, got '32'"),
+        (lambda: ColumnParallelLinear(64, 32 * world, sequence_parallel=torch.ones(2), device=dev), TypeError,
+         "sequence_parallel must be True or False"),
+        (lambda: RowParallelLinear(64 * world, 32, bias="yes", device=dev), TypeError, "bias must be True or False"),
+        (lambda: ColumnParallelLinear(64, 32 * world, dtype=torch.int32, device=dev), ValueError,
+         "ColumnParallelLinear: dtype must be torch.bfloat16 or torch.float16"),
     ]
     for call, kind, match in cases:
         with pytest.raises(kind, match=match):

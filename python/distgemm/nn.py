@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ._library import check_main_grad
+from ._library import check_flags, check_main_grad
 from .grouped import grouped_mm
 from .moe import (ACTIVATIONS, FP8_RECIPES, _expert_of_rows, _forms, _weight_grad, grouped_mlp, permute,
                   quantize_weight, unpermute)
@@ -122,6 +122,7 @@ class GroupedLinear(nn.Module):
                  fp8_grad_dtype: torch.dtype = torch.float8_e4m3fn):
         super().__init__()
         _check_sizes("GroupedLinear", num_experts=num_experts, in_features=in_features, out_features=out_features)
+        check_flags("GroupedLinear", bias=bias, fuse_wgrad_accumulation=fuse_wgrad_accumulation)
         if fp8 is not None and fp8 not in FP8_RECIPES:
             raise ValueError(f"GroupedLinear: fp8 must be None or one of {FP8_RECIPES}, got {fp8!r}")
         if fp8_grad_dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
@@ -195,6 +196,7 @@ class GroupedMLP(nn.Module):
                  fp8_grad_dtype: torch.dtype = torch.float8_e4m3fn):
         super().__init__()
         _check_sizes("GroupedMLP", num_experts=num_experts, hidden=hidden, ffn=ffn)
+        check_flags("GroupedMLP", bias=bias, fuse_wgrad_accumulation=fuse_wgrad_accumulation)
         if activation not in ACTIVATIONS:
             raise ValueError(f"GroupedMLP: activation must be one of {ACTIVATIONS}, got {activation!r}")
         if fp8 is not None and fp8 not in FP8_RECIPES:
@@ -281,6 +283,11 @@ def _init_parallel_linear(layer, in_features, out_features, bias, group, sequenc
     (column-parallel, bias split too) or input features split (row-parallel, full bias)."""
     from .tp import _resolve
 
+    op = type(layer).__name__
+    _check_sizes(op, in_features=in_features, out_features=out_features)
+    check_flags(op, bias=bias, sequence_parallel=sequence_parallel)
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"{op}: dtype must be torch.bfloat16 or torch.float16, got {dtype}")
     layer.group = _resolve(group)
     layer.in_features, layer.out_features = in_features, out_features
     layer.sequence_parallel = sequence_parallel
