@@ -30,7 +30,7 @@ import sys
 
 import torch
 
-SUITES = ("gemm", "gemm_fp8_block", "grouped", "grouped_fp8", "moe", "moe_layer", "sweep", "tp", "tp_fp8")
+SUITES = ("gemm", "gemm_fp8_block", "grouped", "grouped_fp8", "moe", "moe_layer", "host", "sweep", "tp", "tp_fp8")
 
 
 def cpu_reference_check() -> None:
@@ -156,6 +156,10 @@ def main(argv=None) -> None:
         from . import moe_layer_suite
 
         summary.update(moe_layer_suite.run(args.out, args.quick))
+    if "host" in suites:
+        from . import host_suite
+
+        summary.update(host_suite.run(args.out, args.quick))
     if "sweep" in suites:
         from . import sweep_suite
 
