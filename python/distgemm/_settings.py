@@ -28,16 +28,24 @@ BENCH_TIMINGS = ("interleaved", "sequential", "sustained")
 DEFAULT_TIMEOUT_S = 600.0  # NCCL's default: a slow but live peer is not failed sooner
 
 
+def _bool_or_text(value):
+    """A flag's value: a bool (an int 0 or 1 too) as it is, a string stripped; anything else is
+    refused (a tensor's truth is no setting)."""
+    if isinstance(value, bool) or (type(value) is int and value in (0, 1)):
+        return bool(value)
+    if isinstance(value, str):
+        return value.strip()
+    raise TypeError(f"must be True, False or a string, got {type(value).__name__}")
+
+
 def _flag(value) -> bool:
-    if isinstance(value, bool):
-        return value
-    return str(value).strip().lower() not in ("", "0", "false", "no")
+    value = _bool_or_text(value)
+    return value if isinstance(value, bool) else value.lower() not in ("", "0", "false", "no")
 
 
 def _enabled_unless_zero(value) -> bool:
-    if isinstance(value, bool):
-        return value
-    return str(value).strip() != "0"
+    value = _bool_or_text(value)
+    return value if isinstance(value, bool) else value != "0"
 
 
 def _choice(options):
@@ -89,6 +97,8 @@ def _optional_text(value) -> Optional[str]:
 
 
 def _path(value) -> Path:
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"must be a path, got {type(value).__name__}")
     return Path(value).expanduser()
 
 
@@ -152,8 +162,8 @@ class Settings:
 def _parsed(name: str, value, source: str):
     try:
         return _FIELDS[name].parse(value)
-    except ValueError as exc:
-        raise ValueError(f"{source} {exc}") from None
+    except (ValueError, TypeError) as exc:
+        raise type(exc)(f"{source} {exc}") from None
 
 
 def from_environment(environ=None) -> Settings:

@@ -90,6 +90,9 @@ CALLS = {
     "settings timeout_s": lambda v: _enter_settings(timeout_s=v),
     "settings tp_pieces": lambda v: _enter_settings(tp_pieces=v),
     "settings grouped_backend": lambda v: _enter_settings(grouped_backend=v),
+    "settings debug": lambda v: _enter_settings(debug=v),
+    "settings autotune": lambda v: _enter_settings(autotune=v),
+    "settings cache_dir": lambda v: _enter_settings(cache_dir=v),
 }
 
 

@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 import distgemm
 from distgemm import _settings
@@ -133,3 +134,18 @@ def test_only_the_settings_module_reads_the_environment():
         readers += [f"{path.relative_to(ROOT)}:{i + 1}" for i, line in enumerate(text.splitlines())
                     if pattern.search(line)]
     assert readers == [], readers
+
+
+@pytest.mark.parametrize("name, value, kind", [("debug", torch.ones(2), TypeError), ("autotune", 2.5, TypeError),
+                                               ("cache_dir", 3, TypeError), ("debug", 2, TypeError)])
+def test_a_setting_of_the_wrong_type_is_named(name, value, kind):
+    with pytest.raises(kind, match=f"distgemm.settings: {name} must be"):
+        with distgemm.settings(**{name: value}):
+            raise AssertionError("the block ran")
+
+
+def test_flags_take_bools_and_their_spellings():
+    with distgemm.settings(debug="yes", autotune=0) as s:
+        assert s.debug is True and s.autotune is False
+    with distgemm.settings(debug=1, autotune="1") as s:
+        assert s.debug is True and s.autotune is True
