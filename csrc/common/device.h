@@ -22,30 +22,21 @@ int current_device();
 // thread's last error naming `what`.
 dg_status portable_kernel_device(const char* what, DeviceInfo* info);
 
-// Enqueues the plain-CUDA kernels named `what` through `launch(sm_count)` (a cudaError_t) once
-// portable_kernel_device found them built for the current device; a failed launch is
-// DG_ERROR_CUDA "<what> launch: <error>".
-template <class Launch>
-dg_status launch_portable(const char* what, Launch&& launch) {
-  DeviceInfo dev;
-  DG_RETURN_IF_ERROR(portable_kernel_device(what, &dev));
-  const cudaError_t err = launch(dev.sm_count);
-  if (err != cudaSuccess) return fail(DG_ERROR_CUDA, cat(what, " launch: ", cudaGetErrorString(err)));
-  return DG_SUCCESS;
-}
-
-// A plain-CUDA C API entry: desc checked into a Problem by lower(desc, &problem) (a dg_status),
-// then launch(problem, stream) (a cudaError_t) through launch_portable, with the device's SM count
-// in problem.sm_count.
+// A plain-CUDA C API entry named `what`: desc checked into a Problem by lower(desc, &problem)
+// (a dg_status), then, once portable_kernel_device found the kernels built for the current
+// device, launch(problem, stream) (a cudaError_t) with the device's SM count in
+// problem.sm_count; a failed launch is DG_ERROR_CUDA "<what> launch: <error>".
 template <class Problem, class Desc, class Lower, class Launch>
 dg_status check_and_launch_portable(const char* what, const Desc* desc, Lower&& lower, Launch&& launch,
                                     cudaStream_t stream) {
   Problem p;
   DG_RETURN_IF_ERROR(lower(desc, &p));
-  return launch_portable(what, [&](int sm_count) {
-    p.sm_count = sm_count;
-    return launch(p, stream);
-  });
+  DeviceInfo dev;
+  DG_RETURN_IF_ERROR(portable_kernel_device(what, &dev));
+  p.sm_count = dev.sm_count;
+  const cudaError_t err = launch(p, stream);
+  if (err != cudaSuccess) return fail(DG_ERROR_CUDA, cat(what, " launch: ", cudaGetErrorString(err)));
+  return DG_SUCCESS;
 }
 
 }  // namespace distgemm
