@@ -206,29 +206,46 @@ def _pick(best: Dict[str, float], prefer: Optional[str]) -> str:
     return choice
 
 
+# What a candidate's trial run may raise to say that it does not take the call: a kernel that
+# cannot implement the problem, a vendor call whose own checks (they differ by torch version)
+# refuse it.
+REFUSALS = (RuntimeError, ValueError, TypeError, NotImplementedError, ImportError, AttributeError)
+
+
 def choose(key: str, candidates: Dict[str, Callable[[], object]], prefer: Optional[str] = None,
            device: Optional[torch.device] = None) -> Optional[str]:
     """The fastest candidate's name for `key` (timed now if never timed), or None where this
-    call may not time and nothing is cached. `prefer` (the vendor library's candidate) keeps
-    the choice unless another is faster by more than PREFER_MARGIN, in the first timing and,
-    for a win by less than CONFIRM_BELOW, again head to head. `device`: where the candidates
-    run (the timing's events, queued work and L2 flush go there)."""
+    call may not time and nothing is cached, or no candidate takes the call. Each candidate
+    runs once first (its warm-up: module load, handles, cuBLAS heuristics); one that raises
+    there is left out, and a lone one left is kept untimed. `prefer` (the vendor library's
+    candidate) keeps the choice unless another is faster by more than PREFER_MARGIN, in the
+    first timing and, for a win by less than CONFIRM_BELOW, again head to head. `device`:
+    where the candidates run (the timing's events, queued work and L2 flush go there)."""
     known = lookup(key)
     if known in candidates:
         return known
     if not may_time():
         return None
     with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
-        for fn in candidates.values():  # warm-up: module load, handles, cuBLAS heuristics
-            fn()
-        flush = flush_buffer()
-        best = _medians(candidates, flush)
-        choice = _pick(best, prefer)
-        if choice != prefer and prefer in best and best[choice] > best[prefer] * (1.0 - CONFIRM_BELOW):
-            pair = {name: candidates[name] for name in (choice, prefer)}
-            choice = _pick(_medians(pair, flush), prefer)
-        del flush
-    remember(key, choice)
+        takers = {}
+        for name, fn in candidates.items():
+            try:
+                fn()
+                takers[name] = fn
+            except REFUSALS:
+                pass
+        if len(takers) < 2:
+            choice = next(iter(takers), None)
+        else:
+            flush = flush_buffer()
+            best = _medians(takers, flush)
+            choice = _pick(best, prefer)
+            if choice != prefer and prefer in best and best[choice] > best[prefer] * (1.0 - CONFIRM_BELOW):
+                pair = {name: takers[name] for name in (choice, prefer)}
+                choice = _pick(_medians(pair, flush), prefer)
+            del flush
+    if choice is not None:
+        remember(key, choice)
     return choice
 
 
@@ -241,14 +258,6 @@ def remember(key: str, choice: str) -> None:
 
 
 CUTLASS_PREFIX = "cutlass:"  # a choice of one of distgemm's tile configurations: "cutlass:<config name>"
-
-
-def config_index(choice: Optional[str], names: tuple) -> Optional[int]:
-    """The index in `names` of a 'cutlass:<config>' choice this build still has, else None."""
-    if choice is None or not choice.startswith(CUTLASS_PREFIX):
-        return None
-    name = choice[len(CUTLASS_PREFIX):]
-    return names.index(name) if name in names else None
 
 
 def record(backend: str) -> None:

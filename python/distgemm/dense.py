@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from . import autotune
 from ._library import aligned16, check_flags, device_arch, has_kernels, needs_autograd, ops, warn_once
-from ._repeat_calls import RepeatCalls
+from ._dispatch import Candidate, Dispatcher, configs
 
 FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 FLOAT16 = (torch.bfloat16, torch.float16)
@@ -166,25 +166,25 @@ def gemm(
     alpha, beta = check_scalars("distgemm.gemm", alpha=alpha, beta=beta)
     out_dtype = check_operands("distgemm.gemm", a, b, c, out_dtype, scale_a, scale_b)
     require_fp8_scales("distgemm.gemm", a, scale_a, scale_b)
-    if is_block_scaled(a, b, scale_a, scale_b):
-        return _block_scaled_gemm(a, b, alpha, beta, out_dtype, scale_a, scale_b, use_fast_accum)
     if autograd:
         return _GemmFunction.apply(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, use_fast_accum)
     return gemm_unchecked(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, use_fast_accum, looked_up=looked_up)
 
 
-# Calls the checks accepted and the autotuner settled: 16-bit ones without scales (operands read
-# in place), and float8 ones with scales (per tensor, row-wise, 128-block: the vendor call with
-# its scale forms, or our kernel on operands it reads in place). The checks are functions of the
-# signature, and so is the choice.
-_REPEAT_CALLS = RepeatCalls()
+# One dispatcher for every dense call: 16-bit ones (cuBLAS or a tile configuration), float8
+# ones with per-tensor or row-wise scales (torch._scaled_mm or a tile configuration) and
+# 128-block-scaled ones (F.scaled_mm or our grouped kernel with one group). Its table of repeat
+# calls keys 16-bit calls without scales (operands read in place) and float8 calls with scales;
+# the checks are functions of the signature, and so is the choice.
+_DISPATCH = Dispatcher("distgemm.gemm")
+_REPEAT_CALLS = _DISPATCH.calls
 _is_compiling = torch.compiler.is_compiling
 
 
 def _call_signature(a, b, c, alpha, beta, out_dtype, scales=None) -> Optional[tuple]:
-    """The key of a call in _REPEAT_CALLS (out_dtype None: a's dtype, bfloat16 for float8);
-    scales: (scale_a, scale_b, use_fast_accum) of a float8 call. None for non-tensors, which
-    the checks will name."""
+    """The key of a call in the repeat-call table (out_dtype None: a's dtype, bfloat16 for
+    float8); scales: (scale_a, scale_b, use_fast_accum) of a float8 call. None for non-tensors,
+    which the checks will name."""
     try:
         key = (a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype, b.device,
                None if c is None else (c.shape, c.stride(), c.dtype, c.device), alpha, beta,
@@ -217,222 +217,136 @@ def _repeat_call(a, b, c, alpha, beta, out_dtype, scales=None) -> Optional[Calla
     return run
 
 
-def _remember_call(a, b, c, alpha, beta, out_dtype, run: Callable, scales=None) -> None:
-    _REPEAT_CALLS.put(_call_signature(a, b, c, alpha, beta, out_dtype, scales), run)
+class _Call:
+    """A dense call as its candidates take it: the caller's operands, the kernels' (copied or
+    padded by _kernel_operands where they cannot be read in place), the epilogue, and the
+    signature a settled call is remembered under (None: not remembered)."""
+
+    __slots__ = ("a", "b", "c", "alpha", "beta", "out_dtype", "scale_a", "scale_b", "fast_accum", "kernel_dtype",
+                 "ka", "kb", "kc", "kscale_a", "kscale_b", "n", "signature")
+
+    def __init__(self, a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, kernel_dtype, signature):
+        self.a, self.b, self.c, self.alpha, self.beta, self.out_dtype = a, b, c, alpha, beta, out_dtype
+        self.scale_a, self.scale_b, self.fast_accum, self.kernel_dtype = scale_a, scale_b, fast_accum, kernel_dtype
+        self.signature = signature
+        if kernel_dtype is not None:
+            self.ka, self.kb, self.kc, self.kscale_b, self.n = _kernel_operands(a, b, c, kernel_dtype, scale_b)
+            self.kscale_a = _flat(scale_a)
+
+    def in_place(self) -> bool:
+        """Whether the kernels read the caller's operands as they are (a repeated call then
+        needs no copies either)."""
+        return self.ka is self.a and self.kb is self.b and self.kc is self.c
 
 
-autotune.on_clear(_REPEAT_CALLS.clear)
+def _run_config(call: _Call, config: int):
+    """Tile configuration `config` (-1: the heuristic's) on the call's kernel operands."""
+    out = ops.gemm(call.ka, call.kb, call.kc, call.alpha, call.beta, call.kernel_dtype, call.kscale_a,
+                   call.kscale_b, call.fast_accum, config)
+    return _trim(out, call.n, call.kernel_dtype, call.out_dtype)
 
 
-def _remember_scaled(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, choice: str,
-                     run: Callable) -> None:
-    """Remembers run(a, b, c, scale_a, scale_b), a float8 call's settled choice (the vendor call
-    with its scale forms, or our kernel on operands it reads in place), for the calls of this
-    one's signature (eager only)."""
-    if _is_compiling():
-        return
-
-    def remembered(a, b, c, scale_a, scale_b):
-        autotune.record_eager(choice)
-        return run(a, b, c, scale_a, scale_b)
-    _remember_call(a, b, c, alpha, beta, out_dtype, remembered, (scale_a, scale_b, fast_accum))
-
-
-_TORCH_BLOCK = "F.scaled_mm"  # the autotuner's name for cuBLAS's block-scaled GEMM
-
-
-def _block_scaled_gemm(a, b, alpha, beta, out_dtype, scale_a, scale_b, fast_accum):
-    """128-block-scaled a @ b.T in bfloat16: our FP8 grouped kernel with one group, or cuBLAS's
-    block-scaled GEMM where the autotuner timed that faster for this shape; a settled choice is
-    remembered for the calls of this signature."""
-    ours = _block_scaled_ours(a.shape[0], a.device)
-    peer = None if torch.compiler.is_compiling() or not autotune.enabled() else _block_scaled_peer(a, b)
-    choice = None
-    if peer is not None:
-        choice = _block_scaled_choice(a, b, lambda: ours(a, b, scale_a, scale_b), lambda: peer(a, b, scale_a, scale_b))
-    name = _TORCH_BLOCK if choice == _TORCH_BLOCK else autotune.CUTLASS_PREFIX + "grouped"
-    chosen = peer if choice == _TORCH_BLOCK else ours
+def _config_runner(call: _Call, config: int, name: str) -> Optional[Callable]:
+    """The repeated calls' runner of a tile configuration, where they read their operands in place."""
+    alpha, beta, kernel_dtype, out_dtype, fast, n = (call.alpha, call.beta, call.kernel_dtype, call.out_dtype,
+                                                     call.fast_accum, call.n)
+    if call.scale_a is None:
+        if call.c is None and call.n == call.b.shape[0] and call.in_place():
+            return _run_cutlass(alpha, beta, out_dtype, config, name)
+        return None
+    if not call.in_place():
+        return None
 
     def run(a, b, c, scale_a, scale_b):
-        out = chosen(a, b, scale_a, scale_b)
-        return out if alpha == 1.0 else (out.float() * alpha).to(out.dtype)
-    autotune.record(name)
-    if choice is not None:  # settled (timed now or before): later calls of this signature skip all of this
-        _remember_scaled(a, b, None, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, name, run)
-    return run(a, b, None, scale_a, scale_b)
+        return _trim(ops.gemm(a, b, c, alpha, beta, kernel_dtype, _flat(scale_a), _flat(scale_b), fast, config),
+                     n, kernel_dtype, out_dtype)
+    return _recording(name, run)
 
 
-def _block_scaled_ours(m: int, device) -> Callable:
-    """run(a, b, scale_a, scale_b) on our FP8 grouped kernel with one group of m rows."""
-    from .grouped_fp8 import grouped_mm_fp8
-
-    offs = torch.full((1,), m, dtype=torch.int32, device=device)
-
-    def run(a, b, scale_a, scale_b):
-        return grouped_mm_fp8(a, b.unsqueeze(0), offs, scale_x=scale_a, scale_w=scale_b.unsqueeze(0))
-    return run
+def _recording(name: str, run: Callable) -> Callable:
+    def recorded(*operands):
+        autotune.record_eager(name)
+        return run(*operands)
+    return recorded
 
 
-def _block_scaled_peer(a, b) -> Optional[Callable]:
-    """run(a, b, scale_a, scale_b) through F.scaled_mm (BlockWise1x128 x BlockWise128x128) for
-    calls of a's and b's shapes, or None where it cannot take them (a CPU tensor, e5m2, K or N not
-    a multiple of 16, no rows)."""
-    m, k, n = a.shape[0], a.shape[1], b.shape[0]
-    if (not a.is_cuda or a.dtype != torch.float8_e4m3fn or b.dtype != a.dtype
-            or k % 16 or n % 16 or m == 0):
-        return None
-    from ._torch_block_scaled import cublas_scale_a, cublas_scale_b, scaled_mm_block
-
-    def run(a, b, scale_a, scale_b):
-        return scaled_mm_block(a.contiguous(), b.contiguous().t(), cublas_scale_a(scale_a),
-                               cublas_scale_b(scale_b))
-    return run
+def _run(call: _Call, candidate: Candidate):
+    """Runs the chosen candidate; a settled call's runner is remembered for its signature."""
+    _DISPATCH.record(candidate.name)
+    if call.signature is not None and not _is_compiling():
+        runner = _runner_of(call, candidate)
+        if runner is not None:
+            _DISPATCH.remember(call.signature, runner)
+    return candidate.run(call)
 
 
-def _block_scaled_choice(a, b, ours: Callable, peer: Callable) -> Optional[str]:
-    """The autotuner's choice between ours and the F.scaled_mm peer for this shape (timed on the
-    first eager call); None where it has none (graph capture of an untimed shape): ours runs."""
-    m, k, n = a.shape[0], a.shape[1], b.shape[0]
-    # torch's version in the key: a cached choice of F.scaled_mm must not outlive the torch
-    # that took the call (its block-scaled API is recent).
-    key = f"sm{device_arch(a.device)}|{m}x{n}x{k}|{a.dtype}x{b.dtype}->bf16|scales:block|torch:{torch.__version__}"
-    choice = autotune.lookup(key)
-    if choice is not None or not autotune.may_time():
-        return choice
-    try:
-        peer()  # PyTorch's own checks differ by version: a refusal leaves ours
-    except (RuntimeError, TypeError, ValueError, ImportError, AttributeError):
-        autotune.remember(key, autotune.CUTLASS_PREFIX + "grouped")
-        return autotune.CUTLASS_PREFIX + "grouped"
-    return autotune.choose(key, {autotune.CUTLASS_PREFIX + "grouped": ours, _TORCH_BLOCK: peer},
-                           prefer=_TORCH_BLOCK, device=a.device)
+def _runner_of(call: _Call, candidate: Candidate) -> Optional[Callable]:
+    if candidate.config >= 0:
+        return _config_runner(call, candidate.config, candidate.name)
+    if candidate.name == _CUBLAS:
+        return _run_cublas(call.out_dtype)
+    if candidate.name == _SCALED_MM:
+        return _recording(_SCALED_MM, _scaled_mm_runner(call))
+    if candidate.name in (_TORCH_BLOCK, _OURS_BLOCK):
+        alpha, impl = call.alpha, _block_peer if candidate.name == _TORCH_BLOCK else _block_ours
+        return _recording(candidate.name, lambda a, b, c, scale_a, scale_b:
+                          _scaled_by(impl(a, b, scale_a, scale_b), alpha))
+    return None
 
 
-def gemm_unchecked(a, b, c, alpha, beta, out_dtype, scale_a=None, scale_b=None, fast_accum=False, *,
-                   looked_up=False):
-    """gemm for arguments check_operands accepted, without autograd. A call the autotuner settled
-    before runs its remembered choice (every caller: gemm, its autograd, the modules, the TP
-    fallback); `looked_up`: gemm already looked for it."""
-    if not looked_up and scale_a is None and scale_b is None and not fast_accum:
-        run = _repeat_call(a, b, c, alpha, beta, out_dtype)
-        if run is not None:
-            return run(a, b, c)
-    if a.shape[1] == 0 or not has_kernels(a.device):
-        if a.device.type == "cuda" and a.shape[1] > 0:
-            warn_once(f"distgemm: no CUTLASS kernels for {torch.cuda.get_device_name(a.device)}; "
-                      "running the PyTorch reference")
-        return reference_gemm(a, b, c, alpha, beta, out_dtype, scale_a, scale_b)
-    arch = device_arch(a.device)
-    asked_fast = fast_accum  # the caller's flag: the key of a remembered call
-    kernel_dtype, fast_accum = kernel_out_dtype(a.dtype, b.dtype, out_dtype, arch, fast_accum)
-    if kernel_dtype is None:
-        warn_once(f"distgemm: no kernel in this build for {a.dtype} x {b.dtype} -> {out_dtype} (nor float32 "
-                  "out); running the PyTorch reference")
-        return reference_gemm(a, b, c, alpha, beta, out_dtype, scale_a, scale_b)
-    if a.dtype in FLOAT16 and kernel_dtype == out_dtype and autotune.enabled():
-        out = _autotuned_gemm(a, b, c, alpha, beta, out_dtype, arch)
-        if out is not None:
-            return out
-    if a.dtype in FLOAT8 and autotune.enabled():
-        out = _autotuned_fp8_gemm(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum,
-                                  kernel_dtype, arch, asked_fast)
-        if out is not None:
-            return out
-    a, b, c, scale_b, n = _kernel_operands(a, b, c, kernel_dtype, scale_b)
-    autotune.record("cutlass")
-    return _trim(ops.gemm(a, b, c, alpha, beta, kernel_dtype, _flat(scale_a), scale_b, fast_accum), n,
-                 kernel_dtype, out_dtype)
+# ---------------------------------------------------------------- candidates
+
+_CUBLAS, _SCALED_MM = "cublas", "torch._scaled_mm"
+_TORCH_BLOCK, _OURS_BLOCK = "F.scaled_mm", autotune.CUTLASS_PREFIX + "grouped"
 
 
-def _trim(out, n: int, kernel_dtype, out_dtype):
-    """A kernel's output as the caller asked for it: the N columns padding added dropped, cast
-    where the kernel ran in another dtype."""
-    out = out if out.shape[1] == n else out[:, :n].contiguous()
-    return out if kernel_dtype == out_dtype else out.to(out_dtype)
-
-
-def _c_form(c, m: int) -> str:
-    """How the epilogue reads c, for the autotuner's keys: none, a full (M, N) c, or a bias row."""
-    if c is None:
-        return "none"
-    return "full" if c.dim() == 2 and c.shape[0] == m and c.stride(0) != 0 else "bias"
+def _cublas_why_not(call: _Call) -> Optional[str]:
+    if call.alpha != 1.0 or (call.c is not None and call.beta != 1.0):
+        return "cuBLAS through PyTorch has no alpha, and beta 1 only"
+    if call.out_dtype != call.a.dtype:
+        return "cuBLAS through PyTorch gives the inputs' dtype"
+    return None
 
 
 def _cublas_gemm(a, b, c, out_dtype):
-    """alpha = 1, beta = 1 (or no c) through PyTorch's cuBLAS: the autotuner's peer candidate."""
+    """alpha = 1, beta = 1 (or no c) through PyTorch's cuBLAS: the 16-bit vendor candidate."""
     if c is None:  # F.linear: a @ b.T without a Python-side view of b (~0.3 us less than mm)
-        return torch.nn.functional.linear(a, b)
+        return F.linear(a, b)
     return torch.addmm(c.to(out_dtype), a, b.t())
 
 
-@functools.lru_cache(maxsize=None)
-def _config_names(a_dtype, b_dtype, out_dtype, b_k_major: bool, arch: int, fast_accum: bool = False) -> tuple:
-    return tuple(ops.gemm_configs(a_dtype, b_dtype, out_dtype, b_k_major, arch, fast_accum))
-
-
-def _autotuned_gemm(a, b, c, alpha, beta, out_dtype, arch):
-    """A 16-bit GEMM on the candidate the autotuner found fastest for its shape (each compiled
-    tile configuration, and cuBLAS where the epilogue allows); None where it cannot choose."""
-    if torch.compiler.is_compiling():
-        return None  # traced code takes the heuristic's kernel (no timing, no cache reads)
-    m, k, n = a.shape[0], a.shape[1], b.shape[0]
-    c_form = _c_form(c, m)
-    cublas_ok = alpha == 1.0 and (c is None or beta == 1.0) and out_dtype == a.dtype
-    b_layout = "K" if _k_major(b) else "N" if b.stride(0) == 1 else "S"
-    key = f"sm{arch}|{m}x{n}x{k}|{a.dtype}->{out_dtype}|b:{b_layout}|c:{c_form}|cublas:{int(cublas_ok)}"
-    choice = autotune.lookup(key)
-    if choice == "cublas" and cublas_ok:  # the common case after the first call: no set-up
-        _remember_call(a, b, c, alpha, beta, out_dtype, _run_cublas(out_dtype))
-        autotune.record(choice)
-        return _cublas_gemm(a, b, c, out_dtype)
-    ka, kb, kc, _, n_kernel = _kernel_operands(a, b, c, out_dtype, None)
-    names = _config_names(a.dtype, b.dtype, out_dtype, _k_major(kb), arch)
-    index = autotune.config_index(choice, names)  # a cached tile choice: no candidates to build
-    if index is None:
-        candidates = {f"{autotune.CUTLASS_PREFIX}{name}":
-                      (lambda i=i: ops.gemm(ka, kb, kc, alpha, beta, out_dtype, None, None, False, i))
-                      for i, name in enumerate(names)}
-        if cublas_ok:
-            candidates["cublas"] = lambda: _cublas_gemm(a, b, c, out_dtype)
-        if len(candidates) < 2:
-            return None
-        choice = autotune.choose(key, candidates, prefer="cublas", device=a.device)
-        if choice is None:
-            return None
-        if choice == "cublas":
-            _remember_call(a, b, c, alpha, beta, out_dtype, _run_cublas(out_dtype))
-            autotune.record(choice)
-            return candidates[choice]()
-        index = autotune.config_index(choice, names)
-    if c is None and n_kernel == n and ka is a and kb is b:  # operands read in place
-        _remember_call(a, b, c, alpha, beta, out_dtype, _run_cutlass(alpha, beta, out_dtype, index, choice))
-    autotune.record(choice)
-    return _trim(ops.gemm(ka, kb, kc, alpha, beta, out_dtype, None, None, False, index), n, out_dtype, out_dtype)
-
-
-_SCALED_MM = "torch._scaled_mm"
+_CUBLAS_CANDIDATE = Candidate(_CUBLAS, lambda call: _cublas_gemm(call.a, call.b, call.c, call.out_dtype),
+                              _cublas_why_not, vendor=True)
 
 
 def _row_wise(scale_a, scale_b) -> bool:
     return any(s is not None and s.numel() > 1 for s in (scale_a, scale_b))
 
 
-def _scaled_mm_runner(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum) -> Optional[Callable]:
-    """run(a, b, c, scale_a, scale_b) through torch._scaled_mm (cuBLAS for per-tensor scales,
-    PyTorch's row-wise kernel) for calls of this one's signature, the FP8 autotuner's peer
-    candidate; None where it cannot compute it: alpha, a c other than a bias with beta 1, K or N
-    not a multiple of 16, operands not contiguous, row-wise scales other than e4m3 x e4m3 to
-    bfloat16. The scales and bias are put in torch._scaled_mm's forms when it runs, not when a
-    call that runs our kernel asks."""
-    m, k, n = a.shape[0], a.shape[1], b.shape[0]
-    if c is not None and (beta != 1.0 or out_dtype not in FLOAT16 or c.numel() != n
+def _scaled_mm_why_not(call: _Call) -> Optional[str]:
+    """Why torch._scaled_mm (cuBLAS for per-tensor scales, PyTorch's row-wise kernel) cannot
+    compute this call, or None."""
+    a, b, c, out_dtype = call.a, call.b, call.c, call.out_dtype
+    n = b.shape[0]
+    if c is not None and (call.beta != 1.0 or out_dtype not in FLOAT16 or c.numel() != n
                           or not (c.dim() == 1 or c.shape[0] == 1)):
-        return None
-    if alpha != 1.0 or k % 16 or n % 16 or m == 0 or not (a.is_contiguous() and b.is_contiguous()):
-        return None
-    row_wise = _row_wise(scale_a, scale_b)
-    if row_wise and (out_dtype != torch.bfloat16 or a.dtype != torch.float8_e4m3fn or b.dtype != a.dtype):
-        return None
+        return "torch._scaled_mm adds a bias row with beta 1 only"
+    if call.alpha != 1.0:
+        return "torch._scaled_mm has no alpha"
+    if a.shape[1] % 16 or n % 16 or a.shape[0] == 0 or not (a.is_contiguous() and b.is_contiguous()):
+        return "torch._scaled_mm needs K and N multiples of 16 and contiguous operands"
+    if _row_wise(call.scale_a, call.scale_b) and (out_dtype != torch.bfloat16 or a.dtype != torch.float8_e4m3fn
+                                                  or b.dtype != a.dtype):
+        return "torch._scaled_mm's row-wise scales take e4m3 x e4m3 to bfloat16 only"
+    return None
+
+
+def _scaled_mm_runner(call: _Call) -> Callable:
+    """run(a, b, c, scale_a, scale_b) through torch._scaled_mm for calls of this one's signature.
+    The scales and bias are put in its forms when it runs, not when a call that runs our kernel
+    asks."""
+    m, n, out_dtype, fast_accum = call.a.shape[0], call.b.shape[0], call.out_dtype, call.fast_accum
+    row_wise = _row_wise(call.scale_a, call.scale_b)
 
     def as_scale(s, shape, device):  # torch._scaled_mm's forms: 0-D per tensor; (M, 1) and (1, N) row-wise
         if s is None:
@@ -448,70 +362,150 @@ def _scaled_mm_runner(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_ac
     return run
 
 
-def _autotuned_fp8_gemm(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, kernel_dtype, arch,
-                        asked_fast=None):
-    """An FP8 GEMM (per-tensor or row-wise scales) on the fastest of distgemm's compiled tile
-    configurations and torch._scaled_mm where that computes the same call; None where the
-    autotuner cannot choose (then the tile heuristic runs). A settled choice is remembered for
-    the calls of this signature (asked_fast: the caller's use_fast_accum, part of it)."""
-    if torch.compiler.is_compiling():
-        return None
+_SCALED_MM_CANDIDATE = Candidate(
+    _SCALED_MM, lambda call: _scaled_mm_runner(call)(call.a, call.b, call.c, call.scale_a, call.scale_b),
+    _scaled_mm_why_not, vendor=True)
+
+
+@functools.lru_cache(maxsize=None)
+def _config_names(a_dtype, b_dtype, out_dtype, b_k_major: bool, arch: int, fast_accum: bool = False) -> tuple:
+    return tuple(ops.gemm_configs(a_dtype, b_dtype, out_dtype, b_k_major, arch, fast_accum))
+
+
+@functools.lru_cache(maxsize=None)
+def _candidates(a_dtype, b_dtype, kernel_dtype, b_k_major: bool, arch: int, fast_accum: bool) -> tuple:
+    """A dense call's candidates: every compiled tile configuration for its dtypes, and the
+    vendor call (cuBLAS for 16-bit inputs, torch._scaled_mm for float8)."""
+    vendor = _CUBLAS_CANDIDATE if a_dtype in FLOAT16 else _SCALED_MM_CANDIDATE
+    names = _config_names(a_dtype, b_dtype, kernel_dtype, b_k_major, arch, fast_accum)
+    return configs(names, _run_config) + (vendor,)
+
+
+def _problem_key(call: _Call, arch: int) -> str:
+    """The autotuner's key of a dense call (the disk cache's: a change drops stored choices)."""
+    a, b, c, m, n, k = call.a, call.b, call.c, call.a.shape[0], call.b.shape[0], call.a.shape[1]
+    if a.dtype in FLOAT16:
+        cublas_ok = _cublas_why_not(call) is None
+        b_layout = "K" if _k_major(b) else "N" if b.stride(0) == 1 else "S"
+        return f"sm{arch}|{m}x{n}x{k}|{a.dtype}->{call.out_dtype}|b:{b_layout}|c:{_c_form(c, m)}|cublas:{int(cublas_ok)}"
+    scales = "row" if _row_wise(call.scale_a, call.scale_b) else "tensor"
+    peer = _scaled_mm_why_not(call) is None
+    return (f"sm{arch}|{m}x{n}x{k}|{a.dtype}x{b.dtype}->{call.out_dtype}|scales:{scales}|fast:{int(call.fast_accum)}"
+            f"|c:{_c_form(c, m)}|peer:{int(peer)}")
+
+
+def _c_form(c, m: int) -> str:
+    """How the epilogue reads c, for the autotuner's keys: none, a full (M, N) c, or a bias row."""
+    if c is None:
+        return "none"
+    return "full" if c.dim() == 2 and c.shape[0] == m and c.stride(0) != 0 else "bias"
+
+
+# 128-block scales: our FP8 grouped kernel with one group, or cuBLAS's block-scaled GEMM.
+def _block_ours(a, b, scale_a, scale_b):
+    from .grouped_fp8 import grouped_mm_fp8
+
+    offs = torch.full((1,), a.shape[0], dtype=torch.int32, device=a.device)
+    return grouped_mm_fp8(a, b.unsqueeze(0), offs, scale_x=scale_a, scale_w=scale_b.unsqueeze(0))
+
+
+def _block_peer(a, b, scale_a, scale_b):
+    from ._torch_block_scaled import cublas_scale_a, cublas_scale_b, scaled_mm_block
+
+    return scaled_mm_block(a.contiguous(), b.contiguous().t(), cublas_scale_a(scale_a), cublas_scale_b(scale_b))
+
+
+def _block_peer_why_not(call: _Call) -> Optional[str]:
+    a, b = call.a, call.b
+    if not has_kernels(a.device) or a.dtype != torch.float8_e4m3fn or b.dtype != a.dtype:
+        return "F.scaled_mm's block scales take e4m3 on sm_90 and later"
+    if a.shape[1] % 16 or b.shape[0] % 16 or a.shape[0] == 0:
+        return "F.scaled_mm needs K and N multiples of 16 and at least one row"
+    return None
+
+
+def _scaled_by(out, alpha):
+    return out if alpha == 1.0 else (out.float() * alpha).to(out.dtype)
+
+
+_BLOCK_CANDIDATES = (
+    Candidate(_OURS_BLOCK, lambda call: _scaled_by(_block_ours(call.a, call.b, call.scale_a, call.scale_b), call.alpha)),
+    Candidate(_TORCH_BLOCK, lambda call: _scaled_by(_block_peer(call.a, call.b, call.scale_a, call.scale_b),
+                                                    call.alpha), _block_peer_why_not, vendor=True),
+)
+
+
+def _block_scaled_gemm(call: _Call):
+    """128-block-scaled a @ b.T in bfloat16: cuBLAS's block-scaled GEMM where the autotuner
+    timed it faster for this shape, else our FP8 grouped kernel with one group."""
+    a, b = call.a, call.b
+    if not torch.compiler.is_compiling() and _block_peer_why_not(call) is not None:  # ours alone: nothing to choose
+        return _run(call, _BLOCK_CANDIDATES[0])
     m, k, n = a.shape[0], a.shape[1], b.shape[0]
-    runner = _scaled_mm_runner(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum)
-    peer = (lambda: runner(a, b, c, scale_a, scale_b)) if runner is not None else None
-    scales = "row" if _row_wise(scale_a, scale_b) else "tensor"
-    key = (f"sm{arch}|{m}x{n}x{k}|{a.dtype}x{b.dtype}->{out_dtype}|scales:{scales}|fast:{int(fast_accum)}"
-           f"|c:{_c_form(c, m)}|peer:{int(peer is not None)}")
-    remember = (lambda choice, run: _remember_scaled(a, b, c, alpha, beta, out_dtype, scale_a, scale_b,
-                                                     fast_accum if asked_fast is None else asked_fast, choice, run))
-    choice = autotune.lookup(key)
-    if choice == _SCALED_MM and peer is not None:
-        remember(choice, runner)
-        autotune.record(choice)
-        return peer()
-    ka, kb, kc, kscale_b, _ = _kernel_operands(a, b, c, kernel_dtype, scale_b)
-    kscale_a = _flat(scale_a)
-    names = _config_names(a.dtype, b.dtype, kernel_dtype, _k_major(kb), arch, fast_accum)
-
-    def ours(i):
-        return lambda: _trim(ops.gemm(ka, kb, kc, alpha, beta, kernel_dtype, kscale_a, kscale_b, fast_accum, i),
-                             n, kernel_dtype, out_dtype)
-
-    index = autotune.config_index(choice, names)
-    if index is None:
-        if not autotune.may_time():  # graph capture: no trial call of the peer, the heuristic runs
-            return None
-        candidates = {f"{autotune.CUTLASS_PREFIX}{name}": ours(i) for i, name in enumerate(names)}
-        if peer is not None:
-            try:
-                peer()  # PyTorch's own checks differ by version: a refusal drops the candidate
-                candidates[_SCALED_MM] = peer
-            except RuntimeError:
-                pass
-        if len(candidates) < 2:
-            return None
-        choice = autotune.choose(key, candidates, prefer=_SCALED_MM, device=a.device)
-        if choice is None:
-            return None
-        if choice == _SCALED_MM:
-            remember(choice, runner)
-            autotune.record(choice)
-            return peer()
-        index = autotune.config_index(choice, names)
-    if ka is a and kb is b and kc is c:  # operands read in place: a later call needs no copies either
-
-        def run_ours(a, b, c, scale_a, scale_b):
-            return _trim(ops.gemm(a, b, c, alpha, beta, kernel_dtype, _flat(scale_a), _flat(scale_b), fast_accum,
-                                  index), n, kernel_dtype, out_dtype)
-        remember(choice, run_ours)
-    autotune.record(choice)
-    return ours(index)()
+    # torch's version in the key: a cached choice of F.scaled_mm must not outlive the torch
+    # that took the call (its block-scaled API is recent).
+    key = f"sm{device_arch(a.device)}|{m}x{n}x{k}|{a.dtype}x{b.dtype}->bf16|scales:block|torch:{torch.__version__}"
+    chosen = _DISPATCH.choose(key, call, _BLOCK_CANDIDATES, a.device) if _DISPATCH.active() else None
+    if chosen is None:  # no choice to remember: autotuning off, tracing, or capture of an untimed shape
+        _DISPATCH.record(_OURS_BLOCK)
+        return _BLOCK_CANDIDATES[0].run(call)
+    return _run(call, chosen)
 
 
-# The runners of repeated calls: _repeat_call has established that nothing is being traced.
+def gemm_unchecked(a, b, c, alpha, beta, out_dtype, scale_a=None, scale_b=None, fast_accum=False, *,
+                   looked_up=False):
+    """gemm for arguments check_operands accepted, without autograd. A call the autotuner settled
+    before runs its remembered choice (every caller: gemm, its autograd, the modules, the TP
+    fallback); `looked_up`: gemm already looked for it."""
+    if not looked_up and scale_a is None and scale_b is None and not fast_accum:
+        run = _repeat_call(a, b, c, alpha, beta, out_dtype)
+        if run is not None:
+            return run(a, b, c)
+    scaled = scale_a is not None and scale_b is not None
+    signature = None
+    if not _is_compiling():
+        signature = _call_signature(a, b, c, alpha, beta, out_dtype,
+                                    (scale_a, scale_b, fast_accum) if scaled else None)
+    if scaled and is_block_scaled(a, b, scale_a, scale_b):
+        # Remembered for bfloat16 out only: gemm refuses others, but looks its table up before its checks.
+        call = _Call(a, b, None, alpha, beta, torch.bfloat16, scale_a, scale_b, fast_accum, None,
+                     signature if out_dtype == torch.bfloat16 else None)
+        out = _block_scaled_gemm(call)
+        return out if out.dtype == out_dtype else out.to(out_dtype)  # float32: TP's partial sums
+    if a.shape[1] == 0 or not has_kernels(a.device):
+        if a.device.type == "cuda" and a.shape[1] > 0:
+            warn_once(f"distgemm: no CUTLASS kernels for {torch.cuda.get_device_name(a.device)}; "
+                      "running the PyTorch reference")
+        return reference_gemm(a, b, c, alpha, beta, out_dtype, scale_a, scale_b)
+    arch = device_arch(a.device)
+    kernel_dtype, fast = kernel_out_dtype(a.dtype, b.dtype, out_dtype, arch, fast_accum)
+    if kernel_dtype is None:
+        warn_once(f"distgemm: no kernel in this build for {a.dtype} x {b.dtype} -> {out_dtype} (nor float32 "
+                  "out); running the PyTorch reference")
+        return reference_gemm(a, b, c, alpha, beta, out_dtype, scale_a, scale_b)
+    call = _Call(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast, kernel_dtype, signature)
+    # 16-bit calls are tuned where the kernel gives out_dtype itself (the key does not name a cast).
+    if (a.dtype in FLOAT8 or kernel_dtype == out_dtype) and _DISPATCH.active():
+        chosen = _DISPATCH.choose(_problem_key(call, arch), call,
+                                  _candidates(a.dtype, b.dtype, kernel_dtype, _k_major(call.kb), arch, fast),
+                                  a.device)
+        if chosen is not None:
+            return _run(call, chosen)
+    _DISPATCH.record("cutlass")
+    return _run_config(call, -1)
+
+
+def _trim(out, n: int, kernel_dtype, out_dtype):
+    """A kernel's output as the caller asked for it: the N columns padding added dropped, cast
+    where the kernel ran in another dtype."""
+    out = out if out.shape[1] == n else out[:, :n].contiguous()
+    return out if kernel_dtype == out_dtype else out.to(out_dtype)
+
+
+# The runners of repeated 16-bit calls: _repeat_call has established that nothing is being traced.
 def _run_cublas(out_dtype):
     def run(a, b, c):
-        autotune.record_eager("cublas")
+        autotune.record_eager(_CUBLAS)
         if c is None:  # _cublas_gemm's first case, inlined: this runs on every repeated call
             return F.linear(a, b)
         return _cublas_gemm(a, b, c, out_dtype)

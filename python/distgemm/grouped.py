@@ -9,14 +9,15 @@ kernel (no host sync, CUDA-graph safe); ``cublas`` a multi-stream cuBLAS loop in
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Optional, Tuple
 
 import torch
 
-from . import autotune, grouped_autotune
+from . import autotune
+from ._dispatch import Candidate, Dispatcher, GroupedPass, configs
 from ._settings import current as _current_settings
 from ._library import aligned16, check_flags, device_arch, is_aligned16, has_kernels, needs_autograd, ops, warn_once
-from ._repeat_calls import RepeatCalls
 from ._routing import check_offs_tensor, check_offs_values, group_bounds
 from .grouped_fp8 import FLOAT8, grouped_mm_fp8, grouped_mm_wgrad_fp8
 
@@ -142,11 +143,14 @@ def reference_grouped_mm_wgrad(dy, x, offs, out, accumulate):
     return out
 
 
-# Forward/dgrad calls (16-bit, no out, no scales, no autograd) whose checks passed and which ran
-# distgemm's kernel on x and w in place: the checks and the backend choice are functions of the
-# signature, the settings (the backend, debug) included.
-_REPEAT_CALLS = RepeatCalls()
-autotune.on_clear(_REPEAT_CALLS.clear)  # a remembered runner holds the autotuner's choice
+# One dispatcher for the 16-bit grouped passes. Its table of repeat calls holds forward/dgrad
+# calls (no out, no scales, no autograd) whose checks passed and which ran on x and w in place:
+# the checks and the choice are functions of the signature, the settings (the backend, debug)
+# included.
+_DISPATCH = Dispatcher("distgemm.grouped_mm")
+_REPEAT_CALLS = _DISPATCH.calls
+TORCH = "torch._grouped_mm"
+_KIND_NAMES = ("forward", "dgrad", "wgrad")
 
 
 def _call_signature(x, w, offs, out_dtype, trans_w) -> Optional[tuple]:
@@ -159,9 +163,58 @@ def _call_signature(x, w, offs, out_dtype, trans_w) -> Optional[tuple]:
         return None
 
 
+def _run_forward_config(call: GroupedPass, config: int):
+    """The forward/dgrad kernel's tile configuration `config` (-1: the cost model's): into out,
+    or a new output (through the functional op where autograd records it or torch.compile
+    traces it; outside autograd, as the op's Python wrapper costs ~10 us of host time)."""
+    if call.out is None and (call.autograd or torch.compiler.is_compiling()):
+        return ops.grouped_mm(call.a, call.b, call.offs, call.out_dtype, call.trans_w, _CUTLASS, config)
+    out = call.destination()
+    ops.grouped_mm_out(call.a, call.b, call.offs, out, call.accumulate, call.trans_w, _CUTLASS, config)
+    return out
+
+
+def _run_wgrad_config(call: GroupedPass, config: int):
+    if call.out is None:
+        return ops.grouped_mm_wgrad(call.a, call.b, call.offs, call.out_dtype, _CUTLASS, config)
+    ops.grouped_mm_wgrad_out(call.a, call.b, call.offs, call.out, call.accumulate, _CUTLASS, config)
+    return call.out
+
+
+def _torch_why_not(call: GroupedPass) -> Optional[str]:
+    return None if call.torch_ok else ("torch._grouped_mm answers bfloat16 calls without out, accumulate or "
+                                       "autograd (its autograd would bypass ours), backend auto, sm_90+")
+
+
+def _run_torch_forward(call: GroupedPass):
+    return torch._grouped_mm(call.a, call.b.transpose(-2, -1) if call.trans_w else call.b, offs=call.offs,
+                             out_dtype=call.out_dtype)
+
+
+def _run_torch_wgrad(call: GroupedPass):
+    return torch._grouped_mm(call.a.T, call.b, offs=call.offs, out_dtype=call.out_dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _candidates(kind: int, in_dtype, out_dtype) -> tuple:
+    """A grouped pass's candidates: each sm_90 tile configuration of this build for (kind, in,
+    out), and torch._grouped_mm where it computes the same call."""
+    names = ops.grouped_configs(kind, in_dtype, out_dtype, 90)
+    if kind < 2:
+        return configs(names, _run_forward_config) + (Candidate(TORCH, _run_torch_forward, _torch_why_not,
+                                                                vendor=True),)
+    return configs(names, _run_wgrad_config) + (Candidate(TORCH, _run_torch_wgrad, _torch_why_not, vendor=True),)
+
+
+# The cost model's configuration, where nothing was chosen (autotuning off, torch.compile,
+# capture of a problem never timed).
+_COST_MODEL = (Candidate("cutlass", lambda call: _run_forward_config(call, -1)),
+               Candidate("cutlass", lambda call: _run_wgrad_config(call, -1)))
+
+
 def _kernel_forward(n: int, out_dtype, trans_w: bool, config: int, choice: str) -> Callable:
-    """Runs the grouped kernel's `config` into a new output, outside autograd (the functional
-    op's Python autograd wrapper costs ~10 us of host time per call)."""
+    """A repeated call's runner of the grouped kernel's `config` into a new output, outside
+    autograd."""
     def run(x, w, offs):
         out = torch.empty((x.shape[0], n), dtype=out_dtype, device=x.device)
         ops.grouped_mm_out(x, w, offs, out, False, trans_w, _CUTLASS, config)
@@ -172,21 +225,28 @@ def _kernel_forward(n: int, out_dtype, trans_w: bool, config: int, choice: str) 
 
 def _torch_forward(out_dtype, trans_w: bool) -> Callable:
     def run(x, w, offs):
-        autotune.record_eager(grouped_autotune.TORCH)  # the autotuner's choice: eager only
+        autotune.record_eager(TORCH)  # the autotuner's choice: eager only
         return torch._grouped_mm(x, w.transpose(-2, -1) if trans_w else w, offs=offs, out_dtype=out_dtype)
     return run
 
 
-def _tuned_forward(x, w, offs, n: int, out, accumulate: bool, out_dtype, trans_w: bool,
-                   torch_may_answer: bool) -> Optional[str]:
-    """The autotuner's choice for this forward/dgrad call (see grouped_autotune)."""
-    kind = 0 if trans_w else 1
-    run_config = grouped_autotune.scratch_runner(
-        out, accumulate, (x.shape[0], n), out_dtype, x.device,
-        lambda scratch, i: ops.grouped_mm_out(x, w, offs, scratch, accumulate, trans_w, _CUTLASS, i))
-    peer = _torch_forward(out_dtype, trans_w) if torch_may_answer else None
-    return grouped_autotune.choose(kind, w.shape[0], x.shape[0], n, x.shape[1], x.dtype, out_dtype, accumulate,
-                                   run_config, (lambda: peer(x, w, offs)) if peer else None, x.device)
+def _forward(call: GroupedPass, signature) -> torch.Tensor:
+    """A forward/dgrad call on distgemm's kernel or torch._grouped_mm, as the dispatcher chooses;
+    a settled plain call on operands read in place is remembered under `signature`."""
+    kind = 0 if call.trans_w else 1
+    chosen = None
+    if _DISPATCH.active():
+        chosen = _DISPATCH.choose(call.key(_KIND_NAMES[kind], call.a.shape[0]), call,
+                                  _candidates(kind, call.a.dtype, call.out_dtype), call.a.device, call.scratch)
+    candidate = chosen or _COST_MODEL[0]
+    settled = chosen is not None or not autotune.enabled()  # not a stand-in during capture
+    if (signature is not None and settled and call.out is None and not call.autograd
+            and not torch.compiler.is_compiling() and not _current_settings().debug):
+        _DISPATCH.remember(signature, _torch_forward(call.out_dtype, call.trans_w) if candidate.name == TORCH
+                           else _kernel_forward(call.shape[1], call.out_dtype, call.trans_w, candidate.config,
+                                                candidate.name))
+    _DISPATCH.record(candidate.name)
+    return candidate.run(call)
 
 
 # ---------------------------------------------------------------- public API
@@ -248,29 +308,17 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *,
         in_place = x.is_contiguous() and w.is_contiguous() and is_aligned16(x, w)
         x, w = aligned16(x.contiguous()), aligned16(w.contiguous())
         autograd = needs_autograd(x, w)
-        config, choice, settled = -1, backend, True
         if code == _CUTLASS:
             # torch._grouped_mm may answer a plain call only: its autograd would bypass ours.
-            tuned = _tuned_forward(x, w, offs, n, out, accumulate, out_dtype, trans_w,
-                                   torch_may_answer and out is None and not autograd)
-            config = grouped_autotune.config_index(tuned, 0 if trans_w else 1, x.dtype, out_dtype)
-            choice = tuned or "cutlass"
-            settled = tuned is not None or not autotune.enabled()  # not a stand-in during capture
-        run = None
-        if choice == grouped_autotune.TORCH:
-            run = _torch_forward(out_dtype, trans_w)
-        elif out is None and code == _CUTLASS and not torch.compiler.is_compiling() and not autograd:
-            run = _kernel_forward(n, out_dtype, trans_w, config, choice)
-        if run is not None:
-            if in_place and settled and not torch.compiler.is_compiling() and not _current_settings().debug:
-                _REPEAT_CALLS.put(_call_signature(x, w, offs, requested_dtype, trans_w), run)
-            return run(x, w, offs)
-        autotune.record(choice)
+            call = GroupedPass(x, w, offs, out, accumulate, (x.shape[0], n), out_dtype, trans_w, autograd,
+                               torch_may_answer and out is None and not autograd)
+            return _forward(call, _call_signature(x, w, offs, requested_dtype, trans_w) if in_place else None)
+        autotune.record(backend)
         if out is None:
-            return ops.grouped_mm(x, w, offs, out_dtype, trans_w, code, config)
-        if code == _CUBLAS and accumulate and out.dtype != torch.float32:
+            return ops.grouped_mm(x, w, offs, out_dtype, trans_w, code)
+        if accumulate and out.dtype != torch.float32:
             return _accumulate_once(out, lambda tmp: ops.grouped_mm_out(x, w, offs, tmp, False, trans_w, code))
-        ops.grouped_mm_out(x, w, offs, out, accumulate, trans_w, code, config)
+        ops.grouped_mm_out(x, w, offs, out, accumulate, trans_w, code)
         return out
     if backend == "torch":
         x, w = aligned16(x), aligned16(w)
@@ -325,19 +373,21 @@ def grouped_mm_wgrad(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, *,
     if backend in ("cutlass", "cublas"):
         code = _CUTLASS if backend == "cutlass" else _CUBLAS
         dy, x = aligned16(dy.contiguous()), aligned16(x.contiguous())
-        config, choice = -1, backend
         if code == _CUTLASS:
-            choice = _tuned_wgrad(dy, x, offs, out, accumulate, out_dtype,
-                                  torch_may_answer and out is None and not needs_autograd(dy, x)) or "cutlass"
-            config = grouped_autotune.config_index(choice, 2, x.dtype, out_dtype)
-        autotune.record(choice)
-        if choice == grouped_autotune.TORCH:
-            return torch._grouped_mm(dy.T, x, offs=offs, out_dtype=out_dtype)
+            call = GroupedPass(dy, x, offs, out, accumulate, (groups, n, k), out_dtype,
+                               torch_ok=torch_may_answer and out is None and not needs_autograd(dy, x))
+            chosen = _COST_MODEL[1]
+            if _DISPATCH.active():
+                chosen = _DISPATCH.choose(call.key("wgrad", x.shape[0]), call, _candidates(2, x.dtype, out_dtype),
+                                          x.device, call.scratch) or chosen
+            _DISPATCH.record(chosen.name)
+            return chosen.run(call)
+        autotune.record(backend)
         if out is None:
-            return ops.grouped_mm_wgrad(dy, x, offs, out_dtype, code, config)
-        if code == _CUBLAS and accumulate and out.dtype != torch.float32:
+            return ops.grouped_mm_wgrad(dy, x, offs, out_dtype, code)
+        if accumulate and out.dtype != torch.float32:
             return _accumulate_once(out, lambda tmp: ops.grouped_mm_wgrad_out(dy, x, offs, tmp, False, code))
-        ops.grouped_mm_wgrad_out(dy, x, offs, out, accumulate, code, config)
+        ops.grouped_mm_wgrad_out(dy, x, offs, out, accumulate, code)
         return out
     if backend == "torch":
         dy, x = aligned16(dy), aligned16(x)
@@ -348,17 +398,6 @@ def grouped_mm_wgrad(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, *,
     if out is None:
         out = torch.empty((groups, n, k), dtype=out_dtype, device=x.device)
     return reference_grouped_mm_wgrad(dy, x, offs, out, accumulate)
-
-
-def _tuned_wgrad(dy, x, offs, out, accumulate: bool, out_dtype, torch_may_answer: bool) -> Optional[str]:
-    """The autotuner's choice for this wgrad call (see grouped_autotune)."""
-    groups, n, k = offs.numel(), dy.shape[1], x.shape[1]
-    run_config = grouped_autotune.scratch_runner(
-        out, accumulate, (groups, n, k), out_dtype, x.device,
-        lambda scratch, i: ops.grouped_mm_wgrad_out(dy, x, offs, scratch, accumulate, _CUTLASS, i))
-    peer = (lambda: torch._grouped_mm(dy.T, x, offs=offs, out_dtype=out_dtype)) if torch_may_answer else None
-    return grouped_autotune.choose(2, groups, x.shape[0], n, k, x.dtype, out_dtype, accumulate, run_config, peer,
-                                   x.device)
 
 
 # ---------------------------------------------------------------- op registration

@@ -21,10 +21,11 @@ and no 128-token scale block mixes two experts.
 
 from __future__ import annotations
 
+import functools
 
 import torch
 
-from . import grouped_autotune
+from ._dispatch import Dispatcher, GroupedPass, configs
 from ._library import aligned16, device_arch, has_kernels, ops
 from ._routing import check_offs_tensor, check_offs_values, group_bounds
 
@@ -252,16 +253,33 @@ def grouped_mm_wgrad_fp8(dy_t, x_t, offs, *, scale_dy, scale_x, out=None, accumu
     if out is None:
         out = torch.empty((groups, n, k), dtype=torch.float32, device=dy_t.device)
 
-    def run_into(scratch, config):
-        ops.grouped_mm_wgrad_fp8_out(dy_t, x_t, offs, sdy, sx, scratch, accumulate, config)
-
-    # The tile is timed on the first eager call of each problem (grouped_autotune says why).
-    choice = grouped_autotune.choose(
-        2, groups, tp, n, k, dy_t.dtype, torch.float32, accumulate,
-        grouped_autotune.scratch_runner(out, accumulate, (groups, n, k), torch.float32, dy_t.device, run_into),
-        None, dy_t.device, scale_mode=SCALE_BLOCK)
-    run_into(out, grouped_autotune.config_index(choice, 2, dy_t.dtype, torch.float32, SCALE_BLOCK))
+    # The tile is timed on the first eager call of each problem: the 256 x 128 tile spills
+    # registers (per-row times per-column scales in its promotion) and the 128 x 128 one does
+    # not; the smaller ran 10-18% faster with 512-1024 tokens per expert, 5% slower with 8192
+    # (bench/NOTES.md, grouped tile choice).
+    call = GroupedPass(dy_t, x_t, offs, out, accumulate, (groups, n, k), torch.float32, extra=(sdy, sx))
+    chosen = None
+    if _WGRAD.active():
+        chosen = _WGRAD.choose(call.key("wgrad", tp, SCALE_BLOCK), call, _wgrad_candidates(dy_t.dtype), dy_t.device,
+                               call.scratch)
+    _WGRAD.record(chosen.name if chosen is not None else "cutlass")
+    _run_wgrad_config(call, chosen.config if chosen is not None else -1)
     return out
+
+
+_WGRAD = Dispatcher("distgemm.grouped_mm_wgrad (float8)")
+
+
+def _run_wgrad_config(call: GroupedPass, config: int):
+    scale_dy, scale_x = call.extra
+    ops.grouped_mm_wgrad_fp8_out(call.a, call.b, call.offs, scale_dy, scale_x, call.out, call.accumulate, config)
+    return call.out
+
+
+@functools.lru_cache(maxsize=None)
+def _wgrad_candidates(dy_dtype) -> tuple:
+    """The FP8 wgrad's tile configurations in this build (no vendor peer takes its layout)."""
+    return configs(ops.grouped_configs(2, dy_dtype, torch.float32, 90, SCALE_BLOCK), _run_wgrad_config)
 
 
 # ---------------------------------------------------------------- op registration

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from . import _settings
 from ._library import aligned16, check_flags, device_arch, has_kernels, needs_autograd, ops, warn_once
-from .dense import (FLOAT8, _block_scaled_gemm, _flat, check_operands, check_scalars, gemm_unchecked, grad_of_c,
+from .dense import (FLOAT8, _flat, check_operands, check_scalars, gemm_unchecked, grad_of_c,
                     is_block_scaled, kernel_out_dtype, kernel_ready, require_fp8_scales)
 
 # distgemm never uses NVLink multicast: symmetric memory must not create multicast objects.
@@ -468,15 +468,6 @@ def _gathered_scale_a(scale_a, rows: int, group, block: bool) -> Optional[torch.
     return _all_gather(scale_a.reshape(-1).float().expand(rows).contiguous(), group)
 
 
-def _local_gemm(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, mode: str):
-    """The GEMM of a collectives call (or of a group of one) on this rank: the 128-block-scaled
-    kernel for block scales (bfloat16 out, no c: check_operands refused others), else gemm."""
-    if mode == "block":
-        out = _block_scaled_gemm(a, b, alpha, beta, torch.bfloat16, scale_a, scale_b, fast_accum)
-        return out if out_dtype == out.dtype else out.float()  # the reduce-scatter's partial sums
-    return gemm_unchecked(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum)
-
-
 def _scale_mode(a, b, scale_a, scale_b) -> str:
     """How a's scales travel with its rows: none, one per tensor, one per row, or per 1 x 128
     block (the ranks of a collectives call must agree: they gather them)."""
@@ -560,7 +551,7 @@ def _all_gather_matmul_eager(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, 
     world = _state(group).size
     mode = _scale_mode(a, b, scale_a, scale_b)
     if world == 1:
-        out = _local_gemm(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, mode)
+        out = gemm_unchecked(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum)
         return out, (a if return_gathered else None)
     if a.is_cuda:
         _raise_on_error_word(a.get_device())
@@ -576,8 +567,8 @@ def _all_gather_matmul_eager(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, 
     _agree_before_collectives(group, _AG, a, a.shape[0] * world, b.shape[0], out_dtype, scale_a,
                               (tuple(a.shape), str(a.dtype), str(out_dtype), mode))
     gathered = _all_gather(a, group)
-    out = _local_gemm(gathered, b, c, alpha, beta, out_dtype,
-                      _gathered_scale_a(scale_a, a.shape[0], group, mode == "block"), scale_b, fast_accum, mode)
+    out = gemm_unchecked(gathered, b, c, alpha, beta, out_dtype,
+                         _gathered_scale_a(scale_a, a.shape[0], group, mode == "block"), scale_b, fast_accum)
     return out, (gathered if return_gathered else None)
 
 
@@ -592,7 +583,7 @@ def _matmul_reduce_scatter_eager(a, b, c, alpha, beta, out_dtype, scale_a, scale
     world = _state(group).size
     mode = _scale_mode(a, b, scale_a, scale_b)
     if world == 1:
-        return _local_gemm(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, mode)
+        return gemm_unchecked(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum)
     if a.is_cuda:
         _raise_on_error_word(a.get_device())
     full_c = c is not None and c.dim() == 2 and c.shape[0] != 1
@@ -609,7 +600,7 @@ def _matmul_reduce_scatter_eager(a, b, c, alpha, beta, out_dtype, scale_a, scale
         _agree_before_collectives(group, _RS, a, a.shape[0] // world, b.shape[0], out_dtype, scale_a,
                                   (a.shape[0], b.shape[0], str(out_dtype)))
         # FP32 partial sums (rounded to bfloat16 first where block scales take the FP8 kernel)
-        partial = _local_gemm(a, b, None, alpha, 0.0, torch.float32, scale_a, scale_b, fast_accum, mode)
+        partial = gemm_unchecked(a, b, None, alpha, 0.0, torch.float32, scale_a, scale_b, fast_accum)
         out = _reduce_scatter(partial, group)
         if bias is not None:
             out = out + beta * bias.to(out_dtype).float()

@@ -36,8 +36,10 @@ def test_a_repeated_call_runs_its_remembered_runner_unless_autograd_or_unhashabl
 
     a, b = torch.randn(3, 8), torch.randn(5, 8)
     ran = []
-    monkeypatch.setattr(dense, "_REPEAT_CALLS", type(dense._REPEAT_CALLS)())
-    dense._remember_call(a, b, None, 1.0, 0.0, None, lambda *args: ran.append(args) or "remembered")
+    monkeypatch.setattr(dense._DISPATCH, "calls", type(dense._REPEAT_CALLS)())
+    monkeypatch.setattr(dense, "_REPEAT_CALLS", dense._DISPATCH.calls)
+    dense._DISPATCH.remember(dense._call_signature(a, b, None, 1.0, 0.0, torch.float32),
+                             lambda *args: ran.append(args) or "remembered")
     assert dense.gemm(a, b) == "remembered" and len(ran) == 1
     # the same signature needing autograd, or an unhashable alpha: the full path decides
     assert dense._repeat_call(a.requires_grad_(), b, None, 1.0, 0.0, None) is None

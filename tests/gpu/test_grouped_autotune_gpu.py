@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import distgemm
-from distgemm import autotune, grouped_autotune
+from distgemm import autotune, grouped
 from tests.gpu.test_grouped_gpu import ref_forward, ref_wgrad
 from tests.reference import assert_close, make_offs, random_counts
 
@@ -18,7 +18,7 @@ DEV = "cuda"
 
 
 def _tuned(backend):
-    return backend == grouped_autotune.TORCH or str(backend).startswith("cutlass:")
+    return backend == grouped.TORCH or str(backend).startswith("cutlass:")
 
 
 # 4 x 256 tokens with K 768 / N 2048: the small-expert row where a 128 x 256 tile leaves most

@@ -1,0 +1,314 @@
+"""Which candidate a dense or grouped call runs, what is cached under which key, and what a
+repeated call runs, through the public ops as on an sm_90 GPU: the kernels, the vendor calls and
+the autotuner's timing are replaced by counted plain-PyTorch stand-ins (no GPU needed). The keys
+are the disk cache's: a change of them would drop every user's stored choices."""
+
+import contextlib
+
+import pytest
+import torch
+
+import distgemm
+from distgemm import _torch_block_scaled, autotune, dense, grouped, grouped_fp8
+
+BF16, E4M3 = torch.bfloat16, torch.float8_e4m3fn
+GEMM_BF16 = tuple(autotune.CUTLASS_PREFIX + n for n in dense.ops.gemm_configs(BF16, BF16, BF16, True, 90, False))
+GEMM_FP8 = tuple(autotune.CUTLASS_PREFIX + n for n in dense.ops.gemm_configs(E4M3, E4M3, BF16, True, 90, False))
+
+
+@pytest.fixture
+def gpu(monkeypatch, tmp_path):
+    """The dispatch of an sm_90 GPU on CPU tensors. Yields a record: `times` (candidate name ->
+    ms, 1.0 unless set; a name in `refuse` raises when run), `ran` (what ran, in order: a
+    config's index as ('cutlass', i), or the vendor call's name), `timings` (how often
+    candidates were timed)."""
+    import distgemm._library as library
+    import sys
+
+    has_kernels, device_arch = library.has_kernels, library.device_arch
+    for name, module in list(sys.modules.items()):
+        if name.startswith("distgemm") and module is not None:
+            if getattr(module, "has_kernels", None) is has_kernels:
+                monkeypatch.setattr(module, "has_kernels", lambda device: True)
+            if getattr(module, "device_arch", None) is device_arch:
+                monkeypatch.setattr(module, "device_arch", lambda device: 90)
+    record = {"times": {}, "ran": [], "timings": 0, "refuse": set()}
+
+    def medians(candidates, flush):
+        record["timings"] += 1
+        return {name: record["times"].get(name, 1.0) for name in candidates}
+    monkeypatch.setattr(autotune, "_medians", medians)
+    monkeypatch.setattr(autotune, "flush_buffer", lambda *args, **kwargs: None)
+    monkeypatch.setattr(autotune, "may_time", lambda: True)
+    monkeypatch.setattr(autotune, "_LOADED", True)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())  # the timing's device
+
+    def ran(name):
+        record["ran"].append(name)
+        if name in record["refuse"]:
+            raise RuntimeError(f"{name} refuses this call")
+    record["run"] = ran
+
+    def fake_gemm(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast=False, config=-1, swizzle=0):
+        ran(("cutlass", config))
+        return dense.reference_gemm(a, b, c, alpha, beta, out_dtype, scale_a, scale_b)
+    monkeypatch.setattr(dense.ops, "gemm", fake_gemm)
+    linear = torch.nn.functional.linear
+
+    def fake_linear(a, b, bias=None):
+        ran("cublas")
+        return linear(a.float(), b.float(), None if bias is None else bias.float()).to(a.dtype)
+    monkeypatch.setattr(torch.nn.functional, "linear", fake_linear)
+
+    def fake_scaled_mm(a, b_t, scale_a, scale_b, bias=None, out_dtype=None, use_fast_accum=False):
+        ran("torch._scaled_mm")
+        out = (a.float() @ b_t.float()) * scale_a.float() * scale_b.float()
+        return (out if bias is None else out + bias.float()).to(out_dtype)
+    monkeypatch.setattr(torch, "_scaled_mm", fake_scaled_mm)
+    monkeypatch.setattr(_torch_block_scaled, "cublas_scale_a", lambda s: s)
+    monkeypatch.setattr(_torch_block_scaled, "cublas_scale_b", lambda s: s)
+
+    def fake_block(a, b_t, scale_a, scale_b):
+        ran("F.scaled_mm")
+        return (a.float() @ b_t.float()).to(BF16)
+    monkeypatch.setattr(_torch_block_scaled, "scaled_mm_block", fake_block)
+
+    def fake_grouped_fp8(x, w, offs, **kwargs):
+        ran("cutlass:grouped")
+        return (x.float() @ w[0].float().T).to(BF16)
+    monkeypatch.setattr(grouped_fp8, "grouped_mm_fp8", fake_grouped_fp8)
+    autotune.clear()
+    with distgemm.settings(autotune=True, autotune_cache=str(tmp_path / "cache.json"), grouped_backend="auto"):
+        yield record
+    autotune.clear()
+
+
+def bf16(m=32, n=48, k=64):
+    return torch.randn(m, k).to(BF16), torch.randn(n, k).to(BF16)
+
+
+def test_bf16_fastest_config_is_cached_and_repeated(gpu):
+    a, b = bf16()
+    gpu["times"][GEMM_BF16[1]] = 0.5
+    out = distgemm.gemm(a, b)
+    torch.testing.assert_close(out.float(), a.float() @ b.float().T, rtol=2e-2, atol=2e-2)
+    assert autotune.lookup("sm90|32x48x64|torch.bfloat16->torch.bfloat16|b:K|c:none|cublas:1") == GEMM_BF16[1]
+    assert gpu["ran"][-1] == ("cutlass", 1) and gpu["timings"] == 1
+    gpu["ran"].clear()
+    distgemm.gemm(a, b)
+    assert gpu["ran"] == [("cutlass", 1)] and gpu["timings"] == 1
+    assert autotune.last_backend() == GEMM_BF16[1]
+
+
+def test_bf16_cublas_keeps_a_near_tie_and_repeats_through_linear(gpu):
+    a, b = bf16()
+    gpu["times"].update({GEMM_BF16[0]: 0.98, "cublas": 1.0})
+    distgemm.gemm(a, b)
+    assert autotune.last_backend() == "cublas"
+    gpu["ran"].clear()
+    distgemm.gemm(a, b)
+    assert gpu["ran"] == ["cublas"] and gpu["timings"] == 1
+
+
+def test_bf16_alpha_leaves_cublas_out(gpu):
+    a, b = bf16()
+    gpu["times"]["cublas"] = 0.1  # faster, but it cannot scale by alpha
+    distgemm.gemm(a, b, alpha=2.0)
+    assert autotune.lookup("sm90|32x48x64|torch.bfloat16->torch.bfloat16|b:K|c:none|cublas:0") == GEMM_BF16[0]
+    assert "cublas" not in gpu["ran"]
+
+
+def test_capture_of_an_untimed_shape_runs_the_heuristic_and_caches_nothing(gpu, monkeypatch):
+    monkeypatch.setattr(autotune, "may_time", lambda: False)
+    a, b = bf16()
+    for _ in range(2):
+        gpu["ran"].clear()
+        distgemm.gemm(a, b)
+        assert gpu["ran"] == [("cutlass", -1)]
+    assert gpu["timings"] == 0
+    assert autotune.lookup("sm90|32x48x64|torch.bfloat16->torch.bfloat16|b:K|c:none|cublas:1") is None
+
+
+def test_autotune_off_runs_the_heuristic(gpu):
+    a, b = bf16()
+    with distgemm.settings(autotune=False):
+        distgemm.gemm(a, b)
+    assert gpu["ran"] == [("cutlass", -1)] and gpu["timings"] == 0
+
+
+def fp8(m=32, n=48, k=64):
+    a, b = bf16(m, n, k)
+    return a.to(E4M3), b.to(E4M3), torch.tensor([0.5]), torch.tensor([2.0])
+
+
+def test_fp8_vendor_keeps_a_near_tie_and_repeats(gpu):
+    a, b, sa, sb = fp8()
+    gpu["times"][GEMM_FP8[0]] = 0.99
+    distgemm.gemm(a, b, scale_a=sa, scale_b=sb)
+    key = "sm90|32x48x64|torch.float8_e4m3fnxtorch.float8_e4m3fn->torch.bfloat16|scales:tensor|fast:0|c:none|peer:1"
+    assert autotune.lookup(key) == "torch._scaled_mm"
+    gpu["ran"].clear()
+    out = distgemm.gemm(a, b, scale_a=sa, scale_b=sb)
+    assert gpu["ran"] == ["torch._scaled_mm"] and gpu["timings"] == 1
+    torch.testing.assert_close(out.float(), a.float() @ b.float().T, rtol=2e-2, atol=2e-2)
+
+
+def test_fp8_vendor_refusing_leaves_our_configs(gpu):
+    a, b, sa, sb = fp8()
+    gpu["refuse"].add("torch._scaled_mm")
+    gpu["times"][GEMM_FP8[2]] = 0.5
+    distgemm.gemm(a, b, scale_a=sa, scale_b=sb)
+    assert autotune.last_backend() == GEMM_FP8[2]
+    gpu["ran"].clear()
+    distgemm.gemm(a, b, scale_a=sa, scale_b=sb)
+    assert gpu["ran"] == [("cutlass", 2)]
+
+
+def block(m=32, n=48, k=256):
+    a, b = bf16(m, n, k)
+    return a.to(E4M3), b.to(E4M3), torch.ones(m, k // 128), torch.ones((n + 127) // 128, k // 128)
+
+
+def test_block_scaled_vendor_refusing_leaves_ours_remembered(gpu):
+    a, b, sa, sb = block()
+    gpu["refuse"].add("F.scaled_mm")
+    distgemm.gemm(a, b, scale_a=sa, scale_b=sb)
+    key = f"sm90|32x48x256|torch.float8_e4m3fnxtorch.float8_e4m3fn->bf16|scales:block|torch:{torch.__version__}"
+    assert autotune.lookup(key) == "cutlass:grouped" and gpu["timings"] == 0
+    gpu["ran"].clear()
+    distgemm.gemm(a, b, scale_a=sa, scale_b=sb)
+    assert gpu["ran"] == ["cutlass:grouped"]
+
+
+def test_block_scaled_vendor_faster_is_chosen(gpu):
+    a, b, sa, sb = block()
+    gpu["times"]["F.scaled_mm"] = 0.5
+    distgemm.gemm(a, b, scale_a=sa, scale_b=sb, alpha=2.0)
+    assert autotune.last_backend() == "F.scaled_mm"
+    gpu["ran"].clear()
+    out = distgemm.gemm(a, b, scale_a=sa, scale_b=sb, alpha=2.0)
+    assert gpu["ran"] == ["F.scaled_mm"] and gpu["timings"] == 1
+    torch.testing.assert_close(out.float(), 2 * (a.float() @ b.float().T), rtol=2e-2, atol=2e-2)
+
+
+@pytest.fixture
+def grouped_gpu(gpu, monkeypatch):
+    """The grouped kernels as counted stand-ins: ops.grouped_mm_out / _wgrad_out (config
+    recorded) and torch._grouped_mm."""
+    from distgemm._routing import group_bounds
+
+    def fake_out(x, w, offs, out, accumulate, trans_w, backend=0, config=-1):
+        gpu["run"](("cutlass", config))
+        grouped.reference_grouped_mm(x, w, offs, out, accumulate, trans_w)
+
+    def fake_wgrad_out(dy, x, offs, out, accumulate, backend=0, config=-1):
+        gpu["run"](("cutlass", config))
+        grouped.reference_grouped_mm_wgrad(dy, x, offs, out, accumulate)
+
+    def fake_torch(a, b, offs=None, out_dtype=None):
+        gpu["run"]("torch._grouped_mm")
+        if a.dim() == 2 and b.dim() == 3:
+            out = torch.zeros(a.shape[0], b.shape[2], dtype=out_dtype)
+            for g, (s, e) in enumerate(group_bounds(offs, a.shape[0])):
+                out[s:e] = (a[s:e].float() @ b[g].float()).to(out_dtype)
+            return out
+        out = torch.zeros(offs.numel(), a.shape[0], b.shape[1], dtype=out_dtype)
+        for g, (s, e) in enumerate(group_bounds(offs, b.shape[0])):
+            out[g] = (a[:, s:e].float() @ b[s:e].float()).to(out_dtype)
+        return out
+    backend = grouped._backend  # as on a GPU: the inputs' device type is the one thing faked here
+    monkeypatch.setattr(grouped, "_backend", lambda op, device, *args: backend(op, torch.device("cuda", 0), *args))
+    monkeypatch.setattr(grouped.ops, "grouped_mm_out", fake_out)
+    monkeypatch.setattr(grouped.ops, "grouped_mm_wgrad_out", fake_wgrad_out)
+    monkeypatch.setattr(torch, "_grouped_mm", fake_torch)
+    monkeypatch.setattr(grouped.ops, "grouped_mm", lambda x, w, offs, out_dtype, trans_w, backend=0, config=-1:
+                        _new_out(fake_out, x, w, offs, out_dtype, trans_w, config))
+    monkeypatch.setattr(grouped.ops, "grouped_mm_wgrad", lambda dy, x, offs, out_dtype, backend=0, config=-1:
+                        _new_wgrad(fake_wgrad_out, dy, x, offs, out_dtype, config))
+    return gpu
+
+
+def _new_out(fake_out, x, w, offs, out_dtype, trans_w, config):
+    out = torch.zeros(x.shape[0], w.shape[1] if trans_w else w.shape[2], dtype=out_dtype)
+    fake_out(x, w, offs, out, False, trans_w, 0, config)
+    return out
+
+
+def _new_wgrad(fake_wgrad_out, dy, x, offs, out_dtype, config):
+    out = torch.zeros(offs.numel(), dy.shape[1], x.shape[1], dtype=out_dtype)
+    fake_wgrad_out(dy, x, offs, out, False, 0, config)
+    return out
+
+
+def routed(tokens=100, groups=4, n=64, k=32):
+    x = torch.randn(tokens, k).to(BF16)
+    w = torch.randn(groups, n, k).to(BF16)
+    offs = torch.tensor([10, 10, 60, 100], dtype=torch.int32)
+    return x, w, offs
+
+
+def grouped_names(kind, out=BF16):
+    return tuple(autotune.CUTLASS_PREFIX + n for n in grouped.ops.grouped_configs(kind, BF16, out, 90, 0))
+
+
+def test_grouped_forward_fastest_config_cached_and_repeated(grouped_gpu):
+    x, w, offs = routed()
+    names = grouped_names(0)
+    grouped_gpu["times"][names[3]] = 0.5
+    out = distgemm.grouped_mm(x, w, offs)
+    torch.testing.assert_close(out.float(), grouped.reference_grouped_mm(x, w, offs, torch.zeros(100, 64), False,
+                                                                          True), rtol=2e-2, atol=2e-2)
+    key = "sm90|grouped-forward|G4|T100|64x32|torch.bfloat16->torch.bfloat16|acc:0|torch:1"
+    assert autotune.lookup(key) == names[3]
+    grouped_gpu["ran"].clear()
+    distgemm.grouped_mm(x, w, offs)
+    assert grouped_gpu["ran"] == [("cutlass", 3)] and grouped_gpu["timings"] == 1
+
+
+def test_grouped_forward_torch_keeps_a_near_tie_and_repeats(grouped_gpu):
+    x, w, offs = routed()
+    grouped_gpu["times"].update({grouped_names(0)[0]: 0.99, "torch._grouped_mm": 1.0})
+    distgemm.grouped_mm(x, w, offs)
+    grouped_gpu["ran"].clear()
+    distgemm.grouped_mm(x, w, offs)
+    assert grouped_gpu["ran"] == ["torch._grouped_mm"]
+    assert autotune.last_backend() == "torch._grouped_mm"
+
+
+def test_grouped_accumulate_adds_once(grouped_gpu):
+    x, w, offs = routed()
+    out = torch.ones(100, 64, dtype=torch.float32)
+    distgemm.grouped_mm(x, w, offs, out=out, accumulate=True, out_dtype=torch.float32)
+    expected = grouped.reference_grouped_mm(x, w, offs, torch.ones(100, 64), True, True)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    assert "torch._grouped_mm" not in grouped_gpu["ran"]  # it rounds the product before adding
+    names = grouped_names(0, torch.float32)
+    key = "sm90|grouped-forward|G4|T100|64x32|torch.bfloat16->torch.float32|acc:1|torch:0"
+    if len(names) == 1:  # nothing to choose: run once, untimed, nothing cached
+        assert grouped_gpu["ran"] == [("cutlass", 0)] and autotune.lookup(key) is None
+    else:
+        assert autotune.lookup(key) in names
+
+
+def test_grouped_wgrad_choice_is_cached(grouped_gpu):
+    x, w, offs = routed()
+    dy = torch.randn(100, 64).to(BF16)
+    names = grouped_names(2, torch.float32)
+    grouped_gpu["times"][names[-1]] = 0.1
+    out = distgemm.grouped_mm_wgrad(dy, x, offs)
+    torch.testing.assert_close(out, grouped.reference_grouped_mm_wgrad(dy, x, offs, torch.zeros(4, 64, 32), False),
+                               rtol=1e-5, atol=1e-5)
+    key = "sm90|grouped-wgrad|G4|T100|64x32|torch.bfloat16->torch.float32|acc:0|torch:0"
+    assert autotune.lookup(key) == names[-1]
+    assert grouped_gpu["ran"][-1] == ("cutlass", len(names) - 1)
+
+
+def test_grouped_refusing_config_is_left_out(grouped_gpu):
+    x, w, offs = routed()
+    names = grouped_names(1)
+    grouped_gpu["refuse"].add(("cutlass", 0))
+    grouped_gpu["times"][names[0]] = 0.1  # fastest, but it refuses the call
+    wt = w.transpose(1, 2).contiguous()
+    distgemm.grouped_mm(x, wt, offs, trans_w=False)
+    key = "sm90|grouped-dgrad|G4|T100|64x32|torch.bfloat16->torch.bfloat16|acc:0|torch:1"
+    assert autotune.lookup(key) not in (None, names[0])
