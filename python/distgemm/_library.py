@@ -59,41 +59,6 @@ def warn_once(message: str) -> None:
     warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
-def check_flags(op: str, **flags) -> None:
-    """Each flag True or False (a Python int 0 or 1, or a NumPy bool, too), or a TypeError naming it."""
-    for name, v in flags.items():
-        if not (isinstance(v, bool) or (type(v) is int and v in (0, 1)) or type(v).__name__ == "bool_"):
-            shown = f"a tensor of shape {tuple(v.shape)}" if isinstance(v, torch.Tensor) else f"{type(v).__name__} {v!r}"
-            raise TypeError(f"{op}: {name} must be True or False, got {shown}")
-
-
-def check_main_grad(op: str, name: str, weight) -> None:
-    """weight.main_grad as fused wgrad accumulation needs it (Megatron-LM's convention): an FP32
-    tensor of the weight's shape on its device, contiguous; a RuntimeError naming it otherwise
-    (missing) or a ValueError (malformed)."""
-    grad = getattr(weight, "main_grad", None)
-    if grad is None:
-        raise RuntimeError(f"{op}: fuse_wgrad_accumulation=True needs {name}.main_grad: an FP32 tensor of the "
-                           "weight's shape")
-    if (not isinstance(grad, torch.Tensor) or grad.dtype != torch.float32 or grad.shape != weight.shape
-            or grad.device != weight.device or not grad.is_contiguous()):
-        got = (f"{grad.dtype} {tuple(grad.shape)} on {grad.device}" if isinstance(grad, torch.Tensor)
-               else type(grad).__name__)
-        raise ValueError(f"{op}: {name}.main_grad must be a contiguous float32 tensor of shape {tuple(weight.shape)} "
-                         f"on {weight.device}, got {got}")
-
-
-def needs_autograd(*tensors) -> bool:
-    """Whether a call must record autograd: grad mode on and any argument requiring grad
-    (None and non-tensors count as not: the argument checks name the latter)."""
-    if not torch.is_grad_enabled():
-        return False
-    for t in tensors:  # a loop, not any(<generator>): this runs on every call, and that costs ~1 us more
-        if getattr(t, "requires_grad", False):
-            return True
-    return False
-
-
 def is_aligned16(*tensors) -> bool:
     """Whether every tensor's data is 16-byte aligned (the kernels' TMA descriptors need it).
     True while torch.compile traces (no data pointers then; the op checks them at run time)."""

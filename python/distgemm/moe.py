@@ -23,7 +23,8 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 
 from . import _settings
-from ._library import check_flags, check_main_grad, has_kernels, ops
+from ._checks import check_flags, check_main_grad
+from ._library import has_kernels, ops
 from .grouped import grouped_mm, grouped_mm_wgrad
 from .quantize import FP8_MAX, quantize_fp8
 

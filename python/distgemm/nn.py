@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ._library import check_flags, check_main_grad
+from ._checks import check_flags, check_main_grad
 from .grouped import grouped_mm
 from .moe import (ACTIVATIONS, FP8_RECIPES, _expert_of_rows, _forms, _weight_grad, grouped_mlp, permute,
                   quantize_weight, unpermute)

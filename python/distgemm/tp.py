@@ -28,9 +28,9 @@ import torch
 import torch.distributed as dist
 
 from . import _settings
-from ._library import aligned16, check_flags, device_arch, has_kernels, needs_autograd, ops, warn_once
-from .dense import (FLOAT8, _flat, check_operands, check_scalars, gemm_unchecked, grad_of_c,
-                    is_block_scaled, kernel_out_dtype, kernel_ready, require_fp8_scales)
+from ._checks import FLOAT8, check_flags, check_scalars, check_tp_operands, is_block_scaled
+from ._library import aligned16, device_arch, has_kernels, ops, warn_once
+from .dense import _flat, gemm_unchecked, grad_of_c, kernel_out_dtype, kernel_ready
 
 # distgemm never uses NVLink multicast: symmetric memory must not create multicast objects.
 _settings.set_environment({"TORCH_SYMM_MEM_DISABLE_MULTICAST": _settings.MULTICAST_OFF["TORCH_SYMM_MEM_DISABLE_MULTICAST"]})
@@ -491,20 +491,6 @@ def _kernel_c(c, beta, out_dtype):
     return aligned16(c.reshape(-1).to(out_dtype).contiguous()), beta
 
 
-def _check_tp(op, a, b, c, out_dtype, scale_a, scale_b, c_rows_of):
-    """check_operands for a TP call; c_rows_of(a's rows): the rows of the output c is added to."""
-    out_dtype = check_operands(op, a, b, None, out_dtype, scale_a, scale_b)
-    require_fp8_scales(op, a, scale_a, scale_b)
-    n, c_rows = b.shape[0], c_rows_of(a.shape[0])
-    if c is not None:
-        if not isinstance(c, torch.Tensor) or not c.is_floating_point() or c.device != a.device:
-            raise ValueError(f"{op}: c must be a floating-point tensor on {a.device}")
-        if tuple(c.shape) not in ((c_rows, n), (n,), (1, n)):
-            raise ValueError(f"{op}: c must have shape ({c_rows}, {n}) or be a bias of shape ({n},), "
-                             f"got {tuple(c.shape)}")
-    return out_dtype
-
-
 @functools.lru_cache(maxsize=None)
 def _configs(arch, a_dtype, b_dtype, out_dtype, fast_accum) -> tuple:
     """Names of the K-major kernels built for these dtypes."""
@@ -686,8 +672,8 @@ def all_gather_matmul(a: torch.Tensor, b: torch.Tensor, *, group=None, c: Option
     check_flags(op, return_gathered=return_gathered, use_fast_accum=use_fast_accum)
     alpha, beta = check_scalars(op, alpha=alpha, beta=beta)
     group = _resolve(group)
-    out_dtype = _check_tp(op, a, b, c, out_dtype, scale_a, scale_b, lambda m: m * _state(group).size)
-    if needs_autograd(a, b, c):
+    out_dtype, autograd = check_tp_operands(op, a, b, c, out_dtype, scale_a, scale_b, lambda m: m * _state(group).size)
+    if autograd:
         if a.dtype in FLOAT8:
             raise NotImplementedError(f"{op}: autograd through float8 inputs is not supported")
         out, gathered = _AllGatherMatmul.apply(a, b, c, alpha, beta, out_dtype, scale_a, scale_b,
@@ -715,8 +701,8 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, *, group=None, c: Op
     world = _state(group).size
     if isinstance(a, torch.Tensor) and a.dim() == 2 and a.shape[0] % world:
         raise ValueError(f"{op}: a's {a.shape[0]} rows must divide evenly by the group size {world}")
-    out_dtype = _check_tp(op, a, b, c, out_dtype, scale_a, scale_b, lambda m: m // world)
-    if needs_autograd(a, b, c):
+    out_dtype, autograd = check_tp_operands(op, a, b, c, out_dtype, scale_a, scale_b, lambda m: m // world)
+    if autograd:
         if a.dtype in FLOAT8:
             raise NotImplementedError(f"{op}: autograd through float8 inputs is not supported")
         return _MatmulReduceScatter.apply(a, b, c, alpha, beta, out_dtype, scale_a, scale_b,

@@ -6,7 +6,7 @@ import torch
 
 import distgemm
 from distgemm import autotune
-from distgemm._library import needs_autograd
+from distgemm._checks import needs_autograd
 
 
 def test_setting_is_read_on_reload_only(monkeypatch):
