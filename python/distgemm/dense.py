@@ -329,14 +329,16 @@ def _block_scaled_gemm(call: _Call):
     """128-block-scaled a @ b.T in bfloat16: cuBLAS's block-scaled GEMM where the autotuner
     timed it faster for this shape, else our FP8 grouped kernel with one group."""
     a, b = call.a, call.b
-    if not torch.compiler.is_compiling() and _block_peer_why_not(call) is not None:  # ours alone: nothing to choose
+    if _DISPATCH.active() and _block_peer_why_not(call) is not None:  # ours alone: nothing to choose
         return _run(call, _BLOCK_CANDIDATES[0])
-    m, k, n = a.shape[0], a.shape[1], b.shape[0]
-    # torch's version in the key: a cached choice of F.scaled_mm must not outlive the torch
-    # that took the call (its block-scaled API is recent).
-    key = f"sm{device_arch(a.device)}|{m}x{n}x{k}|{a.dtype}x{b.dtype}->bf16|scales:block|torch:{torch.__version__}"
-    chosen = _DISPATCH.choose(key, call, _BLOCK_CANDIDATES, a.device) if _DISPATCH.active() else None
-    if chosen is None:  # no choice to remember: autotuning off, tracing, or capture of an untimed shape
+    chosen = None
+    if _DISPATCH.active():
+        m, k, n = a.shape[0], a.shape[1], b.shape[0]
+        # torch's version in the key: a cached choice of F.scaled_mm must not outlive the torch
+        # that took the call (its block-scaled API is recent).
+        key = f"sm{device_arch(a.device)}|{m}x{n}x{k}|{a.dtype}x{b.dtype}->bf16|scales:block|torch:{torch.__version__}"
+        chosen = _DISPATCH.choose(key, call, _BLOCK_CANDIDATES, a.device)
+    if chosen is None:  # nothing to remember: autotuning off, tracing, or capture of an untimed shape
         _DISPATCH.record(_OURS_BLOCK)
         return _BLOCK_CANDIDATES[0].run(call)
     return _run(call, chosen)

@@ -313,7 +313,8 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *,
             # torch._grouped_mm may answer a plain call only: its autograd would bypass ours.
             call = GroupedPass(x, w, offs, out, accumulate, (x.shape[0], n), out_dtype, trans_w, autograd,
                                torch_may_answer and out is None and not autograd)
-            return _forward(call, _call_signature(x, w, offs, requested_dtype, trans_w) if in_place else None)
+            eager = in_place and not torch.compiler.is_compiling()  # the signature reads data pointers
+            return _forward(call, _call_signature(x, w, offs, requested_dtype, trans_w) if eager else None)
         autotune.record(backend)
         if out is None:
             return ops.grouped_mm(x, w, offs, out_dtype, trans_w, code)

@@ -312,3 +312,23 @@ def test_grouped_refusing_config_is_left_out(grouped_gpu):
     distgemm.grouped_mm(x, wt, offs, trans_w=False)
     key = "sm90|grouped-dgrad|G4|T100|64x32|torch.bfloat16->torch.bfloat16|acc:0|torch:1"
     assert autotune.lookup(key) not in (None, names[0])
+
+
+def test_torch_compile_traces_the_cost_models_kernels_whole(gpu, monkeypatch):
+    # Under torch.compile nothing is timed, looked up or remembered: the dense and grouped
+    # paths trace to the cost model's configuration in one graph (the grouped op itself, with
+    # its fake and CPU kernels, as a real op; the dense kernel's stand-in traced through).
+    backend = grouped._backend
+    monkeypatch.setattr(grouped, "_backend", lambda op, device, *args: backend(op, torch.device("cuda", 0), *args))
+    a, b = bf16()
+    x, w, offs = routed()
+
+    def step(a, b, x, w, offs):
+        return distgemm.gemm(a, b), distgemm.grouped_mm(x, w, offs)
+    torch._dynamo.reset()
+    dense_out, grouped_out = torch.compile(step, fullgraph=True, backend="eager")(a, b, x, w, offs)
+    torch.testing.assert_close(dense_out.float(), a.float() @ b.float().T, rtol=2e-2, atol=2e-2)
+    expected = grouped.reference_grouped_mm(x, w, offs, torch.zeros(100, 64), False, True)
+    torch.testing.assert_close(grouped_out.float(), expected, rtol=2e-2, atol=2e-2)
+    assert gpu["timings"] == 0 and gpu["ran"] == [("cutlass", -1)]
+    assert not dense._REPEAT_CALLS and not grouped._REPEAT_CALLS
