@@ -156,6 +156,12 @@ def is_block_scaled(a, b, scale_a, scale_b) -> bool:
     return tuple(scale_a.shape) == (m, _blocks(k)) and tuple(scale_b.shape) == (_blocks(n), _blocks(k))
 
 
+def block_scales(b, scale_b) -> bool:
+    """is_block_scaled for arguments the checks accepted, from b's scales alone: a 2-D scale_b
+    that is neither one value nor N values can only be 128 x 128 block scales there."""
+    return scale_b is not None and scale_b.dim() == 2 and scale_b.numel() not in (1, b.shape[0])
+
+
 def check_tp_operands(op, a, b, c, out_dtype, scale_a, scale_b, c_rows_of) -> Tuple[torch.dtype, bool]:
     """check_operands for a TP call (c_rows_of(a's rows): the rows of the output c is added to);
     returns the out dtype and whether autograd records the call."""

@@ -54,6 +54,12 @@ def has_kernels(device: torch.device) -> bool:
     return device.type == "cuda" and device_arch(device) in KERNEL_ARCHS
 
 
+def kernel_arch(device: torch.device) -> int:
+    """The compute capability distgemm's kernels run `device` as (90, 100), 0 where none run
+    (a CPU tensor, another GPU)."""
+    return device_arch(device) if has_kernels(device) else 0
+
+
 @functools.lru_cache(maxsize=None)
 def warn_once(message: str) -> None:
     warnings.warn(message, RuntimeWarning, stacklevel=3)

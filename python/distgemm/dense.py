@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from . import autotune
-from ._checks import (FLOAT8, FLOAT16, check_flags, check_operands, check_scalars, is_block_scaled, needs_autograd,
+from ._checks import (FLOAT8, FLOAT16, block_scales, check_flags, check_operands, check_scalars, needs_autograd,
                       require_fp8_scales)
-from ._library import aligned16, device_arch, has_kernels, ops, warn_once
+from ._library import aligned16, kernel_arch, ops, warn_once
 from ._dispatch import Candidate, Dispatcher, configs
 
 
@@ -113,14 +113,14 @@ class _Call:
     signature a settled call is remembered under (None: not remembered)."""
 
     __slots__ = ("a", "b", "c", "alpha", "beta", "out_dtype", "scale_a", "scale_b", "fast_accum", "kernel_dtype",
-                 "ka", "kb", "kc", "kscale_a", "kscale_b", "n", "signature")
+                 "arch", "ka", "kb", "kc", "kscale_a", "kscale_b", "n", "signature")
 
-    def __init__(self, a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, kernel_dtype, signature):
+    def __init__(self, a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, kernel_dtype, arch, signature):
         self.a, self.b, self.c, self.alpha, self.beta, self.out_dtype = a, b, c, alpha, beta, out_dtype
         self.scale_a, self.scale_b, self.fast_accum, self.kernel_dtype = scale_a, scale_b, fast_accum, kernel_dtype
-        self.signature = signature
+        self.arch, self.signature = arch, signature
         if kernel_dtype is not None:
-            self.ka, self.kb, self.kc, self.kscale_b, self.n = _kernel_operands(a, b, c, kernel_dtype, scale_b)
+            self.ka, self.kb, self.kc, self.kscale_b, self.n = _kernel_operands(a, b, c, kernel_dtype, scale_b, arch)
             self.kscale_a = _flat(scale_a)
 
     def in_place(self) -> bool:
@@ -307,7 +307,7 @@ def _block_peer(a, b, scale_a, scale_b):
 
 def _block_peer_why_not(call: _Call) -> Optional[str]:
     a, b = call.a, call.b
-    if not has_kernels(a.device) or a.dtype != torch.float8_e4m3fn or b.dtype != a.dtype:
+    if not call.arch or a.dtype != torch.float8_e4m3fn or b.dtype != a.dtype:
         return "F.scaled_mm's block scales take e4m3 on sm_90 and later"
     if a.shape[1] % 16 or b.shape[0] % 16 or a.shape[0] == 0:
         return "F.scaled_mm needs K and N multiples of 16 and at least one row"
@@ -336,7 +336,7 @@ def _block_scaled_gemm(call: _Call):
         m, k, n = a.shape[0], a.shape[1], b.shape[0]
         # torch's version in the key: a cached choice of F.scaled_mm must not outlive the torch
         # that took the call (its block-scaled API is recent).
-        key = f"sm{device_arch(a.device)}|{m}x{n}x{k}|{a.dtype}x{b.dtype}->bf16|scales:block|torch:{torch.__version__}"
+        key = f"sm{call.arch}|{m}x{n}x{k}|{a.dtype}x{b.dtype}->bf16|scales:block|torch:{torch.__version__}"
         chosen = _DISPATCH.choose(key, call, _BLOCK_CANDIDATES, a.device)
     if chosen is None:  # nothing to remember: autotuning off, tracing, or capture of an untimed shape
         _DISPATCH.record(_OURS_BLOCK)
@@ -358,24 +358,24 @@ def gemm_unchecked(a, b, c, alpha, beta, out_dtype, scale_a=None, scale_b=None, 
     if not _is_compiling():
         signature = _call_signature(a, b, c, alpha, beta, out_dtype,
                                     (scale_a, scale_b, fast_accum) if scaled else None)
-    if scaled and is_block_scaled(a, b, scale_a, scale_b):
+    arch = kernel_arch(a.device)
+    if scaled and block_scales(b, scale_b):
         # Remembered for bfloat16 out only: gemm refuses others, but looks its table up before its checks.
-        call = _Call(a, b, None, alpha, beta, torch.bfloat16, scale_a, scale_b, fast_accum, None,
+        call = _Call(a, b, None, alpha, beta, torch.bfloat16, scale_a, scale_b, fast_accum, None, arch,
                      signature if out_dtype == torch.bfloat16 else None)
         out = _block_scaled_gemm(call)
         return out if out.dtype == out_dtype else out.to(out_dtype)  # float32: TP's partial sums
-    if a.shape[1] == 0 or not has_kernels(a.device):
+    if a.shape[1] == 0 or not arch:
         if a.device.type == "cuda" and a.shape[1] > 0:
             warn_once(f"distgemm: no CUTLASS kernels for {torch.cuda.get_device_name(a.device)}; "
                       "running the PyTorch reference")
         return reference_gemm(a, b, c, alpha, beta, out_dtype, scale_a, scale_b)
-    arch = device_arch(a.device)
     kernel_dtype, fast = kernel_out_dtype(a.dtype, b.dtype, out_dtype, arch, fast_accum)
     if kernel_dtype is None:
         warn_once(f"distgemm: no kernel in this build for {a.dtype} x {b.dtype} -> {out_dtype} (nor float32 "
                   "out); running the PyTorch reference")
         return reference_gemm(a, b, c, alpha, beta, out_dtype, scale_a, scale_b)
-    call = _Call(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast, kernel_dtype, signature)
+    call = _Call(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast, kernel_dtype, arch, signature)
     # 16-bit calls are tuned where the kernel gives out_dtype itself (the key does not name a cast).
     if (a.dtype in FLOAT8 or kernel_dtype == out_dtype) and _DISPATCH.active():
         chosen = _DISPATCH.choose(_problem_key(call, arch), call,
@@ -451,12 +451,12 @@ def _pad_to(x: int, elems: int) -> int:
     return -x % elems
 
 
-def _kernel_operands(a, b, c, out_dtype, scale_b):
+def _kernel_operands(a, b, c, out_dtype, scale_b, arch: int):
     """Copies or pads what the kernels cannot read in place (a fallback, not a fast path):
     operands that are neither K-major nor (16-bit b) N-major, K or N not a multiple of 16
     bytes (zero padding leaves the product unchanged)."""
     n = b.shape[0]
-    if c is None and scale_b is None and kernel_ready(a, b, out_dtype):
+    if c is None and scale_b is None and kernel_ready(a, b, out_dtype, arch):
         return a, b, None, None, n  # the common case: nothing to copy or pad
     k_pad = _pad_to(a.shape[1], 16 // a.element_size())
     n_pad = _pad_to(n, max(16 // out_dtype.itemsize,
@@ -466,7 +466,7 @@ def _kernel_operands(a, b, c, out_dtype, scale_b):
         b = F.pad(b, (0, k_pad))
     if not _k_major(a):
         a = a.contiguous()
-    if not (_k_major(b) or _n_major_readable(a, b, out_dtype)):
+    if not (_k_major(b) or _n_major_readable(b, out_dtype, arch)):
         b = b.contiguous()
     if c is not None:
         c = c.to(out_dtype)
@@ -485,17 +485,17 @@ def _kernel_operands(a, b, c, out_dtype, scale_b):
     return a, b, c, _flat(scale_b), n
 
 
-def kernel_ready(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> bool:
+def kernel_ready(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, arch: int) -> bool:
     """True when the kernels read a and b in place (no copy or padding by _kernel_operands)."""
     out_bytes = out_dtype.itemsize
     return (a.shape[1] * a.element_size() % 16 == 0 and b.shape[0] * out_bytes % 16 == 0
-            and _k_major(a) and (_k_major(b) or _n_major_readable(a, b, out_dtype)))
+            and _k_major(a) and (_k_major(b) or _n_major_readable(b, out_dtype, arch)))
 
 
-def _n_major_readable(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> bool:
+def _n_major_readable(b: torch.Tensor, out_dtype: torch.dtype, arch: int) -> bool:
     """b N-major (a transposed view) with a kernel built for that layout and output."""
     return (b.dtype in FLOAT16 and _n_major(b) and b.shape[0] * b.element_size() % 16 == 0
-            and (device_arch(a.device), b.dtype, out_dtype) in _N_MAJOR)
+            and (arch, b.dtype, out_dtype) in _N_MAJOR)
 
 
 def _k_major(t: torch.Tensor) -> bool:

@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 
 from . import _settings
-from ._checks import FLOAT8, check_flags, check_scalars, check_tp_operands, is_block_scaled
-from ._library import aligned16, device_arch, has_kernels, ops, warn_once
+from ._checks import FLOAT8, block_scales, check_flags, check_scalars, check_tp_operands
+from ._library import aligned16, device_arch, has_kernels, kernel_arch, ops, warn_once
 from .dense import _flat, gemm_unchecked, grad_of_c, kernel_out_dtype, kernel_ready
 
 # distgemm never uses NVLink multicast: symmetric memory must not create multicast objects.
@@ -468,12 +468,12 @@ def _gathered_scale_a(scale_a, rows: int, group, block: bool) -> Optional[torch.
     return _all_gather(scale_a.reshape(-1).float().expand(rows).contiguous(), group)
 
 
-def _scale_mode(a, b, scale_a, scale_b) -> str:
+def _scale_mode(b, scale_a, scale_b) -> str:
     """How a's scales travel with its rows: none, one per tensor, one per row, or per 1 x 128
     block (the ranks of a collectives call must agree: they gather them)."""
     if scale_a is None:
         return "none"
-    if is_block_scaled(a, b, scale_a, scale_b):
+    if block_scales(b, scale_b):
         return "block"
     return "row" if scale_a.numel() > 1 else "tensor"
 
@@ -504,7 +504,7 @@ def _fused_operands(a, b, out_dtype, fast_accum, kind=_AG, row_scales=False, row
     another path than its peers (it would wait for them in vain)."""
     if a.shape[1] * a.element_size() % 16 or b.shape[0] * out_dtype.itemsize % 16:
         return None
-    arch = device_arch(a.device)
+    arch = kernel_arch(a.device)
     kernel_dtype, fast = kernel_out_dtype(a.dtype, b.dtype, out_dtype, arch, fast_accum)
     if kernel_dtype != out_dtype:
         return None
@@ -516,7 +516,7 @@ def _fused_operands(a, b, out_dtype, fast_accum, kind=_AG, row_scales=False, row
     # Each ring step reads its rows' FP8 scales in place, 16-byte aligned only at multiples of 4 rows.
     if kind == _RS and row_scales and rows_per_rank % 4:
         return None
-    if not kernel_ready(a, b, out_dtype):
+    if not kernel_ready(a, b, out_dtype, arch):
         b = b.contiguous()
     return aligned16(a), aligned16(b), fast
 
@@ -535,7 +535,7 @@ def _all_gather_matmul(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_a
 def _all_gather_matmul_eager(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, group,
                              return_gathered):
     world = _state(group).size
-    mode = _scale_mode(a, b, scale_a, scale_b)
+    mode = _scale_mode(b, scale_a, scale_b)
     if world == 1:
         out = gemm_unchecked(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum)
         return out, (a if return_gathered else None)
@@ -567,7 +567,7 @@ def _matmul_reduce_scatter(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fa
 
 def _matmul_reduce_scatter_eager(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, group):
     world = _state(group).size
-    mode = _scale_mode(a, b, scale_a, scale_b)
+    mode = _scale_mode(b, scale_a, scale_b)
     if world == 1:
         return gemm_unchecked(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum)
     if a.is_cuda:

@@ -26,8 +26,7 @@ def gpu_like(monkeypatch, use_settings):
     monkeypatch.setattr(autotune, "may_time", lambda: True)
     monkeypatch.setattr(autotune, "choose", lambda key, candidates, prefer=None, device=None:
                         autotune.remember(key, prefer) or prefer)
-    monkeypatch.setattr(dense, "has_kernels", lambda device: True)
-    monkeypatch.setattr(dense, "device_arch", lambda device: 90)
+    monkeypatch.setattr(dense, "kernel_arch", lambda device: 90)
     monkeypatch.setattr(dense, "kernel_out_dtype", lambda a, b, out, arch, fast=False: (out, fast))
     monkeypatch.setattr(dense, "_candidates", lambda a, b, out, k_major, arch, fast:
                         configs(("tile",), dense._run_config) + (dense._SCALED_MM_CANDIDATE,))
