@@ -16,7 +16,7 @@ add_library(distgemm_host_checks STATIC ${core_host_srcs})  # the .cu kernels: n
 # One PTX target is enough to link the TP flag and FP8 quantization kernels; nothing runs them
 # here (without DISTGEMM_WITH_SM90/SM100, dg_quantize_fp8 stops at NOT_SUPPORTED after its checks).
 set_source_files_properties(csrc/tp/tp_kernels.cu csrc/quant/fp8_quantize.cu csrc/moe/moe_act_quantize.cu
-                            csrc/grouped/fp8_wgrad_layout_check.cu PROPERTIES
+                            csrc/moe/moe_routing.cu csrc/grouped/fp8_wgrad_layout_check.cu PROPERTIES
   COMPILE_OPTIONS "-gencode=arch=compute_90,code=compute_90")
 target_include_directories(distgemm_host_checks
   PUBLIC "${CMAKE_SOURCE_DIR}/csrc/include" "${DISTGEMM_GENERATED_INCLUDE}" "${CMAKE_SOURCE_DIR}/csrc")

@@ -1,4 +1,6 @@
-// dg_moe_activation and dg_quantize_fp8_weight: argument checks and the launch. Host-only.
+// dg_moe_activation, dg_quantize_fp8_weight, dg_moe_combine and dg_moe_combine_backward: argument
+// checks and the launch. Host-only.
+#include <algorithm>
 #include <cstdint>
 
 #include "common/buffer_check.h"
@@ -8,6 +10,7 @@
 #include "common/status.h"
 #include "distgemm/distgemm.h"
 #include "moe/moe_act_quantize.h"
+#include "moe/moe_routing.h"
 
 namespace distgemm::moe {
 namespace {
@@ -147,6 +150,63 @@ dg_status lower_weight(const dg_quantize_weight_desc* desc, WeightProblem* p) {
   return DG_SUCCESS;
 }
 
+// The fields dg_moe_combine and its backward share: dtype, sizes, the slots' rows and weights.
+dg_status check_routing_common(dg_dtype dtype_field, int64_t num_rows, const int64_t* rows, const float* weights,
+                               int64_t tokens, int64_t k, int64_t hidden, CombineProblem* p) {
+  const int dtype = raw_enum(dtype_field);
+  DG_REQUIRE(dtype == DG_BF16 || dtype == DG_F16 || dtype == DG_F32, "dtype must be DG_BF16, DG_F16 or DG_F32, got ",
+             dtype);
+  DG_REQUIRE(num_rows >= 0 && tokens >= 0 && hidden >= 0, "num_rows, tokens and hidden must be non-negative, got ",
+             num_rows, ", ", tokens, " and ", hidden);
+  DG_REQUIRE(k >= 1, "k must be at least 1, got ", k);
+  int64_t slots = 0, elems = 0;
+  DG_REQUIRE(checked_product({tokens, k}, &slots), "tokens * k overflows int64: ", tokens, " x ", k);
+  DG_REQUIRE(checked_product({std::max(num_rows, tokens), hidden}, &elems), "rows of ", hidden,
+             " elements overflow int64");
+  DG_RETURN_IF_ERROR(check_extent(rows, "rows", {slots}, 8, 8));
+  if (weights != nullptr) DG_RETURN_IF_ERROR(check_extent(weights, "weights", {slots}, 4, 4));
+  p->dtype = dtype_field;
+  p->num_rows = num_rows;
+  p->rows = rows;
+  p->weights = weights;
+  p->tokens = tokens;
+  p->k = k;
+  p->hidden = hidden;
+  return DG_SUCCESS;
+}
+
+dg_status lower_combine(const dg_moe_combine_desc* desc, CombineProblem* p) {
+  DG_REQUIRE(desc != nullptr, "desc must not be NULL");
+  const dg_moe_combine_desc& d = *desc;
+  DG_RETURN_IF_ERROR(check_routing_common(d.dtype, d.num_rows, d.rows, d.weights, d.tokens, d.k, d.hidden, p));
+  const int bytes = dtype_bytes(d.dtype);
+  DG_RETURN_IF_ERROR(check_extent(d.y, "y", {d.num_rows, d.hidden}, bytes, static_cast<unsigned>(bytes)));
+  DG_RETURN_IF_ERROR(check_extent(d.out, "out", {d.tokens, d.hidden}, bytes, static_cast<unsigned>(bytes)));
+  p->y = d.y;
+  p->out = d.out;
+  return DG_SUCCESS;
+}
+
+dg_status lower_combine_backward(const dg_moe_combine_backward_desc* desc, CombineProblem* p) {
+  DG_REQUIRE(desc != nullptr, "desc must not be NULL");
+  const dg_moe_combine_backward_desc& d = *desc;
+  DG_RETURN_IF_ERROR(check_routing_common(d.dtype, d.num_rows, d.rows, d.weights, d.tokens, d.k, d.hidden, p));
+  const int bytes = dtype_bytes(d.dtype);
+  const auto align = static_cast<unsigned>(bytes);
+  DG_RETURN_IF_ERROR(check_extent(d.dy, "dy", {d.tokens, d.hidden}, bytes, align));
+  DG_RETURN_IF_ERROR(check_extent(d.dy_rows, "dy_rows", {d.num_rows, d.hidden}, bytes, align));
+  if (d.dweights != nullptr) {
+    DG_RETURN_IF_ERROR(check_extent(d.dweights, "dweights", {d.tokens * d.k}, 4, 4));
+    DG_REQUIRE(d.y != nullptr || d.num_rows == 0 || d.hidden == 0, "dweights needs y (the forward's rows)");
+    DG_RETURN_IF_ERROR(check_extent(d.y, "y", {d.num_rows, d.hidden}, bytes, align));
+  }
+  p->dy = d.dy;
+  p->y = d.dweights != nullptr ? d.y : nullptr;
+  p->dy_rows = d.dy_rows;
+  p->dweights = d.dweights;
+  return DG_SUCCESS;
+}
+
 }  // namespace
 }  // namespace distgemm::moe
 
@@ -169,4 +229,13 @@ extern "C" dg_status dg_moe_activation(const dg_moe_act_desc* desc, cudaStream_t
 extern "C" dg_status dg_quantize_fp8_weight(const dg_quantize_weight_desc* desc, cudaStream_t stream) {
   return check_and_launch_portable<WeightProblem>("FP8 weight quantization", desc, lower_weight, launch_weight_quantize,
                                                   stream);
+}
+
+extern "C" dg_status dg_moe_combine(const dg_moe_combine_desc* desc, cudaStream_t stream) {
+  return check_and_launch_portable<CombineProblem>("MoE combine", desc, lower_combine, launch_combine, stream);
+}
+
+extern "C" dg_status dg_moe_combine_backward(const dg_moe_combine_backward_desc* desc, cudaStream_t stream) {
+  return check_and_launch_portable<CombineProblem>("MoE combine backward", desc, lower_combine_backward,
+                                                   launch_combine_backward, stream);
 }

@@ -1,4 +1,5 @@
-// distgemm::moe_act and distgemm::quantize_fp8_weight: tensors -> C API descriptors.
+// distgemm::moe_act, distgemm::quantize_fp8_weight, distgemm::moe_combine and
+// distgemm::moe_combine_backward: tensors -> C API descriptors.
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
@@ -114,6 +115,89 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_fp8_weight(const at::Ten
   return {out, out_t, scale};
 }
 
+// The routing ops' common checks: a 2-D float tensor, int64 rows of tokens * k on its device, and
+// FP32 weights of the same length (or none).
+void check_routing_args(const char* op, const char* name, const at::Tensor& t, const at::Tensor& rows,
+                        const c10::optional<at::Tensor>& weights, int64_t tokens, int64_t k) {
+  TORCH_CHECK_VALUE(t.dim() == 2, op, ": ", name, " must be 2-D, got shape ", t.sizes());
+  TORCH_CHECK_VALUE(k >= 1 && tokens >= 0, op, ": tokens must be >= 0 and k >= 1, got ", tokens, " and ", k);
+  TORCH_CHECK_VALUE(
+      rows.device() == t.device() && rows.scalar_type() == at::kLong && rows.dim() == 1 && rows.numel() == tokens * k,
+      op, ": rows must be a 1-D int64 tensor of tokens * k = ", tokens * k, " on ", t.device(), ", got ",
+      rows.scalar_type(), " of shape ", rows.sizes(), " on ", rows.device());
+  if (weights) {
+    TORCH_CHECK_VALUE(
+        weights->device() == t.device() && weights->scalar_type() == at::kFloat && weights->numel() == tokens * k, op,
+        ": weights must be a float32 tensor of tokens * k = ", tokens * k, " values on ", t.device(), ", got ",
+        weights->scalar_type(), " of ", weights->numel(), " on ", weights->device());
+  }
+}
+
+// The routing fields both descriptors share.
+template <class Desc>
+void set_routing(Desc* desc, const at::Tensor& rows, const at::Tensor& w, int64_t tokens, int64_t k, int64_t hidden) {
+  desc->rows = rows.data_ptr<int64_t>();
+  desc->weights = w.defined() ? w.data_ptr<float>() : nullptr;
+  desc->tokens = tokens;
+  desc->k = k;
+  desc->hidden = hidden;
+}
+
+// out[t] = sum_j weights[t, j] * y[rows[t, j]] (rows < 0 skipped), FP32, in y's dtype.
+at::Tensor moe_combine(const at::Tensor& y_in, const at::Tensor& rows_in, const c10::optional<at::Tensor>& w_in,
+                       int64_t tokens, int64_t k) {
+  constexpr const char* kOp = "distgemm.moe_combine";
+  check_routing_args(kOp, "y", y_in, rows_in, w_in, tokens, k);
+  const c10::cuda::CUDAGuard guard(y_in.device());
+  const at::Tensor y = y_in.contiguous(), rows = rows_in.contiguous();
+  const at::Tensor w = w_in ? w_in->contiguous() : at::Tensor();
+  at::Tensor out = at::empty({tokens, y.size(1)}, y.options());
+  dg_moe_combine_desc desc{};
+  desc.y = y.data_ptr();
+  desc.dtype = to_dg_dtype(y.scalar_type(), "y");
+  desc.num_rows = y.size(0);
+  set_routing(&desc, rows, w, tokens, k, y.size(1));
+  desc.out = out.data_ptr();
+  check(dg_moe_combine(&desc, current_stream()), kOp);
+  return out;
+}
+
+// (dy_rows (num_rows, H) in dy's dtype, dweights (tokens * k) FP32 or empty): the combine's backward.
+std::tuple<at::Tensor, at::Tensor> moe_combine_backward(const at::Tensor& dy_in, const c10::optional<at::Tensor>& y_in,
+                                                        const at::Tensor& rows_in,
+                                                        const c10::optional<at::Tensor>& w_in, int64_t num_rows,
+                                                        int64_t tokens, int64_t k, bool want_dweights) {
+  constexpr const char* kOp = "distgemm.moe_combine_backward";
+  check_routing_args(kOp, "dy", dy_in, rows_in, w_in, tokens, k);
+  TORCH_CHECK_VALUE(dy_in.size(0) == tokens, kOp, ": dy must have tokens = ", tokens, " rows, got ", dy_in.size(0));
+  TORCH_CHECK_VALUE(!want_dweights || y_in.has_value(), kOp, ": dweights need y");
+  if (y_in) {
+    TORCH_CHECK_VALUE(y_in->device() == dy_in.device() && y_in->scalar_type() == dy_in.scalar_type() &&
+                          y_in->dim() == 2 && y_in->size(0) == num_rows && y_in->size(1) == dy_in.size(1),
+                      kOp, ": y must be a (", num_rows, ", ", dy_in.size(1), ") ", dy_in.scalar_type(), " tensor on ",
+                      dy_in.device(), ", got ", y_in->scalar_type(), " ", y_in->sizes(), " on ", y_in->device());
+  }
+  const c10::cuda::CUDAGuard guard(dy_in.device());
+  const at::Tensor dy = dy_in.contiguous(), rows = rows_in.contiguous();
+  const at::Tensor y = want_dweights ? y_in->contiguous() : at::Tensor();
+  const at::Tensor w = w_in ? w_in->contiguous() : at::Tensor();
+  // Every row is written when rows names each once (permute's row map: a dropped copy's row gets
+  // zeros); rows no slot names are unspecified (a malformed row map, moe.unpermute's contract).
+  at::Tensor dy_rows = at::empty({num_rows, dy.size(1)}, dy.options());
+  at::Tensor dweights = want_dweights ? at::empty({tokens * k}, dy.options().dtype(at::kFloat))
+                                      : at::empty({0}, dy.options().dtype(at::kFloat));
+  dg_moe_combine_backward_desc desc{};
+  desc.dy = dy.data_ptr();
+  desc.y = y.defined() ? y.data_ptr() : nullptr;
+  desc.dtype = to_dg_dtype(dy.scalar_type(), "dy");
+  desc.num_rows = num_rows;
+  set_routing(&desc, rows, w, tokens, k, dy.size(1));
+  desc.dy_rows = dy_rows.data_ptr();
+  desc.dweights = want_dweights ? dweights.data_ptr<float>() : nullptr;
+  check(dg_moe_combine_backward(&desc, current_stream()), kOp);
+  return {dy_rows, dweights};
+}
+
 }  // namespace
 }  // namespace distgemm::torch_binding
 
@@ -124,9 +208,16 @@ TORCH_LIBRARY_FRAGMENT(distgemm, m) {
       "moe_act(Tensor x, Tensor? dy, int act, int inner, Tensor? offs, bool want_y, bool want_fp8, "
       "bool want_t, ScalarType fp8_dtype) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("quantize_fp8_weight(Tensor w, ScalarType dtype, bool want_out, bool want_t) -> (Tensor, Tensor, Tensor)");
+  // The MoE combine (distgemm/moe.py's unpermute, and permute's backward) and its backward.
+  m.def("moe_combine(Tensor y, Tensor rows, Tensor? weights, int tokens, int k) -> Tensor");
+  m.def(
+      "moe_combine_backward(Tensor dy, Tensor? y, Tensor rows, Tensor? weights, int num_rows, int tokens, int k, "
+      "bool want_dweights) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(distgemm, CUDA, m) {
   m.impl("moe_act", &distgemm::torch_binding::moe_act);
   m.impl("quantize_fp8_weight", &distgemm::torch_binding::quantize_fp8_weight);
+  m.impl("moe_combine", &distgemm::torch_binding::moe_combine);
+  m.impl("moe_combine_backward", &distgemm::torch_binding::moe_combine_backward);
 }

@@ -439,6 +439,17 @@ def _quantize_fp8_weight_fake(w, dtype, want_out, want_t):
             w.new_empty((g, c, r) if want_t else (0,), dtype=dtype), scale)
 
 
+@torch.library.register_fake("distgemm::moe_combine")
+def _moe_combine_fake(y, rows, weights, tokens, k):
+    return y.new_empty((tokens, y.shape[1]))
+
+
+@torch.library.register_fake("distgemm::moe_combine_backward")
+def _moe_combine_backward_fake(dy, y, rows, weights, num_rows, tokens, k, want_dweights):
+    return dy.new_empty((num_rows, dy.shape[1])), dy.new_empty((tokens * k if want_dweights else 0,),
+                                                               dtype=torch.float32)
+
+
 # ---------------------------------------------------------------- routing: permute, unpermute
 
 
@@ -487,11 +498,16 @@ def permute(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int) -> Permut
     row_map = torch.sort(key.int(), stable=True).indices  # int32 keys: half the radix passes of int64
     counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=x.device).scatter_add_(0, key, torch.ones_like(key))
     offs = counts[:num_experts].cumsum(0).to(torch.int32)
+    kept = valid.index_select(0, row_map)
+    if _routing_kernels(x):
+        # Row p reads token row_map[p] // k, a dropped copy nothing (zeros); the backward sums
+        # each token's kept rows (_kept_slot_rows: -1 - p marks a dropped slot's row).
+        source = torch.where(kept, torch.div(row_map, k, rounding_mode="floor"), -1)
+        return Permuted(_Gather.apply(x, source, _kept_slot_rows(row_map, valid), k), offs, row_map)
     rows = x.index_select(0, torch.div(row_map, k, rounding_mode="floor"))
     # Dropped copies: zero rows, and no gradient back to their tokens, whatever the GEMMs leave
     # in the rows past offs[-1] (where, not a product: NaN there stays out).
-    kept = valid.index_select(0, row_map).unsqueeze(1)
-    rows = torch.where(kept, rows, rows.new_zeros(()))
+    rows = torch.where(kept.unsqueeze(1), rows, rows.new_zeros(()))
     return Permuted(rows, offs, row_map)
 
 
@@ -518,6 +534,63 @@ def _slot_rows(row_map: torch.Tensor) -> torch.Tensor:
     target = torch.where((rows >= 0) & (rows < n), rows, n)
     slot_row = torch.full((n + 1,), -1 - n, dtype=torch.int64, device=row_map.device)
     return slot_row.scatter_(0, target, torch.arange(n, device=row_map.device))[:n]
+
+
+def _routing_kernels(t: torch.Tensor) -> bool:
+    """Whether the routing kernels take tensors on t's device (else the torch ops below)."""
+    return t.is_cuda and has_kernels(t.device) and t.dtype in (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _kept_slot_rows(row_map: torch.Tensor, kept: Optional[torch.Tensor]) -> torch.Tensor:
+    """The routing kernels' rows of each slot: its row p (_slot_rows), -1 - p for a slot not
+    kept (a dropped copy: the backward zeros row p), and -1 - n for a slot no row names (nothing
+    is read or written for it)."""
+    slot_row = _slot_rows(row_map)
+    if kept is None:
+        return slot_row
+    return torch.where(kept & (slot_row >= 0), slot_row, torch.where(slot_row >= 0, -1 - slot_row, slot_row))
+
+
+class _Gather(torch.autograd.Function):
+    """rows[p] = x[source[p]] (zeros where source < 0); backward: each token's kept rows summed
+    in FP32 (the combine without weights), rounded once."""
+
+    @staticmethod
+    def forward(ctx, x, source, slot_rows, k):
+        ctx.save_for_backward(slot_rows)
+        ctx.k = k
+        return ops.moe_combine(x, source, None, source.numel(), 1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (slot_rows,) = ctx.saved_tensors
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None
+        k = ctx.k
+        return ops.moe_combine(grad.contiguous(), slot_rows, None, slot_rows.numel() // k, k), None, None, None
+
+
+class _Combine(torch.autograd.Function):
+    """out[t] = sum_j weights[t, j] * y[slot_rows[t, j]] in FP32 (slot rows < 0 skipped)."""
+
+    @staticmethod
+    def forward(ctx, y, slot_rows, weights, tokens, k):
+        w32 = weights.reshape(-1).float().contiguous()
+        ctx.save_for_backward(y, slot_rows, w32)
+        ctx.shape, ctx.w_dtype = (tokens, k), weights.dtype
+        return ops.moe_combine(y, slot_rows, w32, tokens, k)
+
+    @staticmethod
+    def backward(ctx, grad):
+        y, slot_rows, w32 = ctx.saved_tensors
+        tokens, k = ctx.shape
+        need_y, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
+        if not (need_y or need_w):
+            return None, None, None, None, None
+        dy_rows, dw = ops.moe_combine_backward(grad.contiguous(), y if need_w else None, slot_rows, w32, y.shape[0],
+                                               tokens, k, need_w)
+        return (dy_rows if need_y else None, None, dw.view(tokens, k).to(ctx.w_dtype) if need_w else None,
+                None, None)
 
 
 def unpermute(y: torch.Tensor, row_map: torch.Tensor, topk_weights: torch.Tensor,
@@ -549,13 +622,18 @@ def unpermute(y: torch.Tensor, row_map: torch.Tensor, topk_weights: torch.Tensor
         if t.device != y.device:
             raise ValueError(f"{op}: {name} is on {t.device} but y is on {y.device}")
     _check_row_map(op, row_map)
+    kept = None
+    if topk_ids is not None:
+        _check_routing(op, topk_ids, tokens, num_experts)
+        kept = (topk_ids >= 0) & (topk_ids < num_experts)
+    if _routing_kernels(y):
+        return _Combine.apply(y, _kept_slot_rows(row_map, None if kept is None else kept.reshape(-1)),
+                              topk_weights, tokens, k)
     # Row of each (token, slot): the inverse of row_map (clamped in bounds for a malformed one).
     slot_row = _slot_rows(row_map).clamp(min=0)
     per_slot = y.index_select(0, slot_row).view(tokens, k, y.shape[1]).float()
     weights = topk_weights.float()
-    if topk_ids is not None:
-        _check_routing(op, topk_ids, tokens, num_experts)
-        kept = (topk_ids >= 0) & (topk_ids < num_experts)
+    if kept is not None:
         per_slot = torch.where(kept.unsqueeze(-1), per_slot, per_slot.new_zeros(()))
         weights = torch.where(kept, weights, weights.new_zeros(()))
     return (per_slot * weights.unsqueeze(-1)).sum(1).to(y.dtype)

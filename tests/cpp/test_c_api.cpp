@@ -917,6 +917,107 @@ TEST(MoeRun, NothingRunsWithoutKernelsOrADevice) {
       << dg_last_error();
 }
 
+// ---------------------------------------------------------------- MoE routing (combine)
+
+dg_moe_combine_desc combine_desc(int64_t tokens, int64_t k, int64_t hidden, dg_dtype dtype = DG_BF16) {
+  dg_moe_combine_desc d{};
+  d.y = fake_ptr(40);
+  d.dtype = dtype;
+  d.num_rows = tokens * k;
+  d.rows = static_cast<const int64_t*>(fake_ptr(41));
+  d.weights = static_cast<const float*>(fake_ptr(42));
+  d.tokens = tokens;
+  d.k = k;
+  d.hidden = hidden;
+  d.out = fake_ptr(43);
+  return d;
+}
+
+dg_moe_combine_backward_desc combine_backward_desc(int64_t tokens, int64_t k, int64_t hidden) {
+  dg_moe_combine_backward_desc d{};
+  d.dy = fake_ptr(44);
+  d.y = fake_ptr(45);
+  d.dtype = DG_BF16;
+  d.num_rows = tokens * k;
+  d.rows = static_cast<const int64_t*>(fake_ptr(46));
+  d.weights = static_cast<const float*>(fake_ptr(47));
+  d.tokens = tokens;
+  d.k = k;
+  d.hidden = hidden;
+  d.dy_rows = fake_ptr(48);
+  d.dweights = static_cast<float*>(fake_ptr(49));
+  return d;
+}
+
+TEST(MoeCombineCheck, ValidDescsPassTheChecks) {
+  for (dg_dtype dtype : {DG_BF16, DG_F16, DG_F32}) {
+    for (int64_t tokens : {int64_t(0), int64_t(1), int64_t(1000)}) {
+      dg_moe_combine_desc d = combine_desc(tokens, 4, 200, dtype);
+      EXPECT_TRUE(accepted(dg_moe_combine(&d, nullptr))) << dtype << " " << tokens;
+      d.weights = nullptr;  // the gather's backward: every weight 1
+      EXPECT_TRUE(accepted(dg_moe_combine(&d, nullptr)));
+    }
+  }
+  dg_moe_combine_backward_desc b = combine_backward_desc(100, 8, 4096);
+  EXPECT_TRUE(accepted(dg_moe_combine_backward(&b, nullptr)));
+  b.dweights = nullptr;
+  b.y = nullptr;  // y is read for dweights only
+  EXPECT_TRUE(accepted(dg_moe_combine_backward(&b, nullptr)));
+}
+
+TEST(MoeCombineCheck, RefusesBadArguments) {
+  EXPECT_TRUE(refused(dg_moe_combine(nullptr, nullptr), "desc must not be NULL"));
+  EXPECT_TRUE(refused(dg_moe_combine_backward(nullptr, nullptr), "desc must not be NULL"));
+  dg_moe_combine_desc d = combine_desc(64, 2, 128, DG_E4M3);
+  EXPECT_TRUE(refused(dg_moe_combine(&d, nullptr), "dtype must be DG_BF16, DG_F16 or DG_F32"));
+  d = combine_desc(64, 0, 128);
+  EXPECT_TRUE(refused(dg_moe_combine(&d, nullptr), "k must be at least 1"));
+  d = combine_desc(-1, 2, 128);
+  EXPECT_TRUE(refused(dg_moe_combine(&d, nullptr), "must be non-negative"));
+  d = combine_desc(64, 2, 128);
+  d.tokens = int64_t(1) << 62;
+  d.k = 4;
+  EXPECT_TRUE(refused(dg_moe_combine(&d, nullptr), "tokens * k overflows int64"));
+  d = combine_desc(64, 2, 128);
+  d.rows = nullptr;
+  EXPECT_TRUE(refused(dg_moe_combine(&d, nullptr), "rows must not be NULL"));
+  d = combine_desc(64, 2, 128);
+  d.rows = reinterpret_cast<const int64_t*>(static_cast<const char*>(fake_ptr(41)) + 4);
+  EXPECT_TRUE(refused(dg_moe_combine(&d, nullptr), "rows must be a 8-byte aligned"));
+  d = combine_desc(64, 2, 128);
+  d.weights = reinterpret_cast<const float*>(static_cast<const char*>(fake_ptr(42)) + 2);
+  EXPECT_TRUE(refused(dg_moe_combine(&d, nullptr), "weights must be a 4-byte aligned"));
+  d = combine_desc(64, 2, 128);
+  d.out = nullptr;
+  EXPECT_TRUE(refused(dg_moe_combine(&d, nullptr), "out must not be NULL"));
+  d = combine_desc(64, 2, 128, DG_F32);
+  d.y = static_cast<const char*>(d.y) + 2;
+  EXPECT_TRUE(refused(dg_moe_combine(&d, nullptr), "y must be a 4-byte aligned"));
+
+  dg_moe_combine_backward_desc b = combine_backward_desc(64, 2, 128);
+  b.y = nullptr;
+  EXPECT_TRUE(refused(dg_moe_combine_backward(&b, nullptr), "dweights needs y"));
+  b = combine_backward_desc(64, 2, 128);
+  b.dy_rows = nullptr;
+  EXPECT_TRUE(refused(dg_moe_combine_backward(&b, nullptr), "dy_rows must not be NULL"));
+  b = combine_backward_desc(64, 2, 128);
+  b.dy = nullptr;
+  EXPECT_TRUE(refused(dg_moe_combine_backward(&b, nullptr), "dy must not be NULL"));
+  b = combine_backward_desc(64, 2, 128);
+  b.dweights = reinterpret_cast<float*>(static_cast<char*>(fake_ptr(49)) + 1);
+  EXPECT_TRUE(refused(dg_moe_combine_backward(&b, nullptr), "dweights must be a 4-byte aligned"));
+}
+
+TEST(MoeCombineRun, NothingRunsWithoutADevice) {
+  int devices = 0;
+  const bool none = cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0;
+  cudaGetLastError();
+  if (!none) GTEST_SKIP() << "a device is present: tests/cpp/test_c_api_gpu.cpp runs the kernels";
+  const dg_moe_combine_desc d = combine_desc(64, 2, 128);
+  EXPECT_NE(dg_moe_combine(&d, nullptr), DG_SUCCESS);
+  EXPECT_NE(std::string(dg_last_error()).find("no usable CUDA device"), std::string::npos) << dg_last_error();
+}
+
 // ---------------------------------------------------------------- tensor-parallel sizes
 
 dg_tp_desc tp_desc(int world, int64_t m, int64_t n, int64_t k) {

@@ -261,3 +261,68 @@ TEST(CApiGpu, WeightCopiesMatchQuantizeFp8) {
 }
 
 }  // namespace
+
+TEST(CApiGpu, MoeCombineAndItsBackwardMatchTheReference) {
+  REQUIRE_SM90();
+  // 5 tokens, top-3, 15 rows of 200 (not a multiple of 8: the scalar path) and of 256; slot rows
+  // with a dropped copy (-1 - p), one out of range, and a token whose every slot is dropped.
+  const int64_t tokens = 5, k = 3, rows = 15;
+  const std::vector<int64_t> slot = {0, 7, -1 - 3, 14, 2, 1, -1 - 4, -1 - 5, -1 - 6, 9, 99, 8, 10, 11, 12};
+  std::vector<float> w(tokens * k);
+  for (size_t i = 0; i < w.size(); ++i) w[i] = 0.25f + 0.125f * float(i % 5);
+  for (int64_t hidden : {int64_t(200), int64_t(256)}) {
+    const std::vector<float> yv = random_values(size_t(rows * hidden), 7, 1.f);
+    const std::vector<float> dyv = random_values(size_t(tokens * hidden), 8, 1.f);
+    Buffer y(yv.size() * 2), dy(dyv.size() * 2), out(size_t(tokens * hidden) * 2), slots(slot.size() * 8),
+        wb(w.size() * 4), dy_rows(yv.size() * 2), dw(w.size() * 4);
+    upload_bf16(y, yv);
+    upload_bf16(dy, dyv);
+    upload_f32(wb, w);
+    ASSERT_EQ(cudaMemcpy(slots.ptr, slot.data(), slot.size() * 8, cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(cudaMemset(dy_rows.ptr, 0, dy_rows.bytes), cudaSuccess);
+    dg_moe_combine_desc c{};
+    c.y = y.ptr;
+    c.dtype = DG_BF16;
+    c.num_rows = rows;
+    c.rows = static_cast<const int64_t*>(slots.ptr);
+    c.weights = static_cast<const float*>(wb.ptr);
+    c.tokens = tokens;
+    c.k = k;
+    c.hidden = hidden;
+    c.out = out.ptr;
+    ASSERT_EQ(dg_moe_combine(&c, nullptr), DG_SUCCESS) << dg_last_error();
+    dg_moe_combine_backward_desc b{};
+    b.dy = dy.ptr;
+    b.y = y.ptr;
+    b.dtype = DG_BF16;
+    b.num_rows = rows;
+    b.rows = c.rows;
+    b.weights = c.weights;
+    b.tokens = tokens;
+    b.k = k;
+    b.hidden = hidden;
+    b.dy_rows = dy_rows.ptr;
+    b.dweights = static_cast<float*>(dw.ptr);
+    ASSERT_EQ(dg_moe_combine_backward(&b, nullptr), DG_SUCCESS) << dg_last_error();
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    std::vector<double> want(size_t(tokens * hidden), 0.0), want_rows(yv.size(), 0.0), want_dw(w.size(), 0.0);
+    for (int64_t t = 0; t < tokens; ++t) {
+      for (int64_t j = 0; j < k; ++j) {
+        const int64_t i = t * k + j, r = slot[i];
+        if (r >= rows) continue;  // out of range: nothing read or written
+        if (r < 0) continue;      // dropped: row -1 - r stays zero in dy_rows, its weight's gradient 0
+        for (int64_t h = 0; h < hidden; ++h) {
+          want[t * hidden + h] += double(w[i]) * yv[r * hidden + h];
+          want_rows[r * hidden + h] = double(__bfloat162float(__float2bfloat16(w[i] * dyv[t * hidden + h])));
+          want_dw[i] += double(dyv[t * hidden + h]) * yv[r * hidden + h];
+        }
+      }
+    }
+    EXPECT_LE(rel_error(download(out, want.size(), DG_BF16), want), 1.0 / 128) << hidden;
+    const std::vector<float> got_rows = download(dy_rows, want_rows.size(), DG_BF16);
+    for (size_t i = 0; i < want_rows.size(); ++i) ASSERT_EQ(double(got_rows[i]), want_rows[i]) << hidden << " " << i;
+    EXPECT_LE(rel_error(download(dw, want_dw.size(), DG_F32), want_dw), 1e-5) << hidden;
+    const std::vector<float> got_out = download(out, want.size(), DG_BF16);
+    for (int64_t h = 0; h < hidden; ++h) ASSERT_EQ(got_out[2 * hidden + h], 0.f) << "every slot of token 2 dropped";
+  }
+}
