@@ -151,7 +151,7 @@ dg_status lower_weight(const dg_quantize_weight_desc* desc, WeightProblem* p) {
 }
 
 // The fields dg_moe_combine and its backward share: dtype, sizes, the slots' rows and weights.
-dg_status check_routing_common(dg_dtype dtype_field, int64_t num_rows, const int64_t* rows, const float* weights,
+dg_status check_routing_common(const dg_dtype& dtype_field, int64_t num_rows, const int64_t* rows, const float* weights,
                                int64_t tokens, int64_t k, int64_t hidden, CombineProblem* p) {
   const int dtype = raw_enum(dtype_field);
   DG_REQUIRE(dtype == DG_BF16 || dtype == DG_F16 || dtype == DG_F32, "dtype must be DG_BF16, DG_F16 or DG_F32, got ",
