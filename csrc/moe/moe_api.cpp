@@ -1,7 +1,8 @@
-// dg_moe_activation, dg_quantize_fp8_weight, dg_moe_combine and dg_moe_combine_backward: argument
-// checks and the launch. Host-only.
+// dg_moe_activation, dg_moe_permute, dg_quantize_fp8_weight, dg_moe_combine and
+// dg_moe_combine_backward: argument checks and the launch. Host-only.
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 
 #include "common/buffer_check.h"
 #include "common/checked_math.h"
@@ -85,11 +86,10 @@ dg_status check_act_shape(const dg_moe_act_desc& d, ActProblem* p) {
   return DG_SUCCESS;
 }
 
-dg_status lower_act(const dg_moe_act_desc* desc, ActProblem* p) {
-  DG_REQUIRE(desc != nullptr, "desc must not be NULL");
-  const dg_moe_act_desc& d = *desc;
+// Every check of d but x's extent, which x_rows rows of x make (d.tokens without a gather).
+dg_status lower_act_reading(const dg_moe_act_desc& d, int64_t x_rows, ActProblem* p) {
   DG_RETURN_IF_ERROR(check_act_shape(d, p));
-  DG_RETURN_IF_ERROR(check_extent(d.x, "x", {d.tokens, p->x_cols}, 2, 2));
+  DG_RETURN_IF_ERROR(check_extent(d.x, "x", {x_rows, p->x_cols}, 2, 2));
   if (is_backward(p->act)) DG_RETURN_IF_ERROR(check_extent(d.dy, "dy", {d.tokens, d.inner}, 2, 2));
   if (d.y != nullptr) DG_RETURN_IF_ERROR(check_extent(d.y, "y", {d.tokens, p->y_cols}, 2, 2));
   if (d.y_fp8 != nullptr) {
@@ -115,6 +115,51 @@ dg_status lower_act(const dg_moe_act_desc* desc, ActProblem* p) {
   p->offs = d.offs;
   p->ends = need ? static_cast<int32_t*>(d.workspace) : nullptr;
   if (d.y_fp8 != nullptr || d.yt_fp8 != nullptr) p->fp8_dtype = d.fp8_dtype;  // checked only then
+  return DG_SUCCESS;
+}
+
+dg_status lower_act(const dg_moe_act_desc* desc, ActProblem* p) {
+  DG_REQUIRE(desc != nullptr, "desc must not be NULL");
+  return lower_act_reading(*desc, desc->tokens, p);
+}
+
+// dg_moe_permute is the identity activation with its rows gathered: its own fields are checked
+// under their names, the rest as dg_moe_activation checks them.
+dg_moe_act_desc identity_of(const dg_moe_permute_desc& d) {
+  dg_moe_act_desc a{};
+  a.act = DG_MOE_IDENTITY;
+  a.x = d.x;
+  a.tokens = d.num_rows;
+  a.inner = d.hidden;
+  a.y = d.y;
+  a.y_fp8 = d.y_fp8;
+  a.y_scale = d.y_scale;
+  a.yt_fp8 = d.yt_fp8;
+  a.yt_scale = d.yt_scale;
+  a.offs = d.offs;
+  a.num_groups = d.num_groups;
+  std::memcpy(&a.fp8_dtype, &d.fp8_dtype, sizeof a.fp8_dtype);  // as bits: it may not be a valid dg_dtype yet
+  a.workspace = d.workspace;
+  a.workspace_bytes = d.workspace_bytes;
+  return a;
+}
+
+dg_status check_permute_shape(const dg_moe_permute_desc& d) {
+  DG_REQUIRE(d.x_rows >= 0 && d.num_rows >= 0 && d.hidden >= 0,
+             "x_rows, num_rows and hidden must be non-negative, got ", d.x_rows, ", ", d.num_rows, " and ", d.hidden);
+  DG_REQUIRE(d.num_rows < kInt32Limit, "num_rows must be below 2^31, got ", d.num_rows);
+  DG_REQUIRE(blocks_of(d.hidden) <= 65535, "hidden of ", d.hidden, " columns is more than 65535 blocks of 128");
+  return DG_SUCCESS;
+}
+
+dg_status lower_permute(const dg_moe_permute_desc* desc, ActProblem* p) {
+  DG_REQUIRE(desc != nullptr, "desc must not be NULL");
+  const dg_moe_permute_desc& d = *desc;
+  DG_RETURN_IF_ERROR(check_permute_shape(d));
+  DG_RETURN_IF_ERROR(lower_act_reading(identity_of(d), d.x_rows, p));
+  DG_RETURN_IF_ERROR(check_extent(d.rows, "rows", {d.num_rows}, 8, 8));
+  p->x_rows = d.rows;
+  p->x_tokens = d.x_rows;
   return DG_SUCCESS;
 }
 
@@ -224,6 +269,21 @@ extern "C" dg_status dg_moe_activation_workspace_size(const dg_moe_act_desc* des
 
 extern "C" dg_status dg_moe_activation(const dg_moe_act_desc* desc, cudaStream_t stream) {
   return check_and_launch_portable<ActProblem>("MoE activation", desc, lower_act, launch_act, stream);
+}
+
+extern "C" dg_status dg_moe_permute_workspace_size(const dg_moe_permute_desc* desc, size_t* bytes) {
+  DG_REQUIRE(desc != nullptr, "desc must not be NULL");
+  DG_REQUIRE(bytes != nullptr, "bytes must not be NULL");
+  DG_RETURN_IF_ERROR(check_permute_shape(*desc));
+  const dg_moe_act_desc identity = identity_of(*desc);
+  ActProblem p;
+  DG_RETURN_IF_ERROR(check_act_shape(identity, &p));
+  *bytes = act_workspace_bytes(identity);
+  return DG_SUCCESS;
+}
+
+extern "C" dg_status dg_moe_permute(const dg_moe_permute_desc* desc, cudaStream_t stream) {
+  return check_and_launch_portable<ActProblem>("MoE permute", desc, lower_permute, launch_act, stream);
 }
 
 extern "C" dg_status dg_quantize_fp8_weight(const dg_quantize_weight_desc* desc, cudaStream_t stream) {

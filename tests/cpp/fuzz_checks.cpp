@@ -756,6 +756,78 @@ void fuzz_moe(bool launch) {
     report("dg_moe_activation", std::string("refused a valid desc: ") + dg_last_error());
 }
 
+// dg_moe_permute: an identity desc's outputs, with the gather's own fields, mutated either way.
+long permute_calls = 0, permute_passed = 0;
+
+void fuzz_permute(bool launch) {
+  dg_moe_act_desc a = random_valid_moe();
+  set_raw(&a.act, DG_MOE_IDENTITY);
+  a.dy = nullptr;
+  const bool mutated = !coin(8);
+  if (mutated && coin(2)) mutate_moe(&a);
+  dg_moe_permute_desc d{};
+  d.x = a.x;
+  d.x_rows = coin(8) ? 0 : static_cast<int64_t>(below(1 << 16));
+  d.rows = static_cast<const int64_t*>(fake_ptr(49));
+  d.num_rows = a.tokens;
+  d.hidden = a.inner;
+  d.y = a.y;
+  d.y_fp8 = a.y_fp8;
+  d.y_scale = a.y_scale;
+  d.yt_fp8 = a.yt_fp8;
+  d.yt_scale = a.yt_scale;
+  d.offs = a.offs;
+  d.num_groups = a.num_groups;
+  std::memcpy(&d.fp8_dtype, &a.fp8_dtype, sizeof d.fp8_dtype);
+  d.workspace = a.workspace;
+  d.workspace_bytes = a.workspace_bytes;
+  if (mutated) {
+    switch (below(5)) {
+      case 0:
+        d.x_rows = any_int64();
+        break;
+      case 1:
+        d.num_rows = any_int64();
+        break;
+      case 2:
+        d.hidden = any_int64();
+        break;
+      case 3:
+        d.rows = static_cast<const int64_t*>(any_ptr(fake_ptr(49)));
+        break;
+      default:
+        d.x = any_ptr(fake_ptr(40));
+        break;
+    }
+  }
+  size_t ws = 0;
+  const dg_status ss = dg_moe_permute_workspace_size(&d, &ws);
+  expect_status(ss, "dg_moe_permute_workspace_size");
+  if (!launch) return;
+  const dg_status st = dg_moe_permute(&d, nullptr);
+  expect_status(st, "dg_moe_permute");
+  ++permute_calls;
+  permute_passed += st != DG_ERROR_INVALID_ARGUMENT;
+  if (st != DG_ERROR_INVALID_ARGUMENT) {
+    const i128 r = d.num_rows, c = d.hidden, tp = 128 * ((r + 127) / 128 + d.num_groups);
+    if (r < 0 || c < 0 || d.x_rows < 0 || r >= ((i128)1 << 31))
+      report("dg_moe_permute oracle", "sizes");
+    else if (!quant_buffer(d.x, (i128)d.x_rows * c * 2, 2) || !quant_buffer(d.rows, 8 * r, 8))
+      report("dg_moe_permute oracle", "x or rows");
+    else if ((d.y && !quant_buffer(d.y, r * c * 2, 2)) || (d.y_fp8 && !quant_buffer(d.y_fp8, r * c, 1)) ||
+             (d.y_fp8 && !quant_buffer(d.y_scale, 4 * r * ((c + 127) / 128), 4)))
+      report("dg_moe_permute oracle", "y, y_fp8 or y_scale");
+    else if (d.yt_fp8 &&
+             (d.num_groups < 1 || !quant_buffer(d.yt_fp8, c * tp, 1) ||
+              !quant_buffer(d.yt_scale, 4 * c * (tp / 128), 4) || !quant_buffer(d.offs, 4 * (i128)d.num_groups, 4) ||
+              (i128)d.workspace_bytes < 4 * (i128)d.num_groups))
+      report("dg_moe_permute oracle", "transposed copy, offs or workspace");
+    else if (ss != DG_SUCCESS)
+      report("dg_moe_permute", "accepted a desc its workspace query refused");
+  }
+  if (!mutated && !passes_checks(st)) report("dg_moe_permute", std::string("refused a valid desc: ") + dg_last_error());
+}
+
 // ---------------------------------------------------------------- MoE routing (combine)
 
 long routing_calls = 0, routing_passed = 0;
@@ -892,6 +964,7 @@ int main(int argc, char** argv) {
     }
     if (quant && i % 4 == 3) fuzz_quant(launch);
     if (moe && i % 4 == 1) fuzz_moe(launch);
+    if (moe && i % 4 == 2) fuzz_permute(launch);
     if (routing && i % 4 == 3) fuzz_routing(launch);
     dg_status s;
     set_raw(&s, static_cast<int>(below(8)));  // within the enum's range (C++)
@@ -900,10 +973,10 @@ int main(int argc, char** argv) {
   std::printf(
       "%ld iterations over %s (seed %llu, launching entry points %s)\n"
       "passed the checks: gemm %ld of %ld, grouped %ld of %ld, tp %ld of %ld, quant %ld of %ld, moe %ld of %ld, "
-      "routing %ld of %ld\n"
+      "permute %ld of %ld, routing %ld of %ld\n"
       "%ld failures\n",
       iterations, families.c_str(), seed, launch ? "included" : "skipped: a GPU is present", gemm_passed, gemm_calls,
       grouped_passed, grouped_calls, tp_passed, tp_calls, quant_passed, quant_calls, moe_passed, moe_calls,
-      routing_passed, routing_calls, failures);
+      permute_passed, permute_calls, routing_passed, routing_calls, failures);
   return failures == 0 ? 0 : 1;
 }

@@ -158,3 +158,57 @@ def test_combine_skips_rows_out_of_range():
     torch.testing.assert_close(dy_rows[3], 6 * dy[2])
     torch.testing.assert_close(dw, torch.stack([dy[0] @ y[0], dy[0] @ y[9], dy[1].new_zeros(()), dy[1].new_zeros(()),
                                                 dy[2].new_zeros(()), dy[2] @ y[3]]), rtol=1e-5, atol=1e-5)
+
+
+def _bits(t):
+    return t.view(torch.uint8) if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else t
+
+
+@pytest.mark.parametrize("tokens, hidden, k, experts", [(1000, 256, 3, 16), (77, 200, 2, 5), (300, 4096, 8, 64),
+                                                        (129, 136, 1, 3)])
+def test_permute_kernel_is_the_quantized_gather(tokens, hidden, k, experts):
+    # dg_moe_permute against the gather then the identity pass: every form bit for bit, with
+    # dropped copies, experts without tokens and odd sizes
+    x = torch.randn(tokens, hidden, device=DEV).bfloat16()
+    ids, _ = _routing(tokens, k, experts, 0.1, seed=5)
+    ids[ids == 1] = 0  # expert 1 gets no tokens
+    r = moe.route(ids, experts)
+    forms = dict(offs=r.offs, bf16=True, fp8_rows=True, fp8_transposed=True)
+    fused = moe.activation(x, "identity", rows=r.source, **forms)
+    gathered = torch.where((r.source < 0).unsqueeze(1), 0, x[r.source.clamp(min=0)])
+    plain = moe.activation(gathered, "identity", **forms)
+    for name, a, b in zip(fused._fields, fused, plain):
+        assert torch.equal(_bits(a), _bits(b)), name
+    fp8 = moe.permute(x, ids, experts, fp8="block")
+    assert torch.equal(_bits(fp8.rows_fp8), _bits(plain.y_fp8)) and torch.equal(fp8.scale, plain.y_scale)
+
+
+def test_permute_kernel_gives_nan_rows_for_rows_past_x():
+    x = torch.randn(6, 256, device=DEV).bfloat16()
+    out = moe.activation(x, "identity", rows=torch.tensor([0, 6, -1, 1 << 40], device=DEV), bf16=True, fp8_rows=True)
+    assert torch.isnan(out.y[[1, 3]]).all() and torch.equal(out.y[2], torch.zeros_like(out.y[2]))
+    assert torch.equal(out.y[0], x[0])
+    assert (torch.isnan(out.y_fp8[[1, 3]].float()).all() or torch.isnan(out.y_scale[[1, 3]]).all())
+
+
+@pytest.mark.parametrize("fp8", [None, "block"])
+def test_moe_experts_gathering_as_it_reads_is_the_permuted_layer(fp8):
+    torch.manual_seed(0)
+    layer = MoEExperts(16, 256, 128, fp8=fp8, device=DEV)
+    ids, w = _routing(500, 4, 16, 0.1, seed=2)
+    x = torch.randn(500, 256, device=DEV).bfloat16()
+
+    def run(fused):
+        layer.zero_grad()
+        xs = x.clone().requires_grad_()
+        if fused:
+            out = layer(xs, ids, w)
+        else:
+            p = moe.permute(xs, ids, 16)
+            out = moe.unpermute(layer.experts(p.rows, p.offs), p.row_map, w, ids, 16)
+        out.float().sum().backward()
+        return out.detach(), xs.grad, layer.experts.fc1_weight.grad.clone()
+
+    run(False)  # the autotuner settles each problem once
+    for a, b in zip(run(True), run(False)):
+        assert torch.equal(a, b)
