@@ -216,6 +216,59 @@ TEST(CApiGpu, MoeActivationWritesWhatQuantizeFp8Writes) {
   EXPECT_EQ(bytes_of(yts, scale.size()), scale) << "its scales";
 }
 
+TEST(CApiGpu, MoePermuteWritesTheGatheredRowsInEveryForm) {
+  REQUIRE_SM90();
+  const int64_t x_rows = 100, hidden = 256, num_rows = 300, groups = 3;
+  const std::vector<int32_t> ends = {130, 130, 290};  // an expert without rows; 10 dropped rows past the last
+  const int64_t tp = 128 * ((num_rows + 127) / 128 + groups);
+  const std::vector<float> xv = random_values(size_t(x_rows) * hidden, 6, 3.f);
+  std::vector<int64_t> source(num_rows);
+  for (int64_t r = 0; r < num_rows; ++r) source[r] = r >= 290 || r % 17 == 3 ? -1 : (r * 37) % x_rows;
+  Buffer x(xv.size() * 2), rows(num_rows * 8), offs(groups * 4), y(size_t(num_rows) * hidden * 2),
+      y8(size_t(num_rows) * hidden), ys(size_t(num_rows) * 2 * 4), yt8(size_t(hidden) * tp),
+      yts(size_t(hidden) * (tp / 128) * 4), ws(groups * 4);
+  upload_bf16(x, xv);
+  ASSERT_EQ(cudaMemcpy(rows.ptr, source.data(), num_rows * 8, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(offs.ptr, ends.data(), groups * 4, cudaMemcpyHostToDevice), cudaSuccess);
+  dg_moe_permute_desc d{};
+  d.x = x.ptr;
+  d.x_rows = x_rows;
+  d.rows = static_cast<const int64_t*>(rows.ptr);
+  d.num_rows = num_rows;
+  d.hidden = hidden;
+  d.y = y.ptr;
+  d.y_fp8 = y8.ptr;
+  d.y_scale = static_cast<float*>(ys.ptr);
+  d.yt_fp8 = yt8.ptr;
+  d.yt_scale = static_cast<float*>(yts.ptr);
+  d.offs = static_cast<const int32_t*>(offs.ptr);
+  d.num_groups = groups;
+  d.fp8_dtype = DG_E4M3;
+  d.workspace = ws.ptr;
+  d.workspace_bytes = groups * 4;
+  size_t bytes = 0;
+  ASSERT_EQ(dg_moe_permute_workspace_size(&d, &bytes), DG_SUCCESS) << dg_last_error();
+  ASSERT_EQ(bytes, size_t(groups * 4));
+  ASSERT_EQ(dg_moe_permute(&d, nullptr), DG_SUCCESS) << dg_last_error();
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  // The bf16 rows are x's rows as they are (the identity), zeros for the dropped ones.
+  const std::vector<float> got = download(y, size_t(num_rows) * hidden, DG_BF16);
+  const std::vector<float> xs = download(x, size_t(x_rows) * hidden, DG_BF16);
+  for (int64_t r = 0; r < num_rows; ++r) {
+    for (int64_t c = 0; c < hidden; ++c) {
+      const float want = source[r] < 0 ? 0.f : xs[source[r] * hidden + c];
+      ASSERT_EQ(got[r * hidden + c], want) << r << ", " << c;
+    }
+  }
+  std::vector<uint8_t> data, scale;
+  quantize_reference(y, num_rows, hidden, nullptr, 0, &data, &scale);
+  EXPECT_EQ(bytes_of(y8, data.size()), data) << "FP8 rows";
+  EXPECT_EQ(bytes_of(ys, scale.size()), scale) << "1 x 128 scales";
+  quantize_reference(y, num_rows, hidden, &offs, groups, &data, &scale);
+  EXPECT_EQ(bytes_of(yt8, data.size()), data) << "FP8 padded transpose";
+  EXPECT_EQ(bytes_of(yts, scale.size()), scale) << "its scales";
+}
+
 TEST(CApiGpu, WeightCopiesMatchQuantizeFp8) {
   REQUIRE_SM90();
   const int64_t groups = 2, rows = 200, cols = 136, rb = 2, cb = 2;
