@@ -16,7 +16,7 @@ add_library(distgemm_host_checks STATIC ${core_host_srcs})  # the .cu kernels: n
 # One PTX target is enough to link the TP flag and FP8 quantization kernels; nothing runs them
 # here (without DISTGEMM_WITH_SM90/SM100, dg_quantize_fp8 stops at NOT_SUPPORTED after its checks).
 set_source_files_properties(csrc/tp/tp_kernels.cu csrc/quant/fp8_quantize.cu csrc/moe/moe_act_quantize.cu
-                            csrc/grouped/fp8_wgrad_layout_check.cu PROPERTIES
+                            csrc/moe/moe_routing.cu csrc/grouped/fp8_wgrad_layout_check.cu PROPERTIES
   COMPILE_OPTIONS "-gencode=arch=compute_90,code=compute_90")
 target_include_directories(distgemm_host_checks
   PUBLIC "${CMAKE_SOURCE_DIR}/csrc/include" "${DISTGEMM_GENERATED_INCLUDE}" "${CMAKE_SOURCE_DIR}/csrc")
@@ -59,7 +59,8 @@ add_test(NAME tile_heuristics COMMAND distgemm_heuristic_tests)
 add_test(NAME cublaslt_checks COMMAND distgemm_cublaslt_check_tests)
 add_test(NAME exact_quotient COMMAND distgemm_quotient_tests)
 set(DISTGEMM_FUZZ_ITERATIONS 200000 CACHE STRING "Random descriptors per run of the C API fuzzer")
-set(DISTGEMM_FUZZ_FAMILIES "gemm,grouped,tp,quant,moe" CACHE STRING "What the C API fuzzer calls: gemm,grouped,tp,quant,moe")
+set(DISTGEMM_FUZZ_FAMILIES "gemm,grouped,tp,quant,moe,routing" CACHE STRING
+    "What the C API fuzzer calls: gemm,grouped,tp,quant,moe (with the permute),routing")
 add_test(NAME c_api_fuzz
          COMMAND distgemm_fuzz_checks ${DISTGEMM_FUZZ_ITERATIONS} 20260101 ${DISTGEMM_FUZZ_FAMILIES})
 set_tests_properties(c_api_checks tp_plans tile_heuristics cublaslt_checks exact_quotient c_api_fuzz PROPERTIES ENVIRONMENT "${DISTGEMM_SANITIZER_ENV}")

@@ -9,6 +9,9 @@
 // FP8 values follow quant/fp8_device.cuh, so each copy is bit-identical to quantize_fp8 of the
 // bf16 activation.
 //
+// With a gather (x_rows, the identity only), row r of the tile reads x row x_rows[r]; the
+// one-shot kernel takes those calls (its loads are per row already).
+//
 // weight_kernel: a CTA per 128 x 128 block of a weight: one amax, the FP8 block written as it
 // is and, through shared memory, transposed.
 #include <cuda_bf16.h>
@@ -127,6 +130,8 @@ __device__ __forceinline__ void compute8(const Raw8& in, float (&v0)[8], float (
   }
 }
 
+constexpr uint32_t kNanBf16x2 = 0x7fc07fc0u;  // two bf16 quiet NaNs
+
 __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
   const __nv_bfloat162 b = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&b);
@@ -243,7 +248,20 @@ __global__ void __launch_bounds__(kThreads, Act == kIdentity         ? 4
 #pragma unroll
   for (int k = 0; k < kRowsPerThread; ++k) {
     const int i = (threadIdx.x >> 4) + (kThreads / 16) * k;
-    in[k] = i < count ? load_inputs<Act>(x, p.x_cols, dy, p.inner, first + i, c, vec_in) : Raw8{};
+    in[k] = Raw8{};
+    if (i >= count) continue;
+    if constexpr (Act == kIdentity) {
+      if (p.x_rows != nullptr) {
+        const int64_t source = p.x_rows[first + i];
+        if (source >= p.x_tokens) {  // bad input: NaN in every output, not a read out of bounds
+          in[k].a = make_uint4(kNanBf16x2, kNanBf16x2, kNanBf16x2, kNanBf16x2);
+        } else if (source >= 0) {
+          in[k] = load_inputs<Act>(x, p.x_cols, dy, p.inner, source, c, vec_in);
+        }
+        continue;
+      }
+    }
+    in[k] = load_inputs<Act>(x, p.x_cols, dy, p.inner, first + i, c, vec_in);
   }
 #pragma unroll
   for (int k = 0; k < kRowsPerThread; ++k) {
@@ -687,7 +705,9 @@ cudaError_t launch_act_typed(const ActProblem& p, cudaStream_t stream) {
   const bool vec_y8 = p.y_fp8 != nullptr && aligned(p.y_fp8) && p.y_cols % 8 == 0 && p.inner % 8 == 0;
   const bool vec_t = p.yt_fp8 != nullptr && aligned(p.yt_fp8) && p.yt_ld % 16 == 0;
   const int64_t col_blocks = (p.inner + kBlock - 1) / kBlock;
-  if (vec_in && p.row_blocks * col_blocks < (int64_t(1) << 32)) {  // the kernel splits tiles in 32 bits
+  // The pipelined kernel streams contiguous rows (a gather takes the one-shot kernel) and
+  // splits tiles in 32 bits.
+  if (vec_in && p.x_rows == nullptr && p.row_blocks * col_blocks < (int64_t(1) << 32)) {
     const size_t smem = size_t(kActStages) * input_planes<Act>() * kUnitRows * kBlock * sizeof(uint16_t) + tile_bytes;
     unsigned grid = 0;
     const cudaError_t err =

@@ -20,6 +20,10 @@ struct ActProblem {
   int act = kIdentity;
   const void* x = nullptr;  // bf16 (tokens, x_cols) row-major: x_cols = 2 inner for SwiGLU ops
   int64_t x_cols = 0;
+  // The identity's gather (dg_moe_permute): row r reads x row x_rows[r] of x_tokens (< 0:
+  // zeros, >= x_tokens: NaN); NULL reads row r.
+  const int64_t* x_rows = nullptr;
+  int64_t x_tokens = 0;
   const void* dy = nullptr;  // backward ops: bf16 (tokens, inner)
   int64_t tokens = 0;
   int64_t inner = 0;              // the activation's width

@@ -1,5 +1,8 @@
-// dg_moe_activation and dg_quantize_fp8_weight: argument checks and the launch. Host-only.
+// dg_moe_activation, dg_moe_permute, dg_quantize_fp8_weight, dg_moe_combine and
+// dg_moe_combine_backward: argument checks and the launch. Host-only.
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
 
 #include "common/buffer_check.h"
 #include "common/checked_math.h"
@@ -8,6 +11,7 @@
 #include "common/status.h"
 #include "distgemm/distgemm.h"
 #include "moe/moe_act_quantize.h"
+#include "moe/moe_routing.h"
 
 namespace distgemm::moe {
 namespace {
@@ -82,11 +86,10 @@ dg_status check_act_shape(const dg_moe_act_desc& d, ActProblem* p) {
   return DG_SUCCESS;
 }
 
-dg_status lower_act(const dg_moe_act_desc* desc, ActProblem* p) {
-  DG_REQUIRE(desc != nullptr, "desc must not be NULL");
-  const dg_moe_act_desc& d = *desc;
+// Every check of d but x's extent, which x_rows rows of x make (d.tokens without a gather).
+dg_status lower_act_reading(const dg_moe_act_desc& d, int64_t x_rows, ActProblem* p) {
   DG_RETURN_IF_ERROR(check_act_shape(d, p));
-  DG_RETURN_IF_ERROR(check_extent(d.x, "x", {d.tokens, p->x_cols}, 2, 2));
+  DG_RETURN_IF_ERROR(check_extent(d.x, "x", {x_rows, p->x_cols}, 2, 2));
   if (is_backward(p->act)) DG_RETURN_IF_ERROR(check_extent(d.dy, "dy", {d.tokens, d.inner}, 2, 2));
   if (d.y != nullptr) DG_RETURN_IF_ERROR(check_extent(d.y, "y", {d.tokens, p->y_cols}, 2, 2));
   if (d.y_fp8 != nullptr) {
@@ -112,6 +115,51 @@ dg_status lower_act(const dg_moe_act_desc* desc, ActProblem* p) {
   p->offs = d.offs;
   p->ends = need ? static_cast<int32_t*>(d.workspace) : nullptr;
   if (d.y_fp8 != nullptr || d.yt_fp8 != nullptr) p->fp8_dtype = d.fp8_dtype;  // checked only then
+  return DG_SUCCESS;
+}
+
+dg_status lower_act(const dg_moe_act_desc* desc, ActProblem* p) {
+  DG_REQUIRE(desc != nullptr, "desc must not be NULL");
+  return lower_act_reading(*desc, desc->tokens, p);
+}
+
+// dg_moe_permute is the identity activation with its rows gathered: its own fields are checked
+// under their names, the rest as dg_moe_activation checks them.
+dg_moe_act_desc identity_of(const dg_moe_permute_desc& d) {
+  dg_moe_act_desc a{};
+  a.act = DG_MOE_IDENTITY;
+  a.x = d.x;
+  a.tokens = d.num_rows;
+  a.inner = d.hidden;
+  a.y = d.y;
+  a.y_fp8 = d.y_fp8;
+  a.y_scale = d.y_scale;
+  a.yt_fp8 = d.yt_fp8;
+  a.yt_scale = d.yt_scale;
+  a.offs = d.offs;
+  a.num_groups = d.num_groups;
+  std::memcpy(&a.fp8_dtype, &d.fp8_dtype, sizeof a.fp8_dtype);  // as bits: it may not be a valid dg_dtype yet
+  a.workspace = d.workspace;
+  a.workspace_bytes = d.workspace_bytes;
+  return a;
+}
+
+dg_status check_permute_shape(const dg_moe_permute_desc& d) {
+  DG_REQUIRE(d.x_rows >= 0 && d.num_rows >= 0 && d.hidden >= 0,
+             "x_rows, num_rows and hidden must be non-negative, got ", d.x_rows, ", ", d.num_rows, " and ", d.hidden);
+  DG_REQUIRE(d.num_rows < kInt32Limit, "num_rows must be below 2^31, got ", d.num_rows);
+  DG_REQUIRE(blocks_of(d.hidden) <= 65535, "hidden of ", d.hidden, " columns is more than 65535 blocks of 128");
+  return DG_SUCCESS;
+}
+
+dg_status lower_permute(const dg_moe_permute_desc* desc, ActProblem* p) {
+  DG_REQUIRE(desc != nullptr, "desc must not be NULL");
+  const dg_moe_permute_desc& d = *desc;
+  DG_RETURN_IF_ERROR(check_permute_shape(d));
+  DG_RETURN_IF_ERROR(lower_act_reading(identity_of(d), d.x_rows, p));
+  DG_RETURN_IF_ERROR(check_extent(d.rows, "rows", {d.num_rows}, 8, 8));
+  p->x_rows = d.rows;
+  p->x_tokens = d.x_rows;
   return DG_SUCCESS;
 }
 
@@ -147,6 +195,63 @@ dg_status lower_weight(const dg_quantize_weight_desc* desc, WeightProblem* p) {
   return DG_SUCCESS;
 }
 
+// The fields dg_moe_combine and its backward share: dtype, sizes, the slots' rows and weights.
+dg_status check_routing_common(const dg_dtype& dtype_field, int64_t num_rows, const int64_t* rows, const float* weights,
+                               int64_t tokens, int64_t k, int64_t hidden, CombineProblem* p) {
+  const int dtype = raw_enum(dtype_field);
+  DG_REQUIRE(dtype == DG_BF16 || dtype == DG_F16 || dtype == DG_F32, "dtype must be DG_BF16, DG_F16 or DG_F32, got ",
+             dtype);
+  DG_REQUIRE(num_rows >= 0 && tokens >= 0 && hidden >= 0, "num_rows, tokens and hidden must be non-negative, got ",
+             num_rows, ", ", tokens, " and ", hidden);
+  DG_REQUIRE(k >= 1, "k must be at least 1, got ", k);
+  int64_t slots = 0, elems = 0;
+  DG_REQUIRE(checked_product({tokens, k}, &slots), "tokens * k overflows int64: ", tokens, " x ", k);
+  DG_REQUIRE(checked_product({std::max(num_rows, tokens), hidden}, &elems), "rows of ", hidden,
+             " elements overflow int64");
+  DG_RETURN_IF_ERROR(check_extent(rows, "rows", {slots}, 8, 8));
+  if (weights != nullptr) DG_RETURN_IF_ERROR(check_extent(weights, "weights", {slots}, 4, 4));
+  p->dtype = dtype_field;
+  p->num_rows = num_rows;
+  p->rows = rows;
+  p->weights = weights;
+  p->tokens = tokens;
+  p->k = k;
+  p->hidden = hidden;
+  return DG_SUCCESS;
+}
+
+dg_status lower_combine(const dg_moe_combine_desc* desc, CombineProblem* p) {
+  DG_REQUIRE(desc != nullptr, "desc must not be NULL");
+  const dg_moe_combine_desc& d = *desc;
+  DG_RETURN_IF_ERROR(check_routing_common(d.dtype, d.num_rows, d.rows, d.weights, d.tokens, d.k, d.hidden, p));
+  const int bytes = dtype_bytes(d.dtype);
+  DG_RETURN_IF_ERROR(check_extent(d.y, "y", {d.num_rows, d.hidden}, bytes, static_cast<unsigned>(bytes)));
+  DG_RETURN_IF_ERROR(check_extent(d.out, "out", {d.tokens, d.hidden}, bytes, static_cast<unsigned>(bytes)));
+  p->y = d.y;
+  p->out = d.out;
+  return DG_SUCCESS;
+}
+
+dg_status lower_combine_backward(const dg_moe_combine_backward_desc* desc, CombineProblem* p) {
+  DG_REQUIRE(desc != nullptr, "desc must not be NULL");
+  const dg_moe_combine_backward_desc& d = *desc;
+  DG_RETURN_IF_ERROR(check_routing_common(d.dtype, d.num_rows, d.rows, d.weights, d.tokens, d.k, d.hidden, p));
+  const int bytes = dtype_bytes(d.dtype);
+  const auto align = static_cast<unsigned>(bytes);
+  DG_RETURN_IF_ERROR(check_extent(d.dy, "dy", {d.tokens, d.hidden}, bytes, align));
+  DG_RETURN_IF_ERROR(check_extent(d.dy_rows, "dy_rows", {d.num_rows, d.hidden}, bytes, align));
+  if (d.dweights != nullptr) {
+    DG_RETURN_IF_ERROR(check_extent(d.dweights, "dweights", {d.tokens * d.k}, 4, 4));
+    DG_REQUIRE(d.y != nullptr || d.num_rows == 0 || d.hidden == 0, "dweights needs y (the forward's rows)");
+    DG_RETURN_IF_ERROR(check_extent(d.y, "y", {d.num_rows, d.hidden}, bytes, align));
+  }
+  p->dy = d.dy;
+  p->y = d.dweights != nullptr ? d.y : nullptr;
+  p->dy_rows = d.dy_rows;
+  p->dweights = d.dweights;
+  return DG_SUCCESS;
+}
+
 }  // namespace
 }  // namespace distgemm::moe
 
@@ -166,7 +271,31 @@ extern "C" dg_status dg_moe_activation(const dg_moe_act_desc* desc, cudaStream_t
   return check_and_launch_portable<ActProblem>("MoE activation", desc, lower_act, launch_act, stream);
 }
 
+extern "C" dg_status dg_moe_permute_workspace_size(const dg_moe_permute_desc* desc, size_t* bytes) {
+  DG_REQUIRE(desc != nullptr, "desc must not be NULL");
+  DG_REQUIRE(bytes != nullptr, "bytes must not be NULL");
+  DG_RETURN_IF_ERROR(check_permute_shape(*desc));
+  const dg_moe_act_desc identity = identity_of(*desc);
+  ActProblem p;
+  DG_RETURN_IF_ERROR(check_act_shape(identity, &p));
+  *bytes = act_workspace_bytes(identity);
+  return DG_SUCCESS;
+}
+
+extern "C" dg_status dg_moe_permute(const dg_moe_permute_desc* desc, cudaStream_t stream) {
+  return check_and_launch_portable<ActProblem>("MoE permute", desc, lower_permute, launch_act, stream);
+}
+
 extern "C" dg_status dg_quantize_fp8_weight(const dg_quantize_weight_desc* desc, cudaStream_t stream) {
   return check_and_launch_portable<WeightProblem>("FP8 weight quantization", desc, lower_weight, launch_weight_quantize,
                                                   stream);
+}
+
+extern "C" dg_status dg_moe_combine(const dg_moe_combine_desc* desc, cudaStream_t stream) {
+  return check_and_launch_portable<CombineProblem>("MoE combine", desc, lower_combine, launch_combine, stream);
+}
+
+extern "C" dg_status dg_moe_combine_backward(const dg_moe_combine_backward_desc* desc, cudaStream_t stream) {
+  return check_and_launch_portable<CombineProblem>("MoE combine backward", desc, lower_combine_backward,
+                                                   launch_combine_backward, stream);
 }

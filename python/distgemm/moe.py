@@ -101,17 +101,33 @@ def _check_activation_args(op, x, code, dy, offs, transposed, fp8_dtype) -> int:
 
 def activation(x: torch.Tensor, kind: str = "identity", *, dy: Optional[torch.Tensor] = None,
                offs: Optional[torch.Tensor] = None, bf16: bool = True, fp8_rows: bool = False,
-               fp8_transposed: bool = False, fp8_dtype: torch.dtype = torch.float8_e4m3fn) -> ActivationOut:
+               fp8_transposed: bool = False, fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+               rows: Optional[torch.Tensor] = None) -> ActivationOut:
     """``kind`` ("identity", "swiglu", "gelu") of x (T, C; (T, 2C) for SwiGLU), or with ``dy``
     (T, C) its derivative's product with dy ((T, 2C) for SwiGLU: the gate's and up's
     gradients), in the forms asked for (see the module docstring). ``offs`` (int32 cumulative
-    expert ends on x's device) is needed by ``fp8_transposed``. Not differentiable."""
+    expert ends on x's device) is needed by ``fp8_transposed``. ``rows`` (the identity only;
+    int64 (R,) on x's device) gathers as it reads: row r of every output is x[rows[r]], zeros
+    where rows[r] < 0, NaN where rows[r] >= T (bad input, seen on the device only). Not
+    differentiable."""
     op = "distgemm.moe.activation"
     check_flags(op, bf16=bf16, fp8_rows=fp8_rows, fp8_transposed=fp8_transposed)
     code = _act_code(op, kind, dy is not None)
     inner = _check_activation_args(op, x, code, dy, offs, fp8_transposed, fp8_dtype)
     if not (bf16 or fp8_rows or fp8_transposed):
         raise ValueError(f"{op}: ask for at least one of bf16, fp8_rows and fp8_transposed")
+    if rows is not None:
+        if code != IDENTITY:
+            raise ValueError(f"{op}: rows (a gather) applies to the identity only, got kind {kind!r}")
+        if not isinstance(rows, torch.Tensor) or rows.dim() != 1 or rows.dtype != torch.int64 or rows.device != x.device:
+            raise ValueError(f"{op}: rows must be a 1-D int64 tensor on {x.device}, got "
+                             f"{getattr(rows, 'dtype', type(rows).__name__)} of shape {tuple(getattr(rows, 'shape', ()))}")
+        if x.is_cuda and has_kernels(x.device):
+            y, y8, sy, yt8, syt = ops.moe_act(x, None, code, inner, offs if fp8_transposed else None, bf16, fp8_rows,
+                                              fp8_transposed, fp8_dtype, rows)
+            return ActivationOut(y if bf16 else None, y8 if fp8_rows else None, sy if fp8_rows else None,
+                                 yt8 if fp8_transposed else None, syt if fp8_transposed else None)
+        x = _gathered(x, rows)
     # A 1 x 128 block must not span the gate and up halves of the SwiGLU backward's rows.
     split_rows = code == SWIGLU_BACKWARD and fp8_rows and inner % BLOCK != 0
     if x.is_cuda and has_kernels(x.device):
@@ -203,17 +219,18 @@ def _weight_grad(weight, fuse_wgrad, dy, x, offs, **fp8_scales):
     return grouped_mm_wgrad(dy, x, offs, **fp8_scales).to(weight.dtype)
 
 
-def _forms(x, kind, recipe, offs, *, rows, transposed, dtype, dy=None, bf16=False):
+def _forms(x, kind, recipe, offs, *, rows, transposed, dtype, dy=None, bf16=False, source=None):
     """What the layer's GEMMs read of an operand (or of the activation of one), in one pass
     where the recipe allows: (bf16 values or None, FP8 rows, their scales, FP8 padded
-    transpose, its scales); the row recipe's full-row scales take a second read."""
+    transpose, its scales); the row recipe's full-row scales take a second read. `source`
+    (the block recipe's identity only): the operand's rows are x[source], gathered as read."""
     block = recipe == "block"
     identity = kind == "identity"
     want_bf16 = bf16 or (rows and not block and not identity)
     out = ActivationOut(None, None, None, None, None)
     if want_bf16 or (rows and block) or transposed:
         out = activation(x, kind, dy=dy, offs=offs, bf16=want_bf16, fp8_rows=rows and block,
-                         fp8_transposed=transposed, fp8_dtype=dtype)
+                         fp8_transposed=transposed, fp8_dtype=dtype, rows=source)
     values = x if identity else out.y
     r8, rs = out.y_fp8, out.y_scale
     if rows and not block:
@@ -229,9 +246,13 @@ class _GroupedMLP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, offs, w1, w2, b1, b2, w1_fp8, w1_scale, w1t_fp8, w1t_scale, w2_fp8, w2_scale,
-                w2t_fp8, w2t_scale, kind, recipe, grad_dtype, fuse_wgrad):
+                w2t_fp8, w2t_scale, kind, recipe, grad_dtype, fuse_wgrad, source, token_rows, k):
+        # source / token_rows / k: route()'s gather, when x holds the tokens (see grouped_mlp).
         x = x.contiguous()
-        tokens = x.shape[0]
+        gather = source is not None
+        if gather and recipe != "block":  # the gather as its own pass
+            x = _gathered_rows(x, source)
+        tokens = source.numel() if gather else x.shape[0]
         need_dx, need_w1, need_w2 = ctx.needs_input_grad[0], ctx.needs_input_grad[2], ctx.needs_input_grad[3]
         need_b1 = b1 is not None and ctx.needs_input_grad[4]
         experts = _expert_of_rows(offs, tokens) if (b1 is not None or b2 is not None) else None
@@ -246,7 +267,8 @@ class _GroupedMLP(torch.autograd.Function):
             e4m3 = torch.float8_e4m3fn
             # Copies made per call are made just before their GEMM and dropped after it (the
             # dgrad's in the backward), so that at most one weight's copy is alive at a time.
-            _, x8, sx, xt8, sxt = _forms(x, "identity", recipe, offs, rows=True, transposed=need_w1, dtype=e4m3)
+            _, x8, sx, xt8, sxt = _forms(x, "identity", recipe, offs, rows=True, transposed=need_w1, dtype=e4m3,
+                                         source=source if recipe == "block" else None)
             if w1_fp8 is None:
                 w1_fp8, w1_scale, _, _ = quantize_weight(w1, recipe, copies="forward")
             h = grouped_mm(x8, w1_fp8, offs, scale_x=sx, scale_w=w1_scale)
@@ -261,14 +283,15 @@ class _GroupedMLP(torch.autograd.Function):
             saved = (xt8, sxt, h, at8, sat, w1t_fp8, w1t_scale, w2t_fp8, w2t_scale)
         if b2 is not None:
             y = _add_bias(y, b2, experts)
-        ctx.save_for_backward(offs, w1, w2, b1, b2, experts, *saved)
+        ctx.save_for_backward(offs, w1, w2, b1, b2, experts, token_rows if gather else None, *saved)
+        ctx.k = k
         ctx.kind, ctx.recipe, ctx.grad_dtype, ctx.fuse_wgrad = kind, recipe, grad_dtype, fuse_wgrad
         ctx.need = (need_dx, need_w1, need_w2, need_b1)
         return y
 
     @staticmethod
     def backward(ctx, grad):
-        offs, w1, w2, b1, b2, experts, *saved = ctx.saved_tensors
+        offs, w1, w2, b1, b2, experts, token_rows, *saved = ctx.saved_tensors
         need_dx, need_w1, need_w2, need_b1 = ctx.need
         need_da = need_dx or need_w1 or need_b1
         need_db2 = b2 is not None and ctx.needs_input_grad[5]
@@ -313,7 +336,9 @@ class _GroupedMLP(torch.autograd.Function):
                 dw1 = _weight_grad(w1, ctx.fuse_wgrad, dht8, xt8, offs, scale_dy=sdht, scale_x=sxt)
         if need_b1:
             db1 = _bias_grad(dh, experts, b1)
-        return (dx, None, dw1, dw2, db1, db2) + (None,) * 12
+        if dx is not None and token_rows is not None:  # the gather's backward: each token's rows summed
+            dx = _summed_rows(dx, token_rows, ctx.k)
+        return (dx, None, dw1, dw2, db1, db2) + (None,) * 15
 
 
 def _check_layer(op, x, offs, w1, w2, b1, b2, kind, fp8, grad_dtype):
@@ -382,7 +407,7 @@ def grouped_mlp(x: torch.Tensor, offs: torch.Tensor, fc1_weight: torch.Tensor, f
                 activation: str = "swiglu", fc1_bias: Optional[torch.Tensor] = None,
                 fc2_bias: Optional[torch.Tensor] = None, fp8: Optional[str] = None,
                 fp8_grad_dtype: torch.dtype = torch.float8_e4m3fn, fuse_wgrad_accumulation: bool = False,
-                fp8_weights: Optional[Tuple[tuple, tuple]] = None) -> torch.Tensor:
+                fp8_weights: Optional[Tuple[tuple, tuple]] = None, routing: Optional["Routing"] = None) -> torch.Tensor:
     """Every expert's MLP on its rows of x (T, hidden), grouped by expert with ``offs`` (int32
     cumulative expert ends on x's device, read on the GPU only):
     ``y_g = act(x_g @ fc1_weight[g].T + fc1_bias[g]) @ fc2_weight[g].T + fc2_bias[g]``.
@@ -393,29 +418,54 @@ def grouped_mlp(x: torch.Tensor, offs: torch.Tensor, fc1_weight: torch.Tensor, f
     ``fp8_weights`` (each of fc1's and fc2's :func:`quantize_weight` result) reuses copies the
     caller made; otherwise the forward's copies are made in the forward and the dgrad's in the
     backward (so that they are never alive together). With
-    ``fuse_wgrad_accumulation`` the weight gradients are added into ``weight.main_grad`` (FP32)."""
+    ``fuse_wgrad_accumulation`` the weight gradients are added into ``weight.main_grad`` (FP32).
+
+    ``routing`` (:func:`route`'s; ``offs`` then routing.offs): x holds the tokens (T, hidden) and
+    the layer's rows are x's in routing's order, gathered as they are read: with ``fp8="block"``
+    by the pass that quantizes them (no permuted copy is made), otherwise by a gather of its own.
+    Returns the (T * k, hidden) rows in expert order, as with permuted x; the gradient of x sums
+    each token's rows."""
     op = "distgemm.moe.grouped_mlp"
     check_flags(op, fuse_wgrad_accumulation=fuse_wgrad_accumulation)
     _check_layer(op, x, offs, fc1_weight, fc2_weight, fc1_bias, fc2_bias, activation, fp8, fp8_grad_dtype)
+    rows = x.shape[0]
+    if routing is not None:
+        rows = _check_layer_routing(op, x, offs, routing)
     if fuse_wgrad_accumulation and torch.is_grad_enabled():
         for name, w in (("fc1_weight", fc1_weight), ("fc2_weight", fc2_weight)):
             if w.requires_grad:
                 check_main_grad(op, name, w)
-    if x.shape[0] == 0:  # no tokens: nothing to compute, and no weight gradient
+    if rows == 0:  # no rows: nothing to compute, and no weight gradient
         return x.new_zeros((0, fc2_weight.shape[1])) + x.sum()
     copies = (None,) * 8
     if fp8_weights is not None:
         copies = _check_fp8_weights(op, fp8_weights, fp8, fc1_weight, fc2_weight)
+    gather = (None, None, 1) if routing is None else (routing.source, routing.token_rows, routing.k)
     return _GroupedMLP.apply(x, offs, fc1_weight, fc2_weight, fc1_bias, fc2_bias, *copies, activation, fp8,
-                             fp8_grad_dtype, fuse_wgrad_accumulation)
+                             fp8_grad_dtype, fuse_wgrad_accumulation, *gather)
+
+
+def _check_layer_routing(op, x, offs, routing) -> int:
+    """The layer's row count, once routing is seen to be route()'s for x's tokens."""
+    if not isinstance(routing, Routing):
+        raise TypeError(f"{op}: routing must be distgemm.moe.route's Routing, got {type(routing).__name__}")
+    rows = routing.source.numel()
+    if routing.k < 1 or rows != x.shape[0] * routing.k or routing.token_rows.numel() != rows:
+        raise ValueError(f"{op}: routing is for {rows // max(routing.k, 1)} tokens x k={routing.k}, but x has "
+                         f"{x.shape[0]} tokens")
+    if offs is not routing.offs and (offs.shape != routing.offs.shape or offs.device != routing.offs.device):
+        raise ValueError(f"{op}: with routing, offs must be routing.offs")
+    if routing.source.device != x.device:
+        raise ValueError(f"{op}: routing is on {routing.source.device} but x is on {x.device}")
+    return rows
 
 
 # ---------------------------------------------------------------- op registration
 
 
 @torch.library.register_fake("distgemm::moe_act")
-def _moe_act_fake(x, dy, act, inner, offs, want_y, want_fp8, want_t, fp8_dtype):
-    tokens = x.shape[0]
+def _moe_act_fake(x, dy, act, inner, offs, want_y, want_fp8, want_t, fp8_dtype, rows=None):
+    tokens = x.shape[0] if rows is None else rows.shape[0]
     y_cols = 2 * inner if act == SWIGLU_BACKWARD else inner
     f32 = dict(dtype=torch.float32, device=x.device)
     blocks = (y_cols + BLOCK - 1) // BLOCK
@@ -439,14 +489,38 @@ def _quantize_fp8_weight_fake(w, dtype, want_out, want_t):
             w.new_empty((g, c, r) if want_t else (0,), dtype=dtype), scale)
 
 
+@torch.library.register_fake("distgemm::moe_combine")
+def _moe_combine_fake(y, rows, weights, tokens, k):
+    return y.new_empty((tokens, y.shape[1]))
+
+
+@torch.library.register_fake("distgemm::moe_combine_backward")
+def _moe_combine_backward_fake(dy, y, rows, weights, num_rows, tokens, k, want_dweights):
+    return dy.new_empty((num_rows, dy.shape[1])), dy.new_empty((tokens * k if want_dweights else 0,),
+                                                               dtype=torch.float32)
+
+
 # ---------------------------------------------------------------- routing: permute, unpermute
 
 
 class Permuted(NamedTuple):
-    """What :func:`permute` returns."""
-    rows: torch.Tensor     # (T * k, hidden): the routed copies of the tokens, grouped by expert
-    offs: torch.Tensor     # (num_experts,) int32 cumulative expert ends, on the device
-    row_map: torch.Tensor  # (T * k,) int64: row p of ``rows`` is slot row_map[p] of topk_ids.reshape(-1)
+    """What :func:`permute` returns. bf16/fp16/fp32 ``rows``; with ``fp8`` the FP8 rows and their
+    scales instead (``rows`` None)."""
+    rows: Optional[torch.Tensor]   # (T * k, hidden): the routed copies of the tokens, grouped by expert
+    offs: torch.Tensor             # (num_experts,) int32 cumulative expert ends, on the device
+    row_map: torch.Tensor          # (T * k,) int64: row p of ``rows`` is slot row_map[p] of topk_ids.reshape(-1)
+    rows_fp8: Optional[torch.Tensor] = None  # (T * k, hidden) float8_e4m3fn
+    scale: Optional[torch.Tensor] = None     # 1 x 128: (T * k, ceil(hidden/128)), strides (1, T * k); row: (T * k,)
+
+
+class Routing(NamedTuple):
+    """Where each routed copy goes (:func:`route`): what permute, unpermute and the layer with
+    its gather (``grouped_mlp(..., routing=)``) read."""
+    offs: torch.Tensor        # (num_experts,) int32 cumulative expert ends, on the device
+    row_map: torch.Tensor     # (T * k,) int64: row p holds slot row_map[p] of topk_ids.reshape(-1)
+    source: torch.Tensor      # (T * k,) int64: the token row p reads; -1 for a copy the router dropped
+    token_rows: torch.Tensor  # (T * k,) int64: the row of each slot (t, j); -1 - p where it was dropped
+    k: int
 
 
 def _check_routing(op, topk_ids, tokens, num_experts):
@@ -465,34 +539,124 @@ def _check_routing(op, topk_ids, tokens, num_experts):
                          f"values in [{int(topk_ids.min())}, {int(topk_ids.max())}]")
 
 
-def permute(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int) -> Permuted:
-    """Each token's copies for its k experts (``topk_ids`` (T, k); -1: dropped by the router),
-    gathered into expert order: ``rows`` (T * k, hidden) with expert g's rows at
-    ``[offs[g-1], offs[g])`` (in token order within an expert) and the dropped copies after
-    ``offs[-1]``, which the grouped GEMMs leave alone. No host synchronisation (CUDA-graph safe
-    with new routing on every replay); differentiable in x (the gather's backward adds each
-    copy's gradient into its token). A token routed twice to one expert gets two rows. On CUDA,
-    ids outside [-1, num_experts) are not checked (they would need a host sync): they count as
-    dropped."""
-    op = "distgemm.moe.permute"
-    if not isinstance(x, torch.Tensor) or x.dim() != 2:
-        raise ValueError(f"{op}: x must be a 2-D (T, hidden) tensor, got {tuple(getattr(x, 'shape', ()))}")
-    _check_routing(op, topk_ids, x.shape[0], num_experts)
-    if topk_ids.device != x.device:
-        raise ValueError(f"{op}: topk_ids is on {topk_ids.device} but x is on {x.device}")
+def route(topk_ids: torch.Tensor, num_experts: int) -> Routing:
+    """Where each token's copies go (``topk_ids`` (T, k); -1: dropped by the router): expert g's
+    rows at ``[offs[g-1], offs[g])``, in token order within an expert, the dropped copies after
+    ``offs[-1]``. No host synchronisation. On CUDA, ids outside [-1, num_experts) are not checked
+    (they would need a host sync): they count as dropped."""
+    op = "distgemm.moe.route"
+    if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2:
+        raise ValueError(f"{op}: topk_ids must be a 2-D (T, k) int32 or int64 tensor, got "
+                         f"{tuple(getattr(topk_ids, 'shape', ()))}")
+    _check_routing(op, topk_ids, topk_ids.shape[0], num_experts)
+    return _route(topk_ids, num_experts)
+
+
+def _route(topk_ids: torch.Tensor, num_experts: int) -> Routing:
     k = topk_ids.shape[1]
     ids = topk_ids.reshape(-1).long()
     valid = (ids >= 0) & (ids < num_experts)
     key = torch.where(valid, ids, torch.full_like(ids, num_experts))
     row_map = torch.sort(key.int(), stable=True).indices  # int32 keys: half the radix passes of int64
-    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=x.device).scatter_add_(0, key, torch.ones_like(key))
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device).scatter_add_(0, key, torch.ones_like(key))
     offs = counts[:num_experts].cumsum(0).to(torch.int32)
-    rows = x.index_select(0, torch.div(row_map, k, rounding_mode="floor"))
-    # Dropped copies: zero rows, and no gradient back to their tokens, whatever the GEMMs leave
-    # in the rows past offs[-1] (where, not a product: NaN there stays out).
-    kept = valid.index_select(0, row_map).unsqueeze(1)
-    rows = torch.where(kept, rows, rows.new_zeros(()))
-    return Permuted(rows, offs, row_map)
+    kept = valid.index_select(0, row_map)
+    source = torch.where(kept, torch.div(row_map, k, rounding_mode="floor"), -1)
+    return Routing(offs, row_map, source, _kept_slot_rows(row_map, valid), k)
+
+
+def permute(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, *, fp8: Optional[str] = None) -> Permuted:
+    """Each token's copies for its k experts (``topk_ids`` (T, k); -1: dropped by the router),
+    gathered into expert order (see :func:`route`): ``rows`` (T * k, hidden), the dropped copies
+    zero rows after ``offs[-1]``, which the grouped GEMMs leave alone. No host synchronisation
+    (CUDA-graph safe with new routing on every replay); differentiable in x (the gather's
+    backward adds each copy's gradient into its token). A token routed twice to one expert gets
+    two rows.
+
+    ``fp8="block"`` (bfloat16 x): the rows as float8_e4m3fn with one scale per 1 x 128, written
+    by the gather itself (on sm_90, one read of x, no bf16 copy), the layout
+    :func:`distgemm.grouped_mm` reads; ``"row"``: one scale per row (the bf16 rows are gathered,
+    then quantized). Not differentiable."""
+    op = "distgemm.moe.permute"
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise ValueError(f"{op}: x must be a 2-D (T, hidden) tensor, got {tuple(getattr(x, 'shape', ()))}")
+    if fp8 is not None and fp8 not in FP8_RECIPES:
+        raise ValueError(f"{op}: fp8 must be None or one of {FP8_RECIPES}, got {fp8!r}")
+    if fp8 is not None and x.dtype != torch.bfloat16:
+        raise ValueError(f"{op}: fp8 permutes bfloat16 x, got {x.dtype}")
+    _check_routing(op, topk_ids, x.shape[0], num_experts)
+    if topk_ids.device != x.device:
+        raise ValueError(f"{op}: topk_ids is on {topk_ids.device} but x is on {x.device}")
+    routing = _route(topk_ids, num_experts)
+    if fp8 == "block":
+        out = activation(x.detach(), "identity", rows=routing.source, bf16=False, fp8_rows=True)
+        return Permuted(None, routing.offs, routing.row_map, out.y_fp8, out.y_scale)
+    if fp8 == "row":
+        rows8, scale = quantize_fp8(_gathered(x.detach(), routing.source), "row")
+        return Permuted(None, routing.offs, routing.row_map, rows8, scale)
+    return Permuted(gather(x, routing), routing.offs, routing.row_map)
+
+
+def gather(x: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """x's rows in the order ``routing`` gives (zeros for dropped copies); differentiable in x,
+    whose gradient sums each token's kept rows in FP32."""
+    if _routing_kernels(x):
+        return _Gather.apply(x, routing.source, routing.token_rows, routing.k)
+    return _GatherReference.apply(x, routing.source, routing.token_rows, routing.k)
+
+
+def _gathered_rows(x: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    """x[source] outside autograd: the routing kernel, else plain PyTorch."""
+    if _routing_kernels(x):
+        return ops.moe_combine(x, source, None, source.numel(), 1)
+    return _gathered(x, source)
+
+
+def _summed_rows(rows: torch.Tensor, token_rows: torch.Tensor, k: int) -> torch.Tensor:
+    """The gather's backward outside autograd: each token's kept rows summed in FP32."""
+    if _routing_kernels(rows):
+        return ops.moe_combine(rows.contiguous(), token_rows, None, token_rows.numel() // k, k)
+    return _summed(rows, token_rows, k)
+
+
+def _gathered(x: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    """x[source] in plain PyTorch: zeros where source < 0, NaN where source >= T (the kernels'
+    rule for bad input)."""
+    n = x.shape[0]
+    safe = source.clamp(0, max(n - 1, 0))
+    rows = x.index_select(0, safe) if n else x.new_zeros((source.numel(), x.shape[1]))
+    rows = torch.where((source < 0).unsqueeze(1), rows.new_zeros(()), rows)
+    if x.dtype.is_floating_point:
+        rows = torch.where((source >= n).unsqueeze(1), rows.new_full((), float("nan")), rows)
+    return rows
+
+
+def _summed(rows: torch.Tensor, token_rows: torch.Tensor, k: int) -> torch.Tensor:
+    """Each token's kept rows summed in FP32 and rounded once (the gather's backward), in plain
+    PyTorch: slot rows < 0 add nothing."""
+    tokens = token_rows.numel() // k
+    take = token_rows.clamp(min=0, max=max(rows.shape[0] - 1, 0))
+    per_slot = rows.index_select(0, take).view(tokens, k, rows.shape[1]).float() if rows.shape[0] else \
+        rows.new_zeros((tokens, k, rows.shape[1]), dtype=torch.float32)
+    per_slot = torch.where((token_rows >= 0).view(tokens, k, 1), per_slot, per_slot.new_zeros(()))
+    return per_slot.sum(1).to(rows.dtype)
+
+
+class _GatherReference(torch.autograd.Function):
+    """_Gather in plain PyTorch (CPU tensors, GPUs without the kernels)."""
+
+    @staticmethod
+    def forward(ctx, x, source, token_rows, k):
+        ctx.save_for_backward(token_rows)
+        ctx.k = k
+        return _gathered(x, source)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (token_rows,) = ctx.saved_tensors
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None
+        return _summed(grad, token_rows, ctx.k), None, None, None
 
 
 def _check_row_map(op: str, row_map: torch.Tensor) -> None:
@@ -518,6 +682,63 @@ def _slot_rows(row_map: torch.Tensor) -> torch.Tensor:
     target = torch.where((rows >= 0) & (rows < n), rows, n)
     slot_row = torch.full((n + 1,), -1 - n, dtype=torch.int64, device=row_map.device)
     return slot_row.scatter_(0, target, torch.arange(n, device=row_map.device))[:n]
+
+
+def _routing_kernels(t: torch.Tensor) -> bool:
+    """Whether the routing kernels take tensors on t's device (else the torch ops below)."""
+    return t.is_cuda and has_kernels(t.device) and t.dtype in (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _kept_slot_rows(row_map: torch.Tensor, kept: Optional[torch.Tensor]) -> torch.Tensor:
+    """The routing kernels' rows of each slot: its row p (_slot_rows), -1 - p for a slot not
+    kept (a dropped copy: the backward zeros row p), and -1 - n for a slot no row names (nothing
+    is read or written for it)."""
+    slot_row = _slot_rows(row_map)
+    if kept is None:
+        return slot_row
+    return torch.where(kept & (slot_row >= 0), slot_row, torch.where(slot_row >= 0, -1 - slot_row, slot_row))
+
+
+class _Gather(torch.autograd.Function):
+    """rows[p] = x[source[p]] (zeros where source < 0); backward: each token's kept rows summed
+    in FP32 (the combine without weights), rounded once."""
+
+    @staticmethod
+    def forward(ctx, x, source, slot_rows, k):
+        ctx.save_for_backward(slot_rows)
+        ctx.k = k
+        return ops.moe_combine(x, source, None, source.numel(), 1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (slot_rows,) = ctx.saved_tensors
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None
+        k = ctx.k
+        return ops.moe_combine(grad.contiguous(), slot_rows, None, slot_rows.numel() // k, k), None, None, None
+
+
+class _Combine(torch.autograd.Function):
+    """out[t] = sum_j weights[t, j] * y[slot_rows[t, j]] in FP32 (slot rows < 0 skipped)."""
+
+    @staticmethod
+    def forward(ctx, y, slot_rows, weights, tokens, k):
+        w32 = weights.reshape(-1).float().contiguous()
+        ctx.save_for_backward(y, slot_rows, w32)
+        ctx.shape, ctx.w_dtype = (tokens, k), weights.dtype
+        return ops.moe_combine(y, slot_rows, w32, tokens, k)
+
+    @staticmethod
+    def backward(ctx, grad):
+        y, slot_rows, w32 = ctx.saved_tensors
+        tokens, k = ctx.shape
+        need_y, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
+        if not (need_y or need_w):
+            return None, None, None, None, None
+        dy_rows, dw = ops.moe_combine_backward(grad.contiguous(), y if need_w else None, slot_rows, w32, y.shape[0],
+                                               tokens, k, need_w)
+        return (dy_rows if need_y else None, None, dw.view(tokens, k).to(ctx.w_dtype) if need_w else None,
+                None, None)
 
 
 def unpermute(y: torch.Tensor, row_map: torch.Tensor, topk_weights: torch.Tensor,
@@ -549,13 +770,18 @@ def unpermute(y: torch.Tensor, row_map: torch.Tensor, topk_weights: torch.Tensor
         if t.device != y.device:
             raise ValueError(f"{op}: {name} is on {t.device} but y is on {y.device}")
     _check_row_map(op, row_map)
+    kept = None
+    if topk_ids is not None:
+        _check_routing(op, topk_ids, tokens, num_experts)
+        kept = (topk_ids >= 0) & (topk_ids < num_experts)
+    if _routing_kernels(y):
+        return _Combine.apply(y, _kept_slot_rows(row_map, None if kept is None else kept.reshape(-1)),
+                              topk_weights, tokens, k)
     # Row of each (token, slot): the inverse of row_map (clamped in bounds for a malformed one).
     slot_row = _slot_rows(row_map).clamp(min=0)
     per_slot = y.index_select(0, slot_row).view(tokens, k, y.shape[1]).float()
     weights = topk_weights.float()
-    if topk_ids is not None:
-        _check_routing(op, topk_ids, tokens, num_experts)
-        kept = (topk_ids >= 0) & (topk_ids < num_experts)
+    if kept is not None:
         per_slot = torch.where(kept.unsqueeze(-1), per_slot, per_slot.new_zeros(()))
         weights = torch.where(kept, weights, weights.new_zeros(()))
     return (per_slot * weights.unsqueeze(-1)).sum(1).to(y.dtype)

@@ -10,7 +10,7 @@ from torch import nn
 
 from ._checks import check_flags, check_main_grad
 from .grouped import grouped_mm
-from .moe import (ACTIVATIONS, FP8_RECIPES, _expert_of_rows, _forms, _weight_grad, grouped_mlp, permute,
+from .moe import (ACTIVATIONS, FP8_RECIPES, _expert_of_rows, _forms, _weight_grad, grouped_mlp, route,
                   quantize_weight, unpermute)
 
 
@@ -223,8 +223,11 @@ class GroupedMLP(nn.Module):
             if b is not None:
                 nn.init.uniform_(b, -bound, bound)
 
-    def forward(self, x: torch.Tensor, offs: torch.Tensor,
-                is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, offs: torch.Tensor, is_first_microbatch: Optional[bool] = None, *,
+                routing=None) -> torch.Tensor:
+        """x (T, hidden) grouped by expert with offs; or with ``routing`` (:func:`distgemm.moe.route`'s,
+        offs = routing.offs) x's tokens, gathered into expert order as they are read (see
+        :func:`distgemm.moe.grouped_mlp`)."""
         copies = None
         if self.fp8:
             copies = (self._fp8_copies[0].get(self.fc1_weight, is_first_microbatch),
@@ -233,7 +236,8 @@ class GroupedMLP(nn.Module):
         return grouped_mlp(x, offs, self.fc1_weight, self.fc2_weight, activation=self.activation,
                            fc1_bias=self.fc1_bias, fc2_bias=self.fc2_bias, fp8=self.fp8,
                            fp8_grad_dtype=self.fp8_grad_dtype,
-                           fuse_wgrad_accumulation=self.fuse_wgrad_accumulation, fp8_weights=copies)
+                           fuse_wgrad_accumulation=self.fuse_wgrad_accumulation, fp8_weights=copies,
+                           routing=routing)
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, hidden={self.hidden}, ffn={self.ffn}, "
@@ -244,9 +248,10 @@ class GroupedMLP(nn.Module):
 
 class MoEExperts(nn.Module):
     """A Mixture-of-Experts layer's expert path from the router's choice: each token's rows
-    gathered into expert order (:func:`distgemm.moe.permute`), every expert's MLP
-    (:class:`GroupedMLP`, bf16 or FP8), and the probability-weighted sum of each token's k
-    outputs (:func:`distgemm.moe.unpermute`). The router stays the caller's.
+    gathered into expert order (:func:`distgemm.moe.route`; the gather is folded into the pass
+    that reads them: with FP8 block scaling, the quantization, so no permuted bf16 copy is made),
+    every expert's MLP (:class:`GroupedMLP`, bf16 or FP8), and the probability-weighted sum of
+    each token's k outputs (:func:`distgemm.moe.unpermute`). The router stays the caller's.
 
     forward(x, topk_ids, topk_weights): x (T, hidden), topk_ids (T, k) int expert indices (-1:
     dropped by the router), topk_weights (T, k); returns (T, hidden) in x's dtype. Gradients
@@ -262,9 +267,16 @@ class MoEExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                 is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
-        routed = permute(x, topk_ids, self.num_experts)
-        y = self.experts(routed.rows, routed.offs, is_first_microbatch=is_first_microbatch)
-        return unpermute(y, routed.row_map, topk_weights, topk_ids, self.num_experts)
+        if not isinstance(x, torch.Tensor) or x.dim() != 2:
+            raise ValueError(f"MoEExperts: x must be a 2-D (T, hidden) tensor, got {tuple(getattr(x, 'shape', ()))}")
+        if isinstance(topk_ids, torch.Tensor) and topk_ids.device != x.device:
+            raise ValueError(f"MoEExperts: topk_ids is on {topk_ids.device} but x is on {x.device}")
+        routing = route(topk_ids, self.num_experts)
+        if routing.source.numel() != x.shape[0] * routing.k:
+            raise ValueError(f"MoEExperts: topk_ids must have one row per token ({x.shape[0]}), got "
+                             f"{topk_ids.shape[0]}")
+        y = self.experts(x, routing.offs, is_first_microbatch=is_first_microbatch, routing=routing)
+        return unpermute(y, routing.row_map, topk_weights, topk_ids, self.num_experts)
 
 
 # ---------------------------------------------------------------- tensor parallelism

@@ -8,7 +8,7 @@
 // check that lets an out-of-bounds descriptor through fails here, a crash or an overflow trips
 // the sanitizers.
 //
-//   distgemm_fuzz_checks [iterations=200000] [seed=1] [families=gemm,grouped,tp,quant]
+//   distgemm_fuzz_checks [iterations=200000] [seed=1] [families=gemm,grouped,tp,quant,moe,routing]
 #include <cuda_runtime_api.h>
 
 #include <climits>
@@ -756,17 +756,193 @@ void fuzz_moe(bool launch) {
     report("dg_moe_activation", std::string("refused a valid desc: ") + dg_last_error());
 }
 
+// dg_moe_permute: an identity desc's outputs, with the gather's own fields, mutated either way.
+long permute_calls = 0, permute_passed = 0;
+
+void fuzz_permute(bool launch) {
+  dg_moe_act_desc a = random_valid_moe();
+  set_raw(&a.act, DG_MOE_IDENTITY);
+  a.dy = nullptr;
+  const bool mutated = !coin(8);
+  if (mutated && coin(2)) mutate_moe(&a);
+  dg_moe_permute_desc d{};
+  d.x = a.x;
+  d.x_rows = coin(8) ? 0 : static_cast<int64_t>(below(1 << 16));
+  d.rows = static_cast<const int64_t*>(fake_ptr(49));
+  d.num_rows = a.tokens;
+  d.hidden = a.inner;
+  d.y = a.y;
+  d.y_fp8 = a.y_fp8;
+  d.y_scale = a.y_scale;
+  d.yt_fp8 = a.yt_fp8;
+  d.yt_scale = a.yt_scale;
+  d.offs = a.offs;
+  d.num_groups = a.num_groups;
+  std::memcpy(&d.fp8_dtype, &a.fp8_dtype, sizeof d.fp8_dtype);
+  d.workspace = a.workspace;
+  d.workspace_bytes = a.workspace_bytes;
+  if (mutated) {
+    switch (below(5)) {
+      case 0:
+        d.x_rows = any_int64();
+        break;
+      case 1:
+        d.num_rows = any_int64();
+        break;
+      case 2:
+        d.hidden = any_int64();
+        break;
+      case 3:
+        d.rows = static_cast<const int64_t*>(any_ptr(fake_ptr(49)));
+        break;
+      default:
+        d.x = any_ptr(fake_ptr(40));
+        break;
+    }
+  }
+  size_t ws = 0;
+  const dg_status ss = dg_moe_permute_workspace_size(&d, &ws);
+  expect_status(ss, "dg_moe_permute_workspace_size");
+  if (!launch) return;
+  const dg_status st = dg_moe_permute(&d, nullptr);
+  expect_status(st, "dg_moe_permute");
+  ++permute_calls;
+  permute_passed += st != DG_ERROR_INVALID_ARGUMENT;
+  if (st != DG_ERROR_INVALID_ARGUMENT) {
+    const i128 r = d.num_rows, c = d.hidden, tp = 128 * ((r + 127) / 128 + d.num_groups);
+    if (r < 0 || c < 0 || d.x_rows < 0 || r >= ((i128)1 << 31))
+      report("dg_moe_permute oracle", "sizes");
+    else if (!quant_buffer(d.x, (i128)d.x_rows * c * 2, 2) || !quant_buffer(d.rows, 8 * r, 8))
+      report("dg_moe_permute oracle", "x or rows");
+    else if ((d.y && !quant_buffer(d.y, r * c * 2, 2)) || (d.y_fp8 && !quant_buffer(d.y_fp8, r * c, 1)) ||
+             (d.y_fp8 && !quant_buffer(d.y_scale, 4 * r * ((c + 127) / 128), 4)))
+      report("dg_moe_permute oracle", "y, y_fp8 or y_scale");
+    else if (d.yt_fp8 &&
+             (d.num_groups < 1 || !quant_buffer(d.yt_fp8, c * tp, 1) ||
+              !quant_buffer(d.yt_scale, 4 * c * (tp / 128), 4) || !quant_buffer(d.offs, 4 * (i128)d.num_groups, 4) ||
+              (i128)d.workspace_bytes < 4 * (i128)d.num_groups))
+      report("dg_moe_permute oracle", "transposed copy, offs or workspace");
+    else if (ss != DG_SUCCESS)
+      report("dg_moe_permute", "accepted a desc its workspace query refused");
+  }
+  if (!mutated && !passes_checks(st)) report("dg_moe_permute", std::string("refused a valid desc: ") + dg_last_error());
+}
+
+// ---------------------------------------------------------------- MoE routing (combine)
+
+long routing_calls = 0, routing_passed = 0;
+
+dg_moe_combine_backward_desc random_valid_routing() {
+  dg_moe_combine_backward_desc d{};
+  d.dtype = pick({DG_BF16, DG_F16, DG_F32});
+  d.tokens = coin(8) ? 0 : static_cast<int64_t>(below(1 << 16));
+  d.k = 1 + static_cast<int64_t>(below(8));
+  d.num_rows = d.tokens * d.k;
+  d.hidden = coin(8) ? 0 : static_cast<int64_t>(below(8192));
+  d.rows = static_cast<const int64_t*>(fake_ptr(50));
+  d.weights = coin(4) ? nullptr : static_cast<const float*>(fake_ptr(51));
+  d.dy = fake_ptr(52);
+  d.dy_rows = fake_ptr(53);
+  d.dweights = coin(2) ? nullptr : static_cast<float*>(fake_ptr(54));
+  d.y = d.dweights ? fake_ptr(55) : nullptr;
+  return d;
+}
+
+void mutate_routing(dg_moe_combine_backward_desc* d) {
+  const int count = 1 + static_cast<int>(below(3));
+  for (int i = 0; i < count; ++i) {
+    switch (below(10)) {
+      case 0:
+        mutate_enum(&d->dtype);
+        break;
+      case 1:
+        d->tokens = any_int64();
+        break;
+      case 2:
+        d->k = any_int64();
+        break;
+      case 3:
+        d->num_rows = any_int64();
+        break;
+      case 4:
+        d->hidden = any_int64();
+        break;
+      case 5:
+        d->rows = static_cast<const int64_t*>(any_ptr(fake_ptr(50)));
+        break;
+      case 6:
+        d->weights = static_cast<const float*>(any_ptr(fake_ptr(51)));
+        break;
+      case 7:
+        d->dy = any_ptr(fake_ptr(52));
+        break;
+      case 8:
+        d->y = any_ptr(fake_ptr(55));
+        break;
+      default:
+        d->dy_rows = const_cast<void*>(any_ptr(fake_ptr(53)));
+        break;
+    }
+  }
+}
+
+// Both entry points on one random descriptor (the forward reads dy as its y and writes dy_rows
+// as its out): every buffer a desc the checks let through names spans its bytes.
+void fuzz_routing(bool launch) {
+  dg_moe_combine_backward_desc b = random_valid_routing();
+  const bool mutated = !coin(8);
+  if (mutated) mutate_routing(&b);
+  if (!launch) return;
+  const int dtype = raw(b.dtype);
+  const i128 eb = dtype == DG_F32 ? 4 : 2, slots = (i128)b.tokens * b.k;
+  const i128 big = (i128)1 << 62;  // past this the checks' int64 extents overflow (and so would the oracle's)
+  const bool sizes_ok = (dtype == DG_BF16 || dtype == DG_F16 || dtype == DG_F32) && b.tokens >= 0 && b.k >= 1 &&
+                        b.num_rows >= 0 && b.hidden >= 0 && slots < big && (i128)b.num_rows * b.hidden < big &&
+                        (i128)b.tokens * b.hidden < big;
+  const bool common_ok =
+      sizes_ok && quant_buffer(b.rows, 8 * slots, 8) && (b.weights == nullptr || quant_buffer(b.weights, 4 * slots, 4));
+  dg_moe_combine_desc f{};
+  f.y = b.dy;
+  std::memcpy(&f.dtype, &b.dtype, sizeof f.dtype);  // possibly not a valid dg_dtype: copied as bits
+  f.num_rows = b.num_rows;
+  f.rows = b.rows;
+  f.weights = b.weights;
+  f.tokens = b.tokens;
+  f.k = b.k;
+  f.hidden = b.hidden;
+  f.out = b.dy_rows;
+  const dg_status sf = dg_moe_combine(&f, nullptr);
+  expect_status(sf, "dg_moe_combine");
+  const dg_status sb = dg_moe_combine_backward(&b, nullptr);
+  expect_status(sb, "dg_moe_combine_backward");
+  routing_calls += 2;
+  routing_passed += (sf != DG_ERROR_INVALID_ARGUMENT) + (sb != DG_ERROR_INVALID_ARGUMENT);
+  if (sf != DG_ERROR_INVALID_ARGUMENT &&
+      (!common_ok || !quant_buffer(f.y, (i128)f.num_rows * f.hidden * eb, (unsigned)eb) ||
+       !quant_buffer(f.out, (i128)f.tokens * f.hidden * eb, (unsigned)eb)))
+    report("dg_moe_combine oracle", "sizes, rows, weights, y or out");
+  if (sb != DG_ERROR_INVALID_ARGUMENT &&
+      (!common_ok || !quant_buffer(b.dy, (i128)b.tokens * b.hidden * eb, (unsigned)eb) ||
+       !quant_buffer(b.dy_rows, (i128)b.num_rows * b.hidden * eb, (unsigned)eb) ||
+       (b.dweights != nullptr && (!quant_buffer(b.dweights, 4 * slots, 4) ||
+                                  !quant_buffer(b.y, (i128)b.num_rows * b.hidden * eb, (unsigned)eb)))))
+    report("dg_moe_combine_backward oracle", "sizes, rows, weights, dy, dy_rows, dweights or y");
+  if (!mutated && !passes_checks(sb))
+    report("dg_moe_combine_backward", std::string("refused a valid desc: ") + dg_last_error());
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   const long iterations = argc > 1 ? std::strtol(argv[1], nullptr, 10) : 200000;
   const unsigned long long seed = argc > 2 ? std::strtoull(argv[2], nullptr, 10) : 1;
-  const std::string families = argc > 3 ? argv[3] : "gemm,grouped,tp,quant,moe";
+  const std::string families = argc > 3 ? argv[3] : "gemm,grouped,tp,quant,moe,routing";
   const bool gemm = families.find("gemm") != std::string::npos;
   const bool grouped = families.find("grouped") != std::string::npos;
   const bool tp = families.find("tp") != std::string::npos;
   const bool quant = families.find("quant") != std::string::npos;
   const bool moe = families.find("moe") != std::string::npos;
+  const bool routing = families.find("routing") != std::string::npos;
   rng.seed(seed);
   // The launching entry points stop at their checks only where no GPU can run a descriptor
   // that passed them (its pointers are fake).
@@ -788,15 +964,19 @@ int main(int argc, char** argv) {
     }
     if (quant && i % 4 == 3) fuzz_quant(launch);
     if (moe && i % 4 == 1) fuzz_moe(launch);
+    if (moe && i % 4 == 2) fuzz_permute(launch);
+    if (routing && i % 4 == 3) fuzz_routing(launch);
     dg_status s;
     set_raw(&s, static_cast<int>(below(8)));  // within the enum's range (C++)
     if (dg_status_name(s) == nullptr) report("dg_status_name", "NULL");
   }
   std::printf(
       "%ld iterations over %s (seed %llu, launching entry points %s)\n"
-      "passed the checks: gemm %ld of %ld, grouped %ld of %ld, tp %ld of %ld, quant %ld of %ld, moe %ld of %ld\n"
+      "passed the checks: gemm %ld of %ld, grouped %ld of %ld, tp %ld of %ld, quant %ld of %ld, moe %ld of %ld, "
+      "permute %ld of %ld, routing %ld of %ld\n"
       "%ld failures\n",
       iterations, families.c_str(), seed, launch ? "included" : "skipped: a GPU is present", gemm_passed, gemm_calls,
-      grouped_passed, grouped_calls, tp_passed, tp_calls, quant_passed, quant_calls, moe_passed, moe_calls, failures);
+      grouped_passed, grouped_calls, tp_passed, tp_calls, quant_passed, quant_calls, moe_passed, moe_calls,
+      permute_passed, permute_calls, routing_passed, routing_calls, failures);
   return failures == 0 ? 0 : 1;
 }

@@ -917,6 +917,194 @@ TEST(MoeRun, NothingRunsWithoutKernelsOrADevice) {
       << dg_last_error();
 }
 
+// ---------------------------------------------------------------- MoE permute (gather + FP8 forms)
+
+dg_moe_permute_desc permute_desc(int64_t x_rows, int64_t num_rows, int64_t hidden, bool transposed = true) {
+  dg_moe_permute_desc d{};
+  d.x = fake_ptr(50);
+  d.x_rows = x_rows;
+  d.rows = static_cast<const int64_t*>(fake_ptr(51));
+  d.num_rows = num_rows;
+  d.hidden = hidden;
+  d.y_fp8 = fake_ptr(52);
+  d.y_scale = static_cast<float*>(fake_ptr(53));
+  if (transposed) {
+    d.yt_fp8 = fake_ptr(54);
+    d.yt_scale = static_cast<float*>(fake_ptr(55));
+    d.offs = static_cast<const int32_t*>(fake_ptr(56));
+    d.num_groups = 8;
+    d.workspace = fake_ptr(57);
+    d.workspace_bytes = 32;
+  }
+  d.fp8_dtype = DG_E4M3;
+  return d;
+}
+
+TEST(MoePermuteCheck, ValidDescsPassTheChecks) {
+  for (int64_t num_rows : {int64_t(0), int64_t(1), int64_t(4000)}) {
+    for (int64_t x_rows : {int64_t(0), int64_t(1), int64_t(1000)}) {
+      dg_moe_permute_desc d = permute_desc(x_rows, num_rows, 4096);
+      EXPECT_TRUE(accepted(dg_moe_permute(&d, nullptr))) << x_rows << " " << num_rows;
+      size_t bytes = 0;
+      ASSERT_EQ(dg_moe_permute_workspace_size(&d, &bytes), DG_SUCCESS) << dg_last_error();
+      EXPECT_EQ(bytes, 32u);
+      d = permute_desc(x_rows, num_rows, 200, /*transposed=*/false);
+      d.y = fake_ptr(58);  // bf16 rows too
+      EXPECT_TRUE(accepted(dg_moe_permute(&d, nullptr)));
+      ASSERT_EQ(dg_moe_permute_workspace_size(&d, &bytes), DG_SUCCESS) << dg_last_error();
+      EXPECT_EQ(bytes, 0u);
+    }
+  }
+  dg_moe_permute_desc d = permute_desc(0, 10, 256);
+  d.x = nullptr;  // nothing to read: every row is dropped or past x
+  EXPECT_TRUE(accepted(dg_moe_permute(&d, nullptr)));
+}
+
+TEST(MoePermuteCheck, RefusesBadArguments) {
+  EXPECT_TRUE(refused(dg_moe_permute(nullptr, nullptr), "desc must not be NULL"));
+  dg_moe_permute_desc d = permute_desc(100, 300, 256);
+  size_t bytes = 0;
+  EXPECT_TRUE(refused(dg_moe_permute_workspace_size(nullptr, &bytes), "desc must not be NULL"));
+  EXPECT_TRUE(refused(dg_moe_permute_workspace_size(&d, nullptr), "bytes must not be NULL"));
+  for (int field = 0; field < 3; ++field) {
+    d = permute_desc(100, 300, 256);
+    (field == 0 ? d.x_rows : field == 1 ? d.num_rows : d.hidden) = -1;
+    EXPECT_TRUE(refused(dg_moe_permute(&d, nullptr), "x_rows, num_rows and hidden must be non-negative"));
+    EXPECT_TRUE(refused(dg_moe_permute_workspace_size(&d, &bytes), "x_rows, num_rows and hidden"));
+  }
+  d = permute_desc(100, int64_t(1) << 31, 256);
+  EXPECT_TRUE(refused(dg_moe_permute(&d, nullptr), "num_rows must be below 2^31"));
+  d = permute_desc(100, 300, 128 * 65536);
+  EXPECT_TRUE(refused(dg_moe_permute(&d, nullptr), "hidden of 8388608 columns is more than 65535 blocks"));
+  d = permute_desc(100, 300, 256);
+  d.rows = nullptr;
+  EXPECT_TRUE(refused(dg_moe_permute(&d, nullptr), "rows must not be NULL"));
+  d = permute_desc(100, 300, 256);
+  d.rows = reinterpret_cast<const int64_t*>(reinterpret_cast<const char*>(d.rows) + 4);
+  EXPECT_TRUE(refused(dg_moe_permute(&d, nullptr), "rows must be a 8-byte aligned"));
+  d = permute_desc(100, 300, 256);
+  d.x = nullptr;
+  EXPECT_TRUE(refused(dg_moe_permute(&d, nullptr), "x must not be NULL"));
+  d = permute_desc(100, 300, 256, false);
+  d.y_fp8 = nullptr;
+  EXPECT_TRUE(refused(dg_moe_permute(&d, nullptr), "no output"));
+  d = permute_desc(100, 300, 256);
+  d.workspace_bytes = 31;
+  EXPECT_TRUE(refused(dg_moe_permute(&d, nullptr), "smaller than the 32 needed"));
+  d = permute_desc(100, 300, 256);
+  d.fp8_dtype = DG_BF16;
+  EXPECT_TRUE(refused(dg_moe_permute(&d, nullptr), "fp8_dtype must be DG_E4M3 or DG_E5M2"));
+  d = permute_desc(100, 300, 256);
+  d.y_scale = nullptr;
+  EXPECT_TRUE(refused(dg_moe_permute(&d, nullptr), "y_scale must not be NULL"));
+}
+
+TEST(MoePermuteRun, NothingRunsWithoutKernelsOrADevice) {
+  const dg_moe_permute_desc d = permute_desc(100, 300, 256);
+  EXPECT_EQ(dg_moe_permute(&d, nullptr), DG_ERROR_NOT_SUPPORTED);  // no arch compiled here
+}
+
+// ---------------------------------------------------------------- MoE routing (combine)
+
+dg_moe_combine_desc combine_desc(int64_t tokens, int64_t k, int64_t hidden, dg_dtype dtype = DG_BF16) {
+  dg_moe_combine_desc d{};
+  d.y = fake_ptr(40);
+  d.dtype = dtype;
+  d.num_rows = tokens * k;
+  d.rows = static_cast<const int64_t*>(fake_ptr(41));
+  d.weights = static_cast<const float*>(fake_ptr(42));
+  d.tokens = tokens;
+  d.k = k;
+  d.hidden = hidden;
+  d.out = fake_ptr(43);
+  return d;
+}
+
+dg_moe_combine_backward_desc combine_backward_desc(int64_t tokens, int64_t k, int64_t hidden) {
+  dg_moe_combine_backward_desc d{};
+  d.dy = fake_ptr(44);
+  d.y = fake_ptr(45);
+  d.dtype = DG_BF16;
+  d.num_rows = tokens * k;
+  d.rows = static_cast<const int64_t*>(fake_ptr(46));
+  d.weights = static_cast<const float*>(fake_ptr(47));
+  d.tokens = tokens;
+  d.k = k;
+  d.hidden = hidden;
+  d.dy_rows = fake_ptr(48);
+  d.dweights = static_cast<float*>(fake_ptr(49));
+  return d;
+}
+
+TEST(MoeCombineCheck, ValidDescsPassTheChecks) {
+  for (dg_dtype dtype : {DG_BF16, DG_F16, DG_F32}) {
+    for (int64_t tokens : {int64_t(0), int64_t(1), int64_t(1000)}) {
+      dg_moe_combine_desc d = combine_desc(tokens, 4, 200, dtype);
+      EXPECT_TRUE(accepted(dg_moe_combine(&d, nullptr))) << dtype << " " << tokens;
+      d.weights = nullptr;  // the gather's backward: every weight 1
+      EXPECT_TRUE(accepted(dg_moe_combine(&d, nullptr)));
+    }
+  }
+  dg_moe_combine_backward_desc b = combine_backward_desc(100, 8, 4096);
+  EXPECT_TRUE(accepted(dg_moe_combine_backward(&b, nullptr)));
+  b.dweights = nullptr;
+  b.y = nullptr;  // y is read for dweights only
+  EXPECT_TRUE(accepted(dg_moe_combine_backward(&b, nullptr)));
+}
+
+TEST(MoeCombineCheck, RefusesBadArguments) {
+  EXPECT_TRUE(refused(dg_moe_combine(nullptr, nullptr), "desc must not be NULL"));
+  EXPECT_TRUE(refused(dg_moe_combine_backward(nullptr, nullptr), "desc must not be NULL"));
+  dg_moe_combine_desc d = combine_desc(64, 2, 128, DG_E4M3);
+  EXPECT_TRUE(refused(dg_moe_combine(&d, nullptr), "dtype must be DG_BF16, DG_F16 or DG_F32"));
+  d = combine_desc(64, 0, 128);
+  EXPECT_TRUE(refused(dg_moe_combine(&d, nullptr), "k must be at least 1"));
+  d = combine_desc(-1, 2, 128);
+  EXPECT_TRUE(refused(dg_moe_combine(&d, nullptr), "must be non-negative"));
+  d = combine_desc(64, 2, 128);
+  d.tokens = int64_t(1) << 62;
+  d.k = 4;
+  EXPECT_TRUE(refused(dg_moe_combine(&d, nullptr), "tokens * k overflows int64"));
+  d = combine_desc(64, 2, 128);
+  d.rows = nullptr;
+  EXPECT_TRUE(refused(dg_moe_combine(&d, nullptr), "rows must not be NULL"));
+  d = combine_desc(64, 2, 128);
+  d.rows = reinterpret_cast<const int64_t*>(static_cast<const char*>(fake_ptr(41)) + 4);
+  EXPECT_TRUE(refused(dg_moe_combine(&d, nullptr), "rows must be a 8-byte aligned"));
+  d = combine_desc(64, 2, 128);
+  d.weights = reinterpret_cast<const float*>(static_cast<const char*>(fake_ptr(42)) + 2);
+  EXPECT_TRUE(refused(dg_moe_combine(&d, nullptr), "weights must be a 4-byte aligned"));
+  d = combine_desc(64, 2, 128);
+  d.out = nullptr;
+  EXPECT_TRUE(refused(dg_moe_combine(&d, nullptr), "out must not be NULL"));
+  d = combine_desc(64, 2, 128, DG_F32);
+  d.y = static_cast<const char*>(d.y) + 2;
+  EXPECT_TRUE(refused(dg_moe_combine(&d, nullptr), "y must be a 4-byte aligned"));
+
+  dg_moe_combine_backward_desc b = combine_backward_desc(64, 2, 128);
+  b.y = nullptr;
+  EXPECT_TRUE(refused(dg_moe_combine_backward(&b, nullptr), "dweights needs y"));
+  b = combine_backward_desc(64, 2, 128);
+  b.dy_rows = nullptr;
+  EXPECT_TRUE(refused(dg_moe_combine_backward(&b, nullptr), "dy_rows must not be NULL"));
+  b = combine_backward_desc(64, 2, 128);
+  b.dy = nullptr;
+  EXPECT_TRUE(refused(dg_moe_combine_backward(&b, nullptr), "dy must not be NULL"));
+  b = combine_backward_desc(64, 2, 128);
+  b.dweights = reinterpret_cast<float*>(static_cast<char*>(fake_ptr(49)) + 1);
+  EXPECT_TRUE(refused(dg_moe_combine_backward(&b, nullptr), "dweights must be a 4-byte aligned"));
+}
+
+TEST(MoeCombineRun, NothingRunsWithoutADevice) {
+  int devices = 0;
+  const bool none = cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0;
+  cudaGetLastError();
+  if (!none) GTEST_SKIP() << "a device is present: tests/cpp/test_c_api_gpu.cpp runs the kernels";
+  const dg_moe_combine_desc d = combine_desc(64, 2, 128);
+  EXPECT_NE(dg_moe_combine(&d, nullptr), DG_SUCCESS);
+  EXPECT_NE(std::string(dg_last_error()).find("no usable CUDA device"), std::string::npos) << dg_last_error();
+}
+
 // ---------------------------------------------------------------- tensor-parallel sizes
 
 dg_tp_desc tp_desc(int world, int64_t m, int64_t n, int64_t k) {
@@ -1206,6 +1394,8 @@ TEST(Abi, StructLayoutsBelongToTheSoversion) {
   EXPECT_EQ(offsetof(dg_quantize_desc, workspace_bytes), 96u);
   EXPECT_EQ(sizeof(dg_moe_act_desc), 120u);
   EXPECT_EQ(offsetof(dg_moe_act_desc, workspace_bytes), 112u);
+  EXPECT_EQ(sizeof(dg_moe_permute_desc), 120u);
+  EXPECT_EQ(offsetof(dg_moe_permute_desc, fp8_dtype), 96u);
   EXPECT_EQ(sizeof(dg_quantize_weight_desc), 80u);
   EXPECT_EQ(offsetof(dg_quantize_weight_desc, out_dtype), 64u);
 }

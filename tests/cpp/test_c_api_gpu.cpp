@@ -216,6 +216,59 @@ TEST(CApiGpu, MoeActivationWritesWhatQuantizeFp8Writes) {
   EXPECT_EQ(bytes_of(yts, scale.size()), scale) << "its scales";
 }
 
+TEST(CApiGpu, MoePermuteWritesTheGatheredRowsInEveryForm) {
+  REQUIRE_SM90();
+  const int64_t x_rows = 100, hidden = 256, num_rows = 300, groups = 3;
+  const std::vector<int32_t> ends = {130, 130, 290};  // an expert without rows; 10 dropped rows past the last
+  const int64_t tp = 128 * ((num_rows + 127) / 128 + groups);
+  const std::vector<float> xv = random_values(size_t(x_rows) * hidden, 6, 3.f);
+  std::vector<int64_t> source(num_rows);
+  for (int64_t r = 0; r < num_rows; ++r) source[r] = r >= 290 || r % 17 == 3 ? -1 : (r * 37) % x_rows;
+  Buffer x(xv.size() * 2), rows(num_rows * 8), offs(groups * 4), y(size_t(num_rows) * hidden * 2),
+      y8(size_t(num_rows) * hidden), ys(size_t(num_rows) * 2 * 4), yt8(size_t(hidden) * tp),
+      yts(size_t(hidden) * (tp / 128) * 4), ws(groups * 4);
+  upload_bf16(x, xv);
+  ASSERT_EQ(cudaMemcpy(rows.ptr, source.data(), num_rows * 8, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(offs.ptr, ends.data(), groups * 4, cudaMemcpyHostToDevice), cudaSuccess);
+  dg_moe_permute_desc d{};
+  d.x = x.ptr;
+  d.x_rows = x_rows;
+  d.rows = static_cast<const int64_t*>(rows.ptr);
+  d.num_rows = num_rows;
+  d.hidden = hidden;
+  d.y = y.ptr;
+  d.y_fp8 = y8.ptr;
+  d.y_scale = static_cast<float*>(ys.ptr);
+  d.yt_fp8 = yt8.ptr;
+  d.yt_scale = static_cast<float*>(yts.ptr);
+  d.offs = static_cast<const int32_t*>(offs.ptr);
+  d.num_groups = groups;
+  d.fp8_dtype = DG_E4M3;
+  d.workspace = ws.ptr;
+  d.workspace_bytes = groups * 4;
+  size_t bytes = 0;
+  ASSERT_EQ(dg_moe_permute_workspace_size(&d, &bytes), DG_SUCCESS) << dg_last_error();
+  ASSERT_EQ(bytes, size_t(groups * 4));
+  ASSERT_EQ(dg_moe_permute(&d, nullptr), DG_SUCCESS) << dg_last_error();
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  // The bf16 rows are x's rows as they are (the identity), zeros for the dropped ones.
+  const std::vector<float> got = download(y, size_t(num_rows) * hidden, DG_BF16);
+  const std::vector<float> xs = download(x, size_t(x_rows) * hidden, DG_BF16);
+  for (int64_t r = 0; r < num_rows; ++r) {
+    for (int64_t c = 0; c < hidden; ++c) {
+      const float want = source[r] < 0 ? 0.f : xs[source[r] * hidden + c];
+      ASSERT_EQ(got[r * hidden + c], want) << r << ", " << c;
+    }
+  }
+  std::vector<uint8_t> data, scale;
+  quantize_reference(y, num_rows, hidden, nullptr, 0, &data, &scale);
+  EXPECT_EQ(bytes_of(y8, data.size()), data) << "FP8 rows";
+  EXPECT_EQ(bytes_of(ys, scale.size()), scale) << "1 x 128 scales";
+  quantize_reference(y, num_rows, hidden, &offs, groups, &data, &scale);
+  EXPECT_EQ(bytes_of(yt8, data.size()), data) << "FP8 padded transpose";
+  EXPECT_EQ(bytes_of(yts, scale.size()), scale) << "its scales";
+}
+
 TEST(CApiGpu, WeightCopiesMatchQuantizeFp8) {
   REQUIRE_SM90();
   const int64_t groups = 2, rows = 200, cols = 136, rb = 2, cb = 2;
@@ -261,3 +314,68 @@ TEST(CApiGpu, WeightCopiesMatchQuantizeFp8) {
 }
 
 }  // namespace
+
+TEST(CApiGpu, MoeCombineAndItsBackwardMatchTheReference) {
+  REQUIRE_SM90();
+  // 5 tokens, top-3, 15 rows of 200 (not a multiple of 8: the scalar path) and of 256; slot rows
+  // with a dropped copy (-1 - p), one out of range, and a token whose every slot is dropped.
+  const int64_t tokens = 5, k = 3, rows = 15;
+  const std::vector<int64_t> slot = {0, 7, -1 - 3, 14, 2, 1, -1 - 4, -1 - 5, -1 - 6, 9, 99, 8, 10, 11, 12};
+  std::vector<float> w(tokens * k);
+  for (size_t i = 0; i < w.size(); ++i) w[i] = 0.25f + 0.125f * float(i % 5);
+  for (int64_t hidden : {int64_t(200), int64_t(256)}) {
+    const std::vector<float> yv = random_values(size_t(rows * hidden), 7, 1.f);
+    const std::vector<float> dyv = random_values(size_t(tokens * hidden), 8, 1.f);
+    Buffer y(yv.size() * 2), dy(dyv.size() * 2), out(size_t(tokens * hidden) * 2), slots(slot.size() * 8),
+        wb(w.size() * 4), dy_rows(yv.size() * 2), dw(w.size() * 4);
+    upload_bf16(y, yv);
+    upload_bf16(dy, dyv);
+    upload_f32(wb, w);
+    ASSERT_EQ(cudaMemcpy(slots.ptr, slot.data(), slot.size() * 8, cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(cudaMemset(dy_rows.ptr, 0, dy_rows.bytes), cudaSuccess);
+    dg_moe_combine_desc c{};
+    c.y = y.ptr;
+    c.dtype = DG_BF16;
+    c.num_rows = rows;
+    c.rows = static_cast<const int64_t*>(slots.ptr);
+    c.weights = static_cast<const float*>(wb.ptr);
+    c.tokens = tokens;
+    c.k = k;
+    c.hidden = hidden;
+    c.out = out.ptr;
+    ASSERT_EQ(dg_moe_combine(&c, nullptr), DG_SUCCESS) << dg_last_error();
+    dg_moe_combine_backward_desc b{};
+    b.dy = dy.ptr;
+    b.y = y.ptr;
+    b.dtype = DG_BF16;
+    b.num_rows = rows;
+    b.rows = c.rows;
+    b.weights = c.weights;
+    b.tokens = tokens;
+    b.k = k;
+    b.hidden = hidden;
+    b.dy_rows = dy_rows.ptr;
+    b.dweights = static_cast<float*>(dw.ptr);
+    ASSERT_EQ(dg_moe_combine_backward(&b, nullptr), DG_SUCCESS) << dg_last_error();
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    std::vector<double> want(size_t(tokens * hidden), 0.0), want_rows(yv.size(), 0.0), want_dw(w.size(), 0.0);
+    for (int64_t t = 0; t < tokens; ++t) {
+      for (int64_t j = 0; j < k; ++j) {
+        const int64_t i = t * k + j, r = slot[i];
+        if (r >= rows) continue;  // out of range: nothing read or written
+        if (r < 0) continue;      // dropped: row -1 - r stays zero in dy_rows, its weight's gradient 0
+        for (int64_t h = 0; h < hidden; ++h) {
+          want[t * hidden + h] += double(w[i]) * yv[r * hidden + h];
+          want_rows[r * hidden + h] = double(__bfloat162float(__float2bfloat16(w[i] * dyv[t * hidden + h])));
+          want_dw[i] += double(dyv[t * hidden + h]) * yv[r * hidden + h];
+        }
+      }
+    }
+    EXPECT_LE(rel_error(download(out, want.size(), DG_BF16), want), 1.0 / 128) << hidden;
+    const std::vector<float> got_rows = download(dy_rows, want_rows.size(), DG_BF16);
+    for (size_t i = 0; i < want_rows.size(); ++i) ASSERT_EQ(double(got_rows[i]), want_rows[i]) << hidden << " " << i;
+    EXPECT_LE(rel_error(download(dw, want_dw.size(), DG_F32), want_dw), 1e-5) << hidden;
+    const std::vector<float> got_out = download(out, want.size(), DG_BF16);
+    for (int64_t h = 0; h < hidden; ++h) ASSERT_EQ(got_out[2 * hidden + h], 0.f) << "every slot of token 2 dropped";
+  }
+}

@@ -402,6 +402,80 @@ typedef struct dg_quantize_weight_desc {
 
 DG_API dg_status dg_quantize_fp8_weight(const dg_quantize_weight_desc* desc, cudaStream_t stream);
 
+/* ---------------------------------------------------------------- MoE token routing */
+
+/* An MoE layer's permute with its FP8 quantization, in one read: row p of the permuted rows is
+ * x[rows[p]], written in the forms dg_moe_activation writes for DG_MOE_IDENTITY (each when
+ * asked): y bf16 (num_rows, hidden); y_fp8 with y_scale (ceil(hidden / 128), num_rows) per 1 x
+ * 128; yt_fp8 with yt_scale, transposed and padded per group (offs, num_groups, workspace as
+ * there). rows[p] < 0 (a copy the router dropped) gives a row of zeros; rows[p] >= x_rows (bad
+ * input, found on the device only) a row of NaN, so that it shows in every output. Each FP8 copy
+ * is bit-identical to dg_quantize_fp8 of the gathered bf16 rows. */
+typedef struct dg_moe_permute_desc {
+  const void* x;       /* bf16 (x_rows, hidden) row-major, contiguous */
+  int64_t x_rows;      /* >= 0 */
+  const int64_t* rows; /* (num_rows) on the device (never read on the host), 8-byte aligned */
+  int64_t num_rows;    /* >= 0, < 2^31 */
+  int64_t hidden;      /* >= 0 */
+  void* y;
+  void* y_fp8;
+  float* y_scale;
+  void* yt_fp8;
+  float* yt_scale;
+  const int32_t* offs; /* with yt_fp8: num_groups int32 cumulative group ends on the device */
+  int64_t num_groups;  /* 0 without yt_fp8 */
+  dg_dtype fp8_dtype;  /* DG_E4M3 or DG_E5M2 */
+  void* workspace;     /* 4-byte aligned, dg_moe_permute_workspace_size bytes (4 * num_groups) */
+  size_t workspace_bytes;
+} dg_moe_permute_desc;
+
+/* Checks desc's shape fields (no pointer is read) and gives the workspace it needs. */
+DG_API dg_status dg_moe_permute_workspace_size(const dg_moe_permute_desc* desc, size_t* bytes);
+/* Every check, then the kernel on `stream` (no host sync, no allocation; graph-capturable). */
+DG_API dg_status dg_moe_permute(const dg_moe_permute_desc* desc, cudaStream_t stream);
+
+/* The weighted sum of each token's k rows: an MoE layer's combine (the router's weights), and
+ * the backward of its gather (no weights). For slot i = t * k + j (t < tokens, j < k):
+ *   out[t] = sum over the j with 0 <= rows[i] < num_rows of weights[i] * y[rows[i]],
+ * in FP32 in the order of j, rounded once to out's dtype. Any other row (negative: a copy the
+ * router dropped) contributes nothing, whatever y holds there; a token with none gets zeros. */
+typedef struct dg_moe_combine_desc {
+  const void* y;        /* (num_rows, hidden) row-major, contiguous */
+  dg_dtype dtype;       /* y's and out's: DG_BF16, DG_F16 or DG_F32 */
+  int64_t num_rows;     /* >= 0 */
+  const int64_t* rows;  /* (tokens * k) on the device (never read on the host), 8-byte aligned */
+  const float* weights; /* (tokens * k) FP32 on the device, 4-byte aligned, or NULL: every weight 1 */
+  int64_t tokens;       /* >= 0 */
+  int64_t k;            /* >= 1 */
+  int64_t hidden;       /* >= 0 */
+  void* out;            /* (tokens, hidden) row-major */
+} dg_moe_combine_desc;
+
+DG_API dg_status dg_moe_combine(const dg_moe_combine_desc* desc, cudaStream_t stream);
+
+/* The combine's backward, from dy = d out (tokens, hidden). For slot i = t * k + j:
+ *   0 <= r = rows[i] < num_rows:      dy_rows[r] = weights[i] * dy[t] (an FP32 product rounded
+ *                                     once to dy's dtype); with dweights, dweights[i] = the FP32
+ *                                     sum over h of dy[t, h] * y[r, h];
+ *   0 <= p = -1 - rows[i] < num_rows: (a dropped copy in row p) dy_rows[p] = 0, dweights[i] = 0;
+ *   otherwise:                        nothing is written for the slot (dweights[i] = 0).
+ * Rows of dy_rows that no slot names are left as they are. */
+typedef struct dg_moe_combine_backward_desc {
+  const void* dy; /* (tokens, hidden) row-major, contiguous */
+  const void* y;  /* (num_rows, hidden): the forward's y; needed with dweights, else NULL */
+  dg_dtype dtype; /* dy's, y's and dy_rows': DG_BF16, DG_F16 or DG_F32 */
+  int64_t num_rows;
+  const int64_t* rows;  /* (tokens * k) on the device, 8-byte aligned */
+  const float* weights; /* (tokens * k) FP32 on the device, or NULL: every weight 1 */
+  int64_t tokens;
+  int64_t k;
+  int64_t hidden;
+  void* dy_rows;   /* (num_rows, hidden) */
+  float* dweights; /* (tokens * k) FP32, or NULL */
+} dg_moe_combine_backward_desc;
+
+DG_API dg_status dg_moe_combine_backward(const dg_moe_combine_backward_desc* desc, cudaStream_t stream);
+
 #ifdef __cplusplus
 }
 #endif
