@@ -140,8 +140,8 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
 // Two adjacent columns of 32 rows of a bf16 tile in shared memory (`pair` points at their
 // bf16x2 in the first row; rows 128 columns apart) as FP8, the first quantized by d0 and the
 // second by d1: packed[t] holds column t's 32 bytes, the first row in the lowest byte.
-template <__nv_fp8_interpretation_t I>
-__device__ __forceinline__ void pack_column_pair(const uint32_t* pair, const Divisor& d0, const Divisor& d1,
+template <__nv_fp8_interpretation_t I, class Q0, class Q1>
+__device__ __forceinline__ void pack_column_pair(const uint32_t* pair, const Q0& d0, const Q1& d1,
                                                  uint32_t (&packed)[2][kBlock / 16]) {
 #pragma unroll
   for (int k = 0; k < kBlock / 16; ++k) {
@@ -162,30 +162,26 @@ __device__ __forceinline__ void pack_column_pair(const uint32_t* pair, const Div
 // columns and quarter of the 128 rows; it reads both columns as bf16x2 (twice: their amax, then
 // the values) and writes 32 FP8 bytes of each of two rows of yt. Every thread calls it.
 template <__nv_fp8_interpretation_t I, int kPlanes>
-__device__ __forceinline__ void write_transpose(const ActProblem& p, const uint16_t* tile, uint32_t (&red)[4][kBlock],
-                                                int64_t pblock, int64_t c0, bool vec_t) {
+__device__ __forceinline__ void write_transpose(const ActProblem& p, const uint16_t* tile,
+                                                uint32_t (&red)[4][kBlock / 2], int64_t pblock, int64_t c0,
+                                                bool vec_t) {
   const int jp = threadIdx.x & 63;
   const int quarter = threadIdx.x >> 6;
   constexpr int kRows = kBlock / 4;
 #pragma unroll 1
   for (int q = 0; q < kPlanes; ++q) {
     const uint32_t* pair = reinterpret_cast<const uint32_t*>(tile + (q * kBlock + quarter * kRows) * kBlock) + jp;
-    uint32_t m_lo = 0, m_hi = 0;
+    uint32_t m = 0;
 #pragma unroll 8
-    for (int r = 0; r < kRows; ++r) {
-      const uint32_t b = pair[r * (kBlock / 2)];
-      m_lo = max(m_lo, (b & 0x7fffu) << 16);  // |bf16| as the bits of its float
-      m_hi = max(m_hi, b & 0x7fff0000u);
-    }
-    red[quarter][2 * jp] = m_lo;
-    red[quarter][2 * jp + 1] = m_hi;
+    for (int r = 0; r < kRows; ++r) m = quant::max_abs_bf16x2(m, pair[r * (kBlock / 2)]);
+    red[quarter][jp] = m;
     __syncthreads();
-    m_lo = max(max(red[0][2 * jp], red[1][2 * jp]), max(red[2][2 * jp], red[3][2 * jp]));
-    m_hi = max(max(red[0][2 * jp + 1], red[1][2 * jp + 1]), max(red[2][2 * jp + 1], red[3][2 * jp + 1]));
+    m = __vmaxu2(__vmaxu2(red[0][jp], red[1][jp]), __vmaxu2(red[2][jp], red[3][jp]));
+    const uint32_t m_lo = quant::bf16x2_low_amax(m), m_hi = quant::bf16x2_high_amax(m);
     uint32_t packed[2][kRows / 4];
     const float s0 = scale_of<I>(m_lo), s1 = scale_of<I>(m_hi);
-    const Divisor d0(s0), d1(s1);
-    pack_column_pair<I>(pair, d0, d1, packed);
+    quant::with_quotients(Divisor(s0), Divisor(s1),
+                          [&](const auto& q0, const auto& q1) { pack_column_pair<I>(pair, q0, q1, packed); });
 #pragma unroll
     for (int t = 0; t < 2; ++t) {
       const int64_t ac = c0 + 2 * jp + t;
@@ -213,7 +209,7 @@ __global__ void __launch_bounds__(kThreads, Act == kIdentity         ? 4
     act_kernel(ActProblem p, bool vec_in, bool vec_y, bool vec_y8, bool vec_t) {
   constexpr int kPlanes = Act == kSwigluBackward ? 2 : 1;
   extern __shared__ __align__(16) uint16_t tile[];  // [kPlanes][128][128] bf16 bits
-  __shared__ uint32_t red[4][kBlock];               // the transpose's column maxima, per quarter of the rows
+  __shared__ uint32_t red[4][kBlock / 2];           // the transpose's column-pair maxima, per quarter of the rows
   __shared__ int64_t span[2];
   const auto* x = static_cast<const uint16_t*>(p.x);
   const auto* dy = static_cast<const uint16_t*>(p.dy);
@@ -368,7 +364,7 @@ __global__ void __launch_bounds__(kThreads)
   extern __shared__ __align__(16) uint16_t smem[];
   uint16_t* ring = smem;                                  // [stage][kIn][32][128] bf16 inputs
   uint16_t* tile = smem + kActStages * kIn * kUnitElems;  // [kPlanes][128][128] for the transpose
-  __shared__ uint32_t red[4][kBlock];
+  __shared__ uint32_t red[4][kBlock / 2];
   __shared__ int32_t ends_s[kSmemGroups];
   const auto* x = static_cast<const uint16_t*>(p.x);
   const auto* dy = static_cast<const uint16_t*>(p.dy);
@@ -383,35 +379,50 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t tiles = p.row_blocks * col_blocks;
   const int64_t my_tiles = tiles > blockIdx.x ? (tiles - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
   const int64_t units = my_tiles * kUnitsPerTile;
+  // The CTA's k-th tile: its padded row block and first column (a 32-bit division a tile).
+  auto locate = [&](int64_t k, int64_t& pblock, int64_t& c0) {
+    const int64_t t = blockIdx.x + k * gridDim.x;
+    pblock = static_cast<uint32_t>(t) / static_cast<uint32_t>(col_blocks);  // < 2^32 tiles
+    c0 = (t - pblock * col_blocks) * kBlock;
+  };
 
   // Producer: unit n's inputs into stage n % kActStages (zeros past the rows and the columns).
-  int64_t load_tile = -1, load_first = 0;
+  // Thread t copies 16 bytes at row t / 16 + 16 j (j < kLoads) and column 8 (t % 16) of each
+  // unit; its addresses are set up once a tile and step by 32 rows a unit.
+  constexpr int kLoads = kUnitElems / 8 / kThreads;
+  const int chunk_row = threadIdx.x / 16;
+  const int chunk_col = (threadIdx.x % 16) * 8;
+  const int64_t x_unit = int64_t(kUnitRows) * p.x_cols, dy_unit = int64_t(kUnitRows) * p.inner;
+  int64_t load_k = -1;
+  const uint16_t* load_x = x;    // the thread's first chunk of the tile in x
+  const uint16_t* load_dy = dy;  // and in dy
   int load_count = 0;
+  bool load_col = false;
   auto issue = [&](int64_t n) {
     if (n < units) {
-      const int64_t t = blockIdx.x + (n / kUnitsPerTile) * gridDim.x;
-      const auto pb = static_cast<uint32_t>(t) / static_cast<uint32_t>(col_blocks);  // < 2^32 tiles
-      if (t != load_tile) {
-        load_tile = t;
-        block_span(p, ends, pb, load_first, load_count);
-      }
-      const int64_t c0 = (t - int64_t(pb) * col_blocks) * kBlock;
-      const int row0 = static_cast<int>(n % kUnitsPerTile) * kUnitRows;
-      uint16_t* stage = ring + (n % kActStages) * kIn * kUnitElems;
-#pragma unroll
-      for (int k = 0; k < kUnitElems / 8 / kThreads; ++k) {
-        const int chunk = threadIdx.x + k * kThreads;
-        const int i = chunk / 16;
-        const int64_t c = c0 + (chunk % 16) * 8;
-        const bool valid = row0 + i < load_count && c < p.inner;
-        const int64_t r = valid ? load_first + row0 + i : 0;
-        const uint16_t* xr = x + r * p.x_cols + (valid ? c : 0);
-        cp_async16(stage + i * kBlock + (chunk % 16) * 8, xr, valid);
-        if constexpr (Act == kSwiglu || Act == kSwigluBackward)
-          cp_async16(stage + kUnitElems + i * kBlock + (chunk % 16) * 8, xr + (valid ? p.inner : 0), valid);
+      const int64_t k = n / kUnitsPerTile;
+      const int u = static_cast<int>(n % kUnitsPerTile);
+      if (k != load_k) {
+        load_k = k;
+        int64_t pb, c0, first;
+        locate(k, pb, c0);
+        block_span(p, ends, pb, first, load_count);
+        load_col = c0 + chunk_col < p.inner;
+        load_x = x + (first + chunk_row) * p.x_cols + c0 + chunk_col;
         if constexpr (Act == kSwigluBackward || Act == kGeluBackward)
-          cp_async16(stage + (kIn - 1) * kUnitElems + i * kBlock + (chunk % 16) * 8, dy + r * p.inner + (valid ? c : 0),
-                     valid);
+          load_dy = dy + (first + chunk_row) * p.inner + c0 + chunk_col;
+      }
+      uint16_t* stage = ring + (n % kActStages) * kIn * kUnitElems + chunk_row * kBlock + chunk_col;
+#pragma unroll
+      for (int j = 0; j < kLoads; ++j) {
+        const bool valid = load_col && u * kUnitRows + chunk_row + 16 * j < load_count;
+        const uint16_t* xs = valid ? load_x + u * x_unit + 16 * j * p.x_cols : x;
+        uint16_t* dst = stage + 16 * j * kBlock;
+        cp_async16(dst, xs, valid);
+        if constexpr (Act == kSwiglu || Act == kSwigluBackward)
+          cp_async16(dst + kUnitElems, valid ? xs + p.inner : x, valid);
+        if constexpr (Act == kSwigluBackward || Act == kGeluBackward)
+          cp_async16(dst + (kIn - 1) * kUnitElems, valid ? load_dy + u * dy_unit + 16 * j * p.inner : dy, valid);
       }
     }
     cp_async_commit();  // an empty group past the end keeps the wait counts uniform
@@ -419,7 +430,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
   for (int n = 0; n < kActStages - 1; ++n) issue(n);
 
-  int64_t use_tile = -1, first = 0;
+  int64_t use_k = -1, pblock = 0, c0 = 0, first = 0;
   int count = 0;
   // The unit's rows: 8 lanes a row, 16 columns a lane (8 at 8 lane, 8 at 64 + 8 lane, so that
   // the lanes of a row read and write contiguous runs), one row a thread.
@@ -429,18 +440,18 @@ __global__ void __launch_bounds__(kThreads)
     cp_async_wait<kActStages - 2>();
     __syncthreads();  // unit n is visible to all; stage (n - 1) % kActStages and the tile are free
     issue(n + kActStages - 1);
-    const int64_t t = blockIdx.x + (n / kUnitsPerTile) * gridDim.x;
-    const int64_t pblock = static_cast<uint32_t>(t) / static_cast<uint32_t>(col_blocks);
-    if (t != use_tile) {
-      use_tile = t;
+    const int64_t k = n / kUnitsPerTile;
+    if (k != use_k) {
+      use_k = k;
+      locate(k, pblock, c0);
       block_span(p, ends, pblock, first, count);
     }
-    const int64_t c0 = (t - pblock * col_blocks) * kBlock;
     const int i = static_cast<int>(n % kUnitsPerTile) * kUnitRows + iu;  // the row within the tile
     const bool active = i < count;
     const int64_t r = first + i;
     const uint16_t* stage = ring + (n % kActStages) * kIn * kUnitElems;
-    float v[2][2][8];  // [plane][half][column]
+    float v[2][2][8];     // [plane][half][column]
+    uint32_t b[2][2][4];  // the same values as bf16 pairs
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int off = iu * kBlock + h * 64 + lane * 8;
@@ -451,37 +462,49 @@ __global__ void __launch_bounds__(kThreads)
       if constexpr (Act == kSwigluBackward || Act == kGeluBackward)
         in.d = *reinterpret_cast<const uint4*>(stage + (kIn - 1) * kUnitElems + off);
       compute8<Act>(in, v[0][h], v[1][h]);
+#pragma unroll
+      for (int q = 0; q < kPlanes; ++q) {
+        if constexpr (Act == kIdentity) {  // the input's own bits
+          b[q][h][0] = in.a.x, b[q][h][1] = in.a.y, b[q][h][2] = in.a.z, b[q][h][3] = in.a.w;
+        } else {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) b[q][h][e] = pack_bf16x2(v[q][h][2 * e], v[q][h][2 * e + 1]);
+        }
+      }
     }
 #pragma unroll
     for (int q = 0; q < kPlanes; ++q) {
       if (p.y_fp8 != nullptr) {
-        uint32_t m = quant::max8(quant::max8(0u, v[q][0]), v[q][1]);
+        uint32_t m = 0;  // the values are bf16: their amax from the pairs
 #pragma unroll
-        for (int o = 4; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(kFullMask, m, o));  // the row's 8 lanes
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) m = quant::max_abs_bf16x2(m, b[q][h][e]);
+#pragma unroll
+        for (int o = 4; o > 0; o >>= 1) m = __vmaxu2(m, __shfl_xor_sync(kFullMask, m, o));  // the row's 8 lanes
         if (active) {
-          const float s = scale_of<I>(m);
-          const Divisor d(s);
+          const float s = scale_of<I>(quant::bf16x2_amax(m));
           uint8_t* row = static_cast<uint8_t*>(p.y_fp8) + r * p.y_cols + q * p.inner;
+          quant::with_quotient(Divisor(s), [&](const auto& form) {
 #pragma unroll
-          for (int h = 0; h < 2; ++h) store8<I>(row, c0 + h * 64 + lane * 8, p.inner, vec_y8, v[q][h], d);
+            for (int h = 0; h < 2; ++h) store8<I>(row, c0 + h * 64 + lane * 8, p.inner, vec_y8, v[q][h], form);
+          });
           if (lane == 0) p.y_scale[(q * p.inner + c0) / kBlock * p.tokens + r] = s;
         }
       }
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int64_t c = c0 + h * 64 + lane * 8;
-        const uint4 b = make_uint4(pack_bf16x2(v[q][h][0], v[q][h][1]), pack_bf16x2(v[q][h][2], v[q][h][3]),
-                                   pack_bf16x2(v[q][h][4], v[q][h][5]), pack_bf16x2(v[q][h][6], v[q][h][7]));
+        const uint4 w = make_uint4(b[q][h][0], b[q][h][1], b[q][h][2], b[q][h][3]);
         if (p.y != nullptr && active && c < p.inner) {
           uint16_t* row = static_cast<uint16_t*>(p.y) + r * p.y_cols + q * p.inner;
           if (vec_y) {
-            *reinterpret_cast<uint4*>(row + c) = b;
+            *reinterpret_cast<uint4*>(row + c) = w;
           } else {
-            const uint32_t w[4] = {b.x, b.y, b.z, b.w};
-            for (int e = 0; e < 8; ++e) row[c + e] = static_cast<uint16_t>(w[e / 2] >> (16 * (e % 2)));
+            for (int e = 0; e < 8; ++e) row[c + e] = static_cast<uint16_t>(b[q][h][e / 2] >> (16 * (e % 2)));
           }
         }
-        if (transposed) *reinterpret_cast<uint4*>(tile + (q * kBlock + i) * kBlock + h * 64 + lane * 8) = b;
+        if (transposed) *reinterpret_cast<uint4*>(tile + (q * kBlock + i) * kBlock + h * 64 + lane * 8) = w;
       }
     }
     if (!transposed || n % kUnitsPerTile != kUnitsPerTile - 1) continue;  // uniform
@@ -529,21 +552,22 @@ __global__ void __launch_bounds__(kThreads)
       m = quant::max8(m, v[k]);
     }
     const float s = scale_of<I>(quant::block_max(m, red));
-    const Divisor d(s);
     if (threadIdx.x == 0) {
       scale[blk] = s;
       if (scale_t != nullptr) scale_t[(g * col_blocks + cb) * row_blocks + rb] = s;
     }
+    quant::with_quotient(Divisor(s), [&](const auto& q) {
 #pragma unroll
-    for (int k = 0; k < 8; ++k) {
-      const int64_t r = rb * kBlock + row + 16 * k;
-      if (out != nullptr && r < rows) store8<I>(out + g * rows * cols + r * cols, c, cols, vec, v[k], d);
-      if (out_t != nullptr) {
-        const uint2 b = make_uint2(to_fp8x4<I>(v[k][0], v[k][1], v[k][2], v[k][3], d),
-                                   to_fp8x4<I>(v[k][4], v[k][5], v[k][6], v[k][7], d));
-        *reinterpret_cast<uint2*>(tile + (row + 16 * k) * kBlock + col) = b;
+      for (int k = 0; k < 8; ++k) {
+        const int64_t r = rb * kBlock + row + 16 * k;
+        if (out != nullptr && r < rows) store8<I>(out + g * rows * cols + r * cols, c, cols, vec, v[k], q);
+        if (out_t != nullptr) {
+          const uint2 b = make_uint2(to_fp8x4<I>(v[k][0], v[k][1], v[k][2], v[k][3], q),
+                                     to_fp8x4<I>(v[k][4], v[k][5], v[k][6], v[k][7], q));
+          *reinterpret_cast<uint2*>(tile + (row + 16 * k) * kBlock + col) = b;
+        }
       }
-    }
+    });
     if (out_t == nullptr) continue;  // uniform
     __syncthreads();
     const int j = threadIdx.x >> 1;  // the block's column: a row of the transpose
@@ -637,29 +661,31 @@ __global__ void __launch_bounds__(kThreads)
       raw[k] = *reinterpret_cast<const uint4*>(stage + (row + 16 * k) * kBlock + col);
       const uint32_t h[4] = {raw[k].x, raw[k].y, raw[k].z, raw[k].w};
 #pragma unroll
-      for (int e = 0; e < 4; ++e) m = max(m, max((h[e] & 0x7fffu) << 16, h[e] & 0x7fff0000u));
+      for (int e = 0; e < 4; ++e) m = quant::max_abs_bf16x2(m, h[e]);
     }
-    const float s = scale_of<I>(quant::block_max(m, red));
+    const float s = scale_of<I>(quant::block_max(quant::bf16x2_amax(m), red));
     const Divisor d(s);
     if (threadIdx.x == 0) {
       scale[blk] = s;
       if (scale_t != nullptr) scale_t[(g * col_blocks + cb) * row_blocks + rb] = s;
     }
     if (out != nullptr) {
+      quant::with_quotient(d, [&](const auto& q) {
 #pragma unroll
-      for (int k = 0; k < 8; ++k) {
-        const int64_t r = rb * kBlock + row + 16 * k;
-        float v[8];
-        unpack8(raw[k], v);
-        if (r < rows) store8<I>(out + (g * rows + r) * cols, cb * kBlock + col, cols, true, v, d);
-      }
+        for (int k = 0; k < 8; ++k) {
+          const int64_t r = rb * kBlock + row + 16 * k;
+          float v[8];
+          unpack8(raw[k], v);
+          if (r < rows) store8<I>(out + (g * rows + r) * cols, cb * kBlock + col, cols, true, v, q);
+        }
+      });
     }
     if (out_t == nullptr) continue;  // uniform
     const int jp = threadIdx.x & 63, quarter = threadIdx.x >> 6;
     constexpr int kRows = kBlock / 4;
     const uint32_t* pair = reinterpret_cast<const uint32_t*>(stage + quarter * kRows * kBlock) + jp;
     uint32_t packed[2][kRows / 4];
-    pack_column_pair<I>(pair, d, d, packed);
+    quant::with_quotient(d, [&](const auto& q) { pack_column_pair<I>(pair, q, q, packed); });
     const int64_t ocol = rb * kBlock + quarter * kRows;
 #pragma unroll
     for (int t = 0; t < 2; ++t) {

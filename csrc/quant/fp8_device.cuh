@@ -8,6 +8,7 @@
 #include <cuda_fp8.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "quant/exact_quotient.h"
 #include "quant/fp8_quantize.h"
@@ -60,41 +61,64 @@ __device__ __forceinline__ float scale_of(uint32_t amax_bits) {
   return s == 0.f ? 1.f : s;
 }
 
+// x / scale for a scale the corrected product divides exactly (Divisor::fast): no branch.
+struct FastQuotient {
+  float scale, recip;
+  __device__ __forceinline__ float operator()(float x) const {
+    return copysignf(corrected_quotient(x, scale, recip), x);  // x = -0 gives -0
+  }
+};
+
+// x / scale by the division (scales outside the fast form's range; it gives the same bits).
+struct DivideQuotient {
+  float scale;
+  __device__ __forceinline__ float operator()(float x) const { return x / scale; }
+};
+
 // x / scale for one block's scale, rounded as the division rounds it: the reciprocal once, then
 // per value its corrected product (quant/exact_quotient.h) where the scale allows, half the
-// instructions of the division.
+// instructions of the division. Kernels choose the form once for all of a block's values they
+// hold (with_quotient): a test per value or per four cost as much as the division saved (the
+// compiler re-evaluated it and spilled the predicates).
 struct Divisor {
   float scale, recip;
   bool fast;
   __device__ __forceinline__ explicit Divisor(float s) : scale(s), recip(1.f / s), fast(exact_by_reciprocal(s)) {}
-  __device__ __forceinline__ float fast_quotient(float x) const {
-    return copysignf(corrected_quotient(x, scale, recip), x);  // x = -0 gives -0
-  }
-  __device__ __forceinline__ float operator()(float x) const { return fast ? fast_quotient(x) : x / scale; }
-  // Four quotients, one branch for the four (a branch per value costs as much as the division).
-  __device__ __forceinline__ void quotients(float (&v)[4]) const {
-    if (fast) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) v[i] = fast_quotient(v[i]);
-    } else {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) v[i] = v[i] / scale;
-    }
-  }
+  __device__ __forceinline__ FastQuotient fast_form() const { return {scale, recip}; }
+  __device__ __forceinline__ DivideQuotient divide_form() const { return {scale}; }
+  __device__ __forceinline__ float operator()(float x) const { return fast ? fast_form()(x) : x / scale; }
 };
 
-template <__nv_fp8_interpretation_t I>
-__device__ __forceinline__ uint8_t to_fp8(float v, const Divisor& d) {
-  return __nv_cvt_float_to_fp8(d(v), __NV_SATFINITE, I);
+// body(q) with q the quotient form for d's scale: FastQuotient (the common case) or the division.
+template <class Body>
+__device__ __forceinline__ void with_quotient(const Divisor& d, Body&& body) {
+  if (d.fast) {
+    body(d.fast_form());
+  } else {
+    body(d.divide_form());
+  }
+}
+
+// The same for two scales, one test for both.
+template <class Body>
+__device__ __forceinline__ void with_quotients(const Divisor& d0, const Divisor& d1, Body&& body) {
+  if (d0.fast && d1.fast) {
+    body(d0.fast_form(), d1.fast_form());
+  } else {
+    body(d0.divide_form(), d1.divide_form());
+  }
+}
+
+template <__nv_fp8_interpretation_t I, class Q>
+__device__ __forceinline__ uint8_t to_fp8(float v, const Q& q) {
+  return __nv_cvt_float_to_fp8(q(v), __NV_SATFINITE, I);
 }
 
 // Four values / scale as FP8, the first in the lowest byte.
-template <__nv_fp8_interpretation_t I>
-__device__ __forceinline__ uint32_t to_fp8x4(float a, float b, float c, float e, const Divisor& d) {
-  float q[4] = {a, b, c, e};
-  d.quotients(q);
-  const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(q[0], q[1]), __NV_SATFINITE, I);
-  const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(q[2], q[3]), __NV_SATFINITE, I);
+template <__nv_fp8_interpretation_t I, class Q>
+__device__ __forceinline__ uint32_t to_fp8x4(float a, float b, float c, float e, const Q& q) {
+  const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(q(a), q(b)), __NV_SATFINITE, I);
+  const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(q(c), q(e)), __NV_SATFINITE, I);
   return lo | (hi << 16);
 }
 
@@ -131,21 +155,34 @@ __device__ __forceinline__ void load8(const typename In::Storage* __restrict__ r
 }
 
 // Elements [c, c + 8) of an FP8 row of `cols` bytes: v / scale, those before the row's end.
-// vec: the row starts 8-byte aligned and c is a multiple of 8.
-template <__nv_fp8_interpretation_t I>
+// vec: the row starts 8-byte aligned and c is a multiple of 8. q: a quotient form (a Divisor
+// picks its form here, once for the eight).
+template <__nv_fp8_interpretation_t I, class Q>
 __device__ __forceinline__ void store8(uint8_t* __restrict__ row, int64_t c, int64_t cols, bool vec,
-                                       const float (&v)[8], const Divisor& scale) {
-  if (vec && c + 8 <= cols) {
+                                       const float (&v)[8], const Q& q) {
+  if constexpr (std::is_same_v<Q, Divisor>) {
+    with_quotient(q, [&](const auto& form) { store8<I>(row, c, cols, vec, v, form); });
+  } else if (vec && c + 8 <= cols) {
     uint2 w;
-    w.x = to_fp8x4<I>(v[0], v[1], v[2], v[3], scale);
-    w.y = to_fp8x4<I>(v[4], v[5], v[6], v[7], scale);
+    w.x = to_fp8x4<I>(v[0], v[1], v[2], v[3], q);
+    w.y = to_fp8x4<I>(v[4], v[5], v[6], v[7], q);
     *reinterpret_cast<uint2*>(row + c) = w;
   } else {
 #pragma unroll
     for (int i = 0; i < 8; ++i)
-      if (c + i < cols) row[c + i] = to_fp8<I>(v[i], scale);
+      if (c + i < cols) row[c + i] = to_fp8<I>(v[i], q);
   }
 }
+
+// Amax of bf16 pairs (two bf16 in a word) with one 16 x 2 max a word: m holds the running
+// maxima of |low| and |high| halves; as_amax gives the larger as the bits of its float (the order
+// of abs_bits, NaN above inf).
+__device__ __forceinline__ uint32_t max_abs_bf16x2(uint32_t m, uint32_t pair) {
+  return __vmaxu2(m, pair & 0x7fff7fffu);
+}
+__device__ __forceinline__ uint32_t bf16x2_low_amax(uint32_t m) { return (m & 0xffffu) << 16; }
+__device__ __forceinline__ uint32_t bf16x2_high_amax(uint32_t m) { return m & 0xffff0000u; }
+__device__ __forceinline__ uint32_t bf16x2_amax(uint32_t m) { return max(bf16x2_low_amax(m), bf16x2_high_amax(m)); }
 
 __device__ __forceinline__ uint32_t max8(uint32_t m, const float (&v)[8]) {
 #pragma unroll

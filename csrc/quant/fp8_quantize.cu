@@ -261,10 +261,12 @@ __global__ void __launch_bounds__(kThreads)
         constexpr int kPitch = kTileCols + 1;
         if (vec_out && col + kRowsPerThread <= out_ld) {
           uint32_t w[kRowsPerThread / 4];
+          quant::with_quotient(d, [&](const auto& q) {
 #pragma unroll
-          for (int k = 0; k < kRowsPerThread / 4; ++k)
-            w[k] = to_fp8x4<I>(src[(4 * k) * kPitch], src[(4 * k + 1) * kPitch], src[(4 * k + 2) * kPitch],
-                               src[(4 * k + 3) * kPitch], d);
+            for (int k = 0; k < kRowsPerThread / 4; ++k)
+              w[k] = to_fp8x4<I>(src[(4 * k) * kPitch], src[(4 * k + 1) * kPitch], src[(4 * k + 2) * kPitch],
+                                 src[(4 * k + 3) * kPitch], q);
+          });
 #pragma unroll
           for (int k = 0; k < kRowsPerThread / 16; ++k)
             reinterpret_cast<uint4*>(o)[k] = make_uint4(w[4 * k], w[4 * k + 1], w[4 * k + 2], w[4 * k + 3]);
