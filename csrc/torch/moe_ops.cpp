@@ -84,6 +84,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_act(
   const at::Tensor x = x_in.contiguous();
   const at::Tensor offs = offs_in && want_t ? offs_in->contiguous() : at::Tensor();
   const int64_t y_cols = act == DG_MOE_SWIGLU_BACKWARD ? 2 * inner : inner;
+  const int64_t out_rows = rows_in ? rows_in->numel() : x.size(0);
+  if (!want_t && (out_rows == 0 || y_cols == 0)) {  // nothing to write (and no buffer to name)
+    dg_moe_act_desc none{};
+    ActOutputs out(&none, x.options(), out_rows, y_cols, offs, want_y, want_fp8, false, fp8_dtype);
+    return {out.y, out.y8, out.sy, out.yt8, out.syt};
+  }
   if (rows_in) {
     const at::Tensor rows = rows_in->contiguous();
     dg_moe_permute_desc desc{};

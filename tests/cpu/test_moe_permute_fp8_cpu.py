@@ -112,3 +112,9 @@ def test_routing_is_checked_against_x():
         layer(torch.randn(9, 64).bfloat16(), routing.offs, routing=routing)
     with pytest.raises(TypeError, match="routing must be distgemm.moe.route's Routing"):
         layer(torch.randn(10, 64).bfloat16(), routing.offs, routing=(1, 2))
+
+
+@pytest.mark.parametrize("fp8", [None, "block", "row"])
+def test_permute_of_no_tokens(fp8):
+    p = moe.permute(torch.empty(0, 256).bfloat16(), torch.empty(0, 2, dtype=torch.int64), 4, fp8=fp8)
+    assert p.offs.tolist() == [0, 0, 0, 0] and (p.rows if fp8 is None else p.rows_fp8).shape == (0, 256)

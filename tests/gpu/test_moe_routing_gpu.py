@@ -212,3 +212,10 @@ def test_moe_experts_gathering_as_it_reads_is_the_permuted_layer(fp8):
     run(False)  # the autotuner settles each problem once
     for a, b in zip(run(True), run(False)):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("fp8", [None, "block", "row"])
+def test_permute_of_no_tokens(fp8):
+    x = torch.empty(0, 256, device=DEV, dtype=torch.bfloat16)
+    p = moe.permute(x, torch.empty(0, 2, dtype=torch.int64, device=DEV), 4, fp8=fp8)
+    assert p.offs.tolist() == [0, 0, 0, 0] and (p.rows if fp8 is None else p.rows_fp8).shape == (0, 256)
