@@ -332,3 +332,32 @@ def test_torch_compile_traces_the_cost_models_kernels_whole(gpu, monkeypatch):
     torch.testing.assert_close(grouped_out.float(), expected, rtol=2e-2, atol=2e-2)
     assert gpu["timings"] == 0 and gpu["ran"] == [("cutlass", -1)]
     assert not dense._REPEAT_CALLS and not grouped._REPEAT_CALLS
+
+
+def test_fp8_wgrad_times_its_configs_into_a_scratch_and_adds_once(gpu, monkeypatch):
+    # The FP8 block wgrad's dispatcher: each compiled tile timed (on a copy of out when
+    # accumulating), the fastest cached under the problem's key, the call itself adding once.
+    from distgemm import quantize_fp8
+
+    names = tuple(autotune.CUTLASS_PREFIX + n for n in grouped_fp8.ops.grouped_configs(2, E4M3, torch.float32, 90, 2))
+    if len(names) < 2:
+        pytest.skip("this build has one FP8 wgrad configuration")
+    runs = []
+
+    def fake_wgrad_out(dy_t, x_t, offs, scale_dy, scale_x, out, accumulate, config=-1):
+        runs.append((config, out.data_ptr()))
+        out.add_(1.0) if accumulate else out.fill_(1.0)
+    monkeypatch.setattr(grouped_fp8, "_use_kernel", lambda device: True)
+    monkeypatch.setattr(grouped_fp8.ops, "grouped_mm_wgrad_fp8_out", fake_wgrad_out)
+    offs = torch.tensor([100, 100, 300, 310], dtype=torch.int32)
+    dy8, sdy = quantize_fp8(torch.randn(310, 256).bfloat16(), (1, 128), transpose=True, offs=offs)
+    x8, sx = quantize_fp8(torch.randn(310, 128).bfloat16(), (1, 128), transpose=True, offs=offs)
+    gpu["times"][names[-1]] = 0.5
+    out = torch.zeros(4, 256, 128)
+    distgemm.grouped_mm_wgrad(dy8, x8, offs, scale_dy=sdy, scale_x=sx, out=out, accumulate=True)
+    assert torch.equal(out, torch.ones_like(out)), "the timing runs added into the call's output"
+    key = f"sm90|grouped-wgrad|G4|T{dy8.shape[1]}|256x128|torch.float8_e4m3fn->torch.float32|scale:2|acc:1|torch:0"
+    assert autotune.lookup(key) == names[-1] and runs[-1] == (len(names) - 1, out.data_ptr())
+    runs.clear()
+    distgemm.grouped_mm_wgrad(dy8, x8, offs, scale_dy=sdy, scale_x=sx, out=out, accumulate=True)
+    assert runs == [(len(names) - 1, out.data_ptr())] and gpu["timings"] == 1
