@@ -118,3 +118,22 @@ def test_routing_is_checked_against_x():
 def test_permute_of_no_tokens(fp8):
     p = moe.permute(torch.empty(0, 256).bfloat16(), torch.empty(0, 2, dtype=torch.int64), 4, fp8=fp8)
     assert p.offs.tolist() == [0, 0, 0, 0] and (p.rows if fp8 is None else p.rows_fp8).shape == (0, 256)
+
+
+@pytest.mark.parametrize("fp8", [None, "block"])
+def test_layer_bench_unfused_variant_is_the_same_layer(fp8):
+    # The moe_layer suite's permute-then-quantize variant must compute what MoEExperts computes
+    # (bit for bit on these paths), or its ratio measures something else.
+    from distgemm.bench.moe_layer_suite import _PermutedMoE, routing
+    from distgemm.nn import MoEExperts
+
+    torch.manual_seed(0)
+    ids, w = routing(40, 5, 2, True, "cpu")
+    layer = MoEExperts(5, 128, 64, fp8=fp8)
+    x = torch.randn(40, 128).bfloat16()
+    xs, xp = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out, ref = layer(xs, ids, w), _PermutedMoE(layer)(xp, ids, w)
+    assert torch.equal(out, ref)
+    out.float().sum().backward()
+    ref.float().sum().backward()
+    assert torch.equal(xs.grad, xp.grad)

@@ -66,6 +66,22 @@ class _TorchMoE(torch.nn.Module):
         return out.to(x.dtype)
 
 
+class _PermutedMoE(torch.nn.Module):
+    """An MoEExperts layer run the unfused way: permute (the bf16 rows), the experts on them,
+    unpermute; the same parameters. It measures what gathering in the quantization pass saves."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x, topk_ids, topk_weights):
+        from distgemm import moe
+
+        p = moe.permute(x, topk_ids, self.layer.num_experts)
+        y = self.layer.experts(p.rows, p.offs)
+        return moe.unpermute(y, p.row_map, topk_weights, topk_ids, self.layer.num_experts)
+
+
 def _adapt(layer, topk_ids, topk_weights):
     """The layer as moe_suite._step calls a layer: (x, offs) -> output; x's gradient starts anew
     every call, as the parameters' do."""
@@ -100,6 +116,9 @@ def run(out_dir: str, quick: bool) -> Dict[str, object]:
                 call = _adapt(m, topk_ids, topk_weights)
                 steps[name] = _step(call, x, None, dy, list(m.parameters()), grads)
                 forwards[name] = (lambda c: lambda: c(x, None))(call)
+            unfused = _PermutedMoE(layers["distgemm block"])
+            steps["distgemm block, permuted"] = _step(_adapt(unfused, topk_ids, topk_weights), x, None, dy,
+                                                      list(unfused.parameters()), grads)
             ref = layers["distgemm bf16"].experts
             tl = _TorchMoE(ref.fc1_weight, ref.fc2_weight)
             call = _adapt(tl, topk_ids, topk_weights)
@@ -125,6 +144,9 @@ def run(out_dir: str, quick: bool) -> Dict[str, object]:
                              "bwd_tflops": round(2 * flops_fwd / bwd / 1e9, 1), "peak_mb": _peak_mb(steps[name])}
             for name in names[:2]:
                 row[name]["vs_torch_bf16"] = round(step_ms["torch bf16"] / step_ms[name], 3)
+            # The gather in the FP8 quantization pass against permute-then-quantize, same layer.
+            row["distgemm block"]["permuted_step_ms"] = round(step_ms["distgemm block, permuted"], 4)
+            row["distgemm block"]["vs_permuted"] = round(step_ms["distgemm block, permuted"] / step_ms["distgemm block"], 3)
             label = f"{experts}e top{k} H{hidden} F{ffn} T{tokens} {routed}"
             cols = {}
             for name in names:
@@ -132,6 +154,7 @@ def run(out_dir: str, quick: bool) -> Dict[str, object]:
                 cols[name.replace("distgemm ", "")] = (f"{r['step_ms']:.2f}ms (fwd {r['fwd_tflops']:.0f} / "
                                                        f"bwd {r['bwd_tflops']:.0f} TF/s)")
             cols.update({f"{n.split()[-1]}/torch": f"{row[n]['vs_torch_bf16']:.2f}x" for n in names[:2]})
+            cols["block/permuted"] = f"{row['distgemm block']['vs_permuted']:.2f}x"
             cols["mem block/torch"] = f"{row['distgemm block']['peak_mb'] / max(row['torch bf16']['peak_mb'], 1):.2f}x"
             print_row(label, cols)
             if not skewed:
