@@ -1,8 +1,9 @@
 // An MoE layer's expert MLP in FP8 through distgemm's C API, without Python: every expert's
 // fc1 -> SwiGLU -> fc2 with DeepSeek-V3's block scales (1 x 128 activations, 128 x 128 weights).
 //   dg_quantize_fp8_weight: each weight's FP8 copy and its scales, in the layout the GEMM reads;
-//   dg_moe_activation:      x quantized per 1 x 128 in one pass; then the SwiGLU of fc1's output
-//                           quantized for fc2 in the same pass that computes it;
+//   dg_moe_permute:         the tokens gathered into expert order (the rows a router's choice
+//                           gives) and quantized per 1 x 128 in the same pass;
+//   dg_moe_activation:      the SwiGLU of fc1's output quantized for fc2 in the pass that computes it;
 //   dg_grouped_gemm:        each projection for every expert in one launch, the group ends on the GPU.
 // Checked against a host reference on a sample of rows; prints the forward's time.
 // Without an sm_90 GPU it says so and exits 0 (it still shows the build against distgemm::core).
@@ -10,6 +11,7 @@
 #include <cuda_runtime.h>
 #include <distgemm/distgemm.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <random>
@@ -90,6 +92,11 @@ int main() {
 
   std::mt19937 rng(0);
   std::normal_distribution<float> normal(0.f, 1.f);
+  // The tokens in their own order; row r of the layer reads token source[r] (a router's choice,
+  // here a shuffle).
+  std::vector<int64_t> source(tokens);
+  for (int32_t r = 0; r < tokens; ++r) source[r] = r;
+  std::shuffle(source.begin(), source.end(), std::mt19937(1));
   std::vector<__nv_bfloat16> x(size_t(tokens) * hidden), w1(size_t(groups) * 2 * ffn * hidden),
       w2(size_t(groups) * hidden * ffn);
   for (auto& v : x) v = __float2bfloat16(normal(rng));
@@ -100,6 +107,7 @@ int main() {
   auto* dw1 = device_alloc<__nv_bfloat16>(w1.size());
   auto* dw2 = device_alloc<__nv_bfloat16>(w2.size());
   auto* doffs = device_alloc<int32_t>(groups);
+  auto* dsource = device_alloc<int64_t>(tokens);
   auto* w1_8 = device_alloc<uint8_t>(w1.size());
   auto* w2_8 = device_alloc<uint8_t>(w2.size());
   auto* s1 = device_alloc<float>(groups * blocks(2 * ffn) * blocks(hidden));
@@ -112,8 +120,8 @@ int main() {
   auto* a8 = device_alloc<uint8_t>(size_t(tokens) * ffn);
   auto* sa = device_alloc<float>(blocks(ffn) * tokens);
   auto* y = device_alloc<__nv_bfloat16>(size_t(tokens) * hidden);
-  if (!dx || !dw1 || !dw2 || !doffs || !w1_8 || !w2_8 || !s1 || !s1_kn || !s2 || !s2_kn || !x8 || !sx || !h || !a8 ||
-      !sa || !y) {
+  if (!dx || !dw1 || !dw2 || !doffs || !dsource || !w1_8 || !w2_8 || !s1 || !s1_kn || !s2 || !s2_kn || !x8 || !sx ||
+      !h || !a8 || !sa || !y) {
     std::fprintf(stderr, "cudaMalloc failed\n");
     return 1;
   }
@@ -121,6 +129,7 @@ int main() {
   CHECK_CUDA(cudaMemcpy(dw1, w1.data(), w1.size() * sizeof(w1[0]), cudaMemcpyHostToDevice));
   CHECK_CUDA(cudaMemcpy(dw2, w2.data(), w2.size() * sizeof(w2[0]), cudaMemcpyHostToDevice));
   CHECK_CUDA(cudaMemcpy(doffs, offs.data(), offs.size() * sizeof(offs[0]), cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(dsource, source.data(), source.size() * sizeof(source[0]), cudaMemcpyHostToDevice));
   cudaStream_t stream;
   CHECK_CUDA(cudaStreamCreate(&stream));
 
@@ -140,20 +149,23 @@ int main() {
     CHECK_DG(dg_quantize_fp8_weight(&q, stream));
   }
 
-  dg_moe_act_desc quant_x{};  // x -> FP8 rows per 1 x 128
-  quant_x.act = DG_MOE_IDENTITY;
-  quant_x.x = dx;
-  quant_x.tokens = tokens;
-  quant_x.inner = hidden;
-  quant_x.y_fp8 = x8;
-  quant_x.y_scale = sx;
-  quant_x.fp8_dtype = DG_E4M3;
-  dg_moe_act_desc swiglu = quant_x;  // fc1's output -> silu(gate) * up -> FP8 rows for fc2
+  dg_moe_permute_desc permute{};  // the tokens -> FP8 rows in expert order, per 1 x 128
+  permute.x = dx;
+  permute.x_rows = tokens;
+  permute.rows = dsource;
+  permute.num_rows = tokens;
+  permute.hidden = hidden;
+  permute.y_fp8 = x8;
+  permute.y_scale = sx;
+  permute.fp8_dtype = DG_E4M3;
+  dg_moe_act_desc swiglu{};  // fc1's output -> silu(gate) * up -> FP8 rows for fc2
   swiglu.act = DG_MOE_SWIGLU;
   swiglu.x = h;
+  swiglu.tokens = tokens;
   swiglu.inner = ffn;
   swiglu.y_fp8 = a8;
   swiglu.y_scale = sa;
+  swiglu.fp8_dtype = DG_E4M3;
   const dg_grouped_desc fc1 = fp8_forward(doffs, groups, tokens, 2 * ffn, hidden, x8, sx, w1_8, s1_kn, h);
   const dg_grouped_desc fc2 = fp8_forward(doffs, groups, tokens, hidden, ffn, a8, sa, w2_8, s2_kn, y);
   size_t bytes1 = 0, bytes2 = 0;
@@ -162,7 +174,7 @@ int main() {
   void* workspace = device_alloc<uint8_t>(bytes1 > bytes2 ? bytes1 : bytes2);
   if (!workspace) return 1;
   auto forward = [&]() -> int {
-    CHECK_DG(dg_moe_activation(&quant_x, stream));
+    CHECK_DG(dg_moe_permute(&permute, stream));
     CHECK_DG(dg_grouped_gemm(&fc1, workspace, bytes1, stream));
     CHECK_DG(dg_moe_activation(&swiglu, stream));
     CHECK_DG(dg_grouped_gemm(&fc2, workspace, bytes2, stream));
@@ -192,7 +204,7 @@ int main() {
       for (int64_t f = 0; f < ffn; ++f) {
         float gate = 0.f, up = 0.f;
         for (int64_t i = 0; i < hidden; ++i) {
-          const float xv = __bfloat162float(x[size_t(r) * hidden + i]);
+          const float xv = __bfloat162float(x[size_t(source[r]) * hidden + i]);
           gate += xv * __bfloat162float(w1[(size_t(g) * 2 * ffn + f) * hidden + i]);
           up += xv * __bfloat162float(w1[(size_t(g) * 2 * ffn + ffn + f) * hidden + i]);
         }
@@ -213,11 +225,11 @@ int main() {
       "FP8 expert MLP forward: %d experts, %d tokens, hidden %lld, ffn %lld: %.3f ms (%.0f TFLOP/s), "
       "relative error %.3f against FP32\n",
       groups, tokens, static_cast<long long>(hidden), static_cast<long long>(ffn), ms / iters, tflops, rel);
-  for (void* p :
-       {static_cast<void*>(dx), static_cast<void*>(dw1), static_cast<void*>(dw2), static_cast<void*>(doffs),
-        static_cast<void*>(w1_8), static_cast<void*>(w2_8), static_cast<void*>(s1), static_cast<void*>(s1_kn),
-        static_cast<void*>(s2), static_cast<void*>(s2_kn), static_cast<void*>(x8), static_cast<void*>(sx),
-        static_cast<void*>(h), static_cast<void*>(a8), static_cast<void*>(sa), static_cast<void*>(y), workspace})
+  for (void* p : {static_cast<void*>(dx), static_cast<void*>(dw1), static_cast<void*>(dw2), static_cast<void*>(doffs),
+                  static_cast<void*>(dsource), static_cast<void*>(w1_8), static_cast<void*>(w2_8),
+                  static_cast<void*>(s1), static_cast<void*>(s1_kn), static_cast<void*>(s2), static_cast<void*>(s2_kn),
+                  static_cast<void*>(x8), static_cast<void*>(sx), static_cast<void*>(h), static_cast<void*>(a8),
+                  static_cast<void*>(sa), static_cast<void*>(y), workspace})
     cudaFree(p);
   return rel < 0.1 ? 0 : 2;
 }
