@@ -44,6 +44,18 @@ struct ActOutputs {
   }
 };
 
+// Asks `size` for the workspace desc needs, hands it one, and runs `run` on the current stream.
+template <class Desc>
+void run_with_workspace(Desc* desc, dg_status (*size)(const Desc*, size_t*),
+                        dg_status (*run)(const Desc*, cudaStream_t), const at::Device& device, const char* op) {
+  size_t bytes = 0;
+  check(size(desc, &bytes), op);
+  const at::Tensor ws = workspace(bytes, device);
+  desc->workspace = bytes ? ws.data_ptr() : nullptr;
+  desc->workspace_bytes = bytes;
+  check(run(desc, current_stream()), op);
+}
+
 // x (T, C or 2C) bf16 [, dy (T, C)] -> (y, y_fp8, y_scale, yt_fp8, yt_scale) (see ActOutputs).
 // With rows (int64 (R,), the identity only): the permute, row r of the outputs reading x row
 // rows[r] (dg_moe_permute).
@@ -99,12 +111,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_act(
     desc.num_rows = rows.numel();
     desc.hidden = inner;
     ActOutputs out(&desc, x.options(), rows.numel(), y_cols, offs, want_y, want_fp8, want_t, fp8_dtype);
-    size_t bytes = 0;
-    check(dg_moe_permute_workspace_size(&desc, &bytes), kOp);
-    at::Tensor ws = workspace(bytes, x.device());
-    desc.workspace = bytes ? ws.data_ptr() : nullptr;
-    desc.workspace_bytes = bytes;
-    check(dg_moe_permute(&desc, current_stream()), kOp);
+    run_with_workspace(&desc, dg_moe_permute_workspace_size, dg_moe_permute, x.device(), kOp);
     return {out.y, out.y8, out.sy, out.yt8, out.syt};
   }
   const at::Tensor dy = dy_in ? dy_in->contiguous() : at::Tensor();
@@ -116,12 +123,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_act(
   desc.tokens = x.size(0);
   desc.inner = inner;
   ActOutputs out(&desc, x.options(), x.size(0), y_cols, offs, want_y, want_fp8, want_t, fp8_dtype);
-  size_t bytes = 0;
-  check(dg_moe_activation_workspace_size(&desc, &bytes), kOp);
-  at::Tensor ws = workspace(bytes, x.device());
-  desc.workspace = bytes ? ws.data_ptr() : nullptr;
-  desc.workspace_bytes = bytes;
-  check(dg_moe_activation(&desc, current_stream()), kOp);
+  run_with_workspace(&desc, dg_moe_activation_workspace_size, dg_moe_activation, x.device(), kOp);
   return {out.y, out.y8, out.sy, out.yt8, out.syt};
 }
 
