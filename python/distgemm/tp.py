@@ -29,8 +29,8 @@ import torch.distributed as dist
 
 from . import _settings
 from ._checks import FLOAT8, block_scales, check_flags, check_scalars, check_tp_operands
-from ._library import aligned16, device_arch, has_kernels, kernel_arch, ops, warn_once
-from .dense import _flat, gemm_unchecked, grad_of_c, kernel_out_dtype, kernel_ready
+from ._library import aligned16, kernel_arch, ops, warn_once
+from .dense import _config_names, _flat, gemm_unchecked, grad_of_c, kernel_out_dtype, kernel_ready
 
 # distgemm never uses NVLink multicast: symmetric memory must not create multicast objects.
 _settings.set_environment({"TORCH_SYMM_MEM_DISABLE_MULTICAST": _settings.MULTICAST_OFF["TORCH_SYMM_MEM_DISABLE_MULTICAST"]})
@@ -200,8 +200,7 @@ def _use_fused(group: dist.ProcessGroup, device: torch.device) -> bool:
     state = _state(group)
     backend = _backend()
     if state.fused is None:
-        capable = (device.type == "cuda" and dist.get_backend(group) == "nccl" and has_kernels(device)
-                   and device_arch(device) == 90 and state.size <= 64)
+        capable = (dist.get_backend(group) == "nccl" and kernel_arch(device) == 90 and state.size <= 64)
         votes = state.exchange("fused", f"{int(capable)}{int(backend != 'collectives')}")
         state.fused = _decide_fused(votes, state.name)
         if not state.fused and backend == "fused":
@@ -491,12 +490,6 @@ def _kernel_c(c, beta, out_dtype):
     return aligned16(c.reshape(-1).to(out_dtype).contiguous()), beta
 
 
-@functools.lru_cache(maxsize=None)
-def _configs(arch, a_dtype, b_dtype, out_dtype, fast_accum) -> tuple:
-    """Names of the K-major kernels built for these dtypes."""
-    return tuple(ops.gemm_configs(a_dtype, b_dtype, out_dtype, True, arch, fast_accum))
-
-
 def _fused_operands(a, b, out_dtype, fast_accum, kind=_AG, row_scales=False, rows_per_rank=0):
     """(a, b, fast_accum) as the fused ops' GEMMs take them, or None when they cannot run
     these dtypes and sizes. Decided from dtypes and sizes alone, which the ranks share: a layout
@@ -508,7 +501,7 @@ def _fused_operands(a, b, out_dtype, fast_accum, kind=_AG, row_scales=False, row
     kernel_dtype, fast = kernel_out_dtype(a.dtype, b.dtype, out_dtype, arch, fast_accum)
     if kernel_dtype != out_dtype:
         return None
-    configs = _configs(arch, a.dtype, b.dtype, out_dtype, fast)
+    configs = _config_names(a.dtype, b.dtype, out_dtype, True, arch, fast)
     # The fused reduce-scatter's ring steps wait for their C operand in the epilogue, which only
     # the cooperative kernels run.
     if kind == _RS and a.dtype in FLOAT8 and not any(name.startswith("coop") for name in configs):
