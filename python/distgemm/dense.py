@@ -387,9 +387,8 @@ def gemm_unchecked(a, b, c, alpha, beta, out_dtype, scale_a=None, scale_b=None, 
     call = _Call(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast, kernel_dtype, arch, signature)
     # 16-bit calls are tuned where the kernel gives out_dtype itself (the key does not name a cast).
     if (a.dtype in FLOAT8 or kernel_dtype == out_dtype) and _DISPATCH.active():
-        chosen = _DISPATCH.choose(_problem_key(call, arch), call,
-                                  _candidates(a.dtype, b.dtype, kernel_dtype, _k_major(call.kb), arch, fast),
-                                  a.device)
+        candidates = _candidates(a.dtype, b.dtype, kernel_dtype, _k_major(call.kb), arch, fast)
+        chosen = _DISPATCH.choose(_problem_key(call, arch), call, candidates, a.device)
         if chosen is not None:
             return _run(call, chosen)
     _DISPATCH.record("cutlass")

@@ -191,16 +191,17 @@ def _tp_settings() -> list:
     return _core_settings_of[1]
 
 
-def _use_fused(group: dist.ProcessGroup, device: torch.device) -> bool:
+def _use_fused(group: dist.ProcessGroup, arch: int) -> bool:
     """Whether this call may take the fused path. The group decides once, all ranks together (a
     bounded exchange): fused where every rank can (NCCL, sm_90 kernels, peer-mappable memory)
     and wants to (DISTGEMM_TP_BACKEND is not `collectives`). A call that then takes the
     collectives path on a fused group (operands the fused kernels cannot take, or the setting
-    changed since) says so to its peers first (_agree_before_collectives)."""
+    changed since) says so to its peers first (_agree_before_collectives). `arch`: kernel_arch of
+    the call's device."""
     state = _state(group)
     backend = _backend()
     if state.fused is None:
-        capable = (dist.get_backend(group) == "nccl" and kernel_arch(device) == 90 and state.size <= 64)
+        capable = dist.get_backend(group) == "nccl" and arch == 90 and state.size <= 64
         votes = state.exchange("fused", f"{int(capable)}{int(backend != 'collectives')}")
         state.fused = _decide_fused(votes, state.name)
         if not state.fused and backend == "fused":
@@ -490,14 +491,13 @@ def _kernel_c(c, beta, out_dtype):
     return aligned16(c.reshape(-1).to(out_dtype).contiguous()), beta
 
 
-def _fused_operands(a, b, out_dtype, fast_accum, kind=_AG, row_scales=False, rows_per_rank=0):
+def _fused_operands(a, b, out_dtype, fast_accum, arch: int, kind=_AG, row_scales=False, rows_per_rank=0):
     """(a, b, fast_accum) as the fused ops' GEMMs take them, or None when they cannot run
     these dtypes and sizes. Decided from dtypes and sizes alone, which the ranks share: a layout
     or an alignment the kernels cannot read is copied, never a reason for one rank to take
     another path than its peers (it would wait for them in vain)."""
     if a.shape[1] * a.element_size() % 16 or b.shape[0] * out_dtype.itemsize % 16:
         return None
-    arch = kernel_arch(a.device)
     kernel_dtype, fast = kernel_out_dtype(a.dtype, b.dtype, out_dtype, arch, fast_accum)
     if kernel_dtype != out_dtype:
         return None
@@ -536,7 +536,8 @@ def _all_gather_matmul_eager(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, 
         _raise_on_error_word(a.get_device())
     a = a.contiguous()
     # Every call takes part in the group's choice; 128-block scales run the collectives path.
-    fused = _use_fused(group, a.device) and mode != "block" and _fused_operands(a, b, out_dtype, fast_accum)
+    arch = kernel_arch(a.device)
+    fused = _use_fused(group, arch) and mode != "block" and _fused_operands(a, b, out_dtype, fast_accum, arch)
     if fused:
         a, b, fast = fused
         bias_or_c, beta = _kernel_c(c, beta, out_dtype)
@@ -568,8 +569,9 @@ def _matmul_reduce_scatter_eager(a, b, c, alpha, beta, out_dtype, scale_a, scale
     full_c = c is not None and c.dim() == 2 and c.shape[0] != 1
     bias = None if c is None or full_c else c.reshape(-1)
     a = a.contiguous()
-    fused = _use_fused(group, a.device) and mode != "block" and _fused_operands(
-        a, b, out_dtype, fast_accum, _RS, mode == "row", a.shape[0] // world)
+    arch = kernel_arch(a.device)
+    fused = _use_fused(group, arch) and mode != "block" and _fused_operands(
+        a, b, out_dtype, fast_accum, arch, _RS, mode == "row", a.shape[0] // world)
     if fused:
         a, b, fast = fused
         bias_c, bias_beta = _kernel_c(bias, beta, out_dtype)
