@@ -547,8 +547,8 @@ def _all_gather_matmul_eager(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, 
     _agree_before_collectives(group, _AG, a, a.shape[0] * world, b.shape[0], out_dtype, scale_a,
                               (tuple(a.shape), str(a.dtype), str(out_dtype), mode))
     gathered = _all_gather(a, group)
-    out = gemm_unchecked(gathered, b, c, alpha, beta, out_dtype,
-                         _gathered_scale_a(scale_a, a.shape[0], group, mode == "block"), scale_b, fast_accum)
+    gathered_scale = _gathered_scale_a(scale_a, a.shape[0], group, mode == "block")
+    out = gemm_unchecked(gathered, b, c, alpha, beta, out_dtype, gathered_scale, scale_b, fast_accum)
     return out, (gathered if return_gathered else None)
 
 
