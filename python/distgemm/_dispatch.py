@@ -60,6 +60,11 @@ def configs(names: Iterable[str], run_config: Callable, why_not: Optional[Callab
                  for i, name in enumerate(names))
 
 
+class VendorRefused(RuntimeError):
+    """A vendor call's own checks refused a call (raised as TypeError, AttributeError or
+    ImportError, which from our kernels would be bugs and propagate)."""
+
+
 class Dispatcher:
     """An op's kernel choice and its table of repeat calls (see the module's docstring)."""
 
@@ -95,8 +100,18 @@ class Dispatcher:
             if run_on[0] is None:
                 run_on[0] = call if timed is None else timed()
             return run_on[0]
-        name = autotune.choose(key, {c.name: (lambda c=c: c.run(timing_call())) for c in takers}, prefer=prefer,
-                               device=device)
+
+        def trial(c):
+            if not c.vendor:
+                return lambda: c.run(timing_call())
+
+            def run_vendor():  # a vendor's checks differ by torch version: any error of theirs is a refusal
+                try:
+                    return c.run(timing_call())
+                except (TypeError, AttributeError, ImportError) as e:
+                    raise VendorRefused(f"{c.name}: {e}") from e
+            return run_vendor
+        name = autotune.choose(key, {c.name: trial(c) for c in takers}, prefer=prefer, device=device)
         return next((c for c in takers if c.name == name), None)
 
     @staticmethod

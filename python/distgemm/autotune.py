@@ -206,10 +206,10 @@ def _pick(best: Dict[str, float], prefer: Optional[str]) -> str:
     return choice
 
 
-# What a candidate's trial run may raise to say that it does not take the call: a kernel that
-# cannot implement the problem, a vendor call whose own checks (they differ by torch version)
-# refuse it.
-REFUSALS = (RuntimeError, ValueError, TypeError, NotImplementedError, ImportError, AttributeError)
+# What a candidate's trial run may raise to say that it does not take the call (a kernel that
+# cannot implement the problem, a vendor call whose checks refuse it). Anything else is a bug
+# and propagates.
+REFUSALS = (RuntimeError, ValueError, NotImplementedError)
 
 
 def choose(key: str, candidates: Dict[str, Callable[[], object]], prefer: Optional[str] = None,

@@ -177,3 +177,19 @@ def test_grouped_pass_keys_and_scratch():
     wgrad = GroupedPass(torch.zeros(64, 512), torch.zeros(32, 512), offs, None, False, (4, 64, 32), torch.float32)
     assert wgrad.key("wgrad", 512, 2) == "sm90|grouped-wgrad|G4|T512|64x32|torch.float32->torch.float32|scale:2|acc:0|torch:0"
     assert wgrad.destination().shape == (4, 64, 32)
+
+
+def test_a_vendor_type_error_is_a_refusal_and_ours_is_a_bug(timed):
+    d = Dispatcher("test")
+    timed["times"].update({"ours": 1.0, "other": 2.0, "vendor": 0.1})
+
+    def raising(exc):
+        def run(call):
+            raise exc("unexpected argument")
+        return run
+    vendor = Candidate("vendor", raising(TypeError), vendor=True)
+    takers = candidates(timed, ["ours", "other"]) + (vendor,)
+    assert d.choose("k", "call", takers).name == "ours"  # the vendor's TypeError: left out
+    broken = Candidate("broken", raising(AttributeError))
+    with pytest.raises(AttributeError, match="unexpected argument"):  # ours: a bug, never hidden
+        d.choose("k-bug", "call", candidates(timed, ["ours"]) + (broken,))
