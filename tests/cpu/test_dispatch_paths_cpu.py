@@ -361,3 +361,20 @@ def test_fp8_wgrad_times_its_configs_into_a_scratch_and_adds_once(gpu, monkeypat
     runs.clear()
     distgemm.grouped_mm_wgrad(dy8, x8, offs, scale_dy=sdy, scale_x=sx, out=out, accumulate=True)
     assert runs == [(len(names) - 1, out.data_ptr())] and gpu["timings"] == 1
+
+
+def test_autograd_calls_take_the_settled_runner_and_the_dgrad_its_own_problem(gpu):
+    # gemm with grads: the forward (inside autograd's Function) runs the runner the first call
+    # settled; the dgrad reads b N-major in place, a problem of its own (b:N in its key).
+    a, b = bf16()
+    gpu["times"]["cublas"] = 0.5
+    a.requires_grad_()
+    out = distgemm.gemm(a, b)
+    out.float().sum().backward()
+    assert autotune.lookup("sm90|32x48x64|torch.bfloat16->torch.bfloat16|b:K|c:none|cublas:1") == "cublas"
+    assert autotune.lookup("sm90|32x64x48|torch.bfloat16->torch.bfloat16|b:N|c:none|cublas:1") == "cublas"
+    timings = gpu["timings"]
+    gpu["ran"].clear()
+    distgemm.gemm(a, b).float().sum().backward()
+    assert gpu["timings"] == timings and gpu["ran"] == ["cublas", "cublas"]  # forward, dgrad: nothing timed
+    torch.testing.assert_close(a.grad.float(), 2 * b.float().sum(0).expand(32, 64), rtol=2e-2, atol=2e-2)
