@@ -815,16 +815,7 @@ cudaError_t launch_act(const ActProblem& p, cudaStream_t stream) {
 }
 
 cudaError_t launch_weight_quantize(const WeightProblem& p, cudaStream_t stream) {
-  switch (p.w_dtype) {
-    case DG_BF16:
-      return launch_weight_for_input<Bf16>(p, stream);
-    case DG_F16:
-      return launch_weight_for_input<F16>(p, stream);
-    case DG_F32:
-      return launch_weight_for_input<F32>(p, stream);
-    default:
-      return cudaErrorInvalidValue;
-  }
+  return quant::with_input_type(p.w_dtype, [&](auto in) { return launch_weight_for_input<decltype(in)>(p, stream); });
 }
 
 }  // namespace distgemm::moe

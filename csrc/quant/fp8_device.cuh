@@ -256,5 +256,21 @@ __device__ __forceinline__ int64_t find_group(const int32_t* __restrict__ ends, 
   return lo;
 }
 
+// f(In{}) with In the input type of `dtype` (Bf16, F16 or F32): the quantizers' one switch over
+// their input dtype; cudaErrorInvalidValue for another.
+template <class F>
+cudaError_t with_input_type(dg_dtype dtype, F&& f) {
+  switch (dtype) {
+    case DG_BF16:
+      return f(Bf16{});
+    case DG_F16:
+      return f(F16{});
+    case DG_F32:
+      return f(F32{});
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
+
 }  // namespace
 }  // namespace distgemm::quant

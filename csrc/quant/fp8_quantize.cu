@@ -359,16 +359,7 @@ cudaError_t launch_for_input(const QuantizeProblem& p, cudaStream_t stream) {
 }  // namespace
 
 cudaError_t launch_quantize_fp8(const QuantizeProblem& p, cudaStream_t stream) {
-  switch (p.x_dtype) {
-    case DG_BF16:
-      return launch_for_input<Bf16>(p, stream);
-    case DG_F16:
-      return launch_for_input<F16>(p, stream);
-    case DG_F32:
-      return launch_for_input<F32>(p, stream);
-    default:
-      return cudaErrorInvalidValue;
-  }
+  return with_input_type(p.x_dtype, [&](auto in) { return launch_for_input<decltype(in)>(p, stream); });
 }
 
 }  // namespace distgemm::quant
