@@ -60,6 +60,14 @@ def configs(names: Iterable[str], run_config: Callable, why_not: Optional[Callab
                  for i, name in enumerate(names))
 
 
+def recording(name: str, run: Callable) -> Callable:
+    """run(*operands), recording `name` as what the call ran (for calls never traced)."""
+    def recorded(*operands):
+        autotune.record_eager(name)
+        return run(*operands)
+    return recorded
+
+
 class VendorRefused(RuntimeError):
     """A vendor call's own checks refused a call (raised as TypeError, AttributeError or
     ImportError, which from our kernels would be bugs and propagate)."""
@@ -136,13 +144,7 @@ class Dispatcher:
         16-bit runners, where one Python frame more shows in the host time)."""
         if signature is None or _is_compiling():
             return
-        if name is not None:
-            inner = run
-
-            def run(*operands):
-                autotune.record_eager(name)
-                return inner(*operands)
-        self.calls.put(signature, run)
+        self.calls.put(signature, run if name is None else recording(name, run))
 
     @staticmethod
     def record(name: str) -> None:

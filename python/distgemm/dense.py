@@ -12,7 +12,7 @@ from . import autotune
 from ._checks import (FLOAT8, FLOAT16, block_scales, check_flags, check_operands, check_scalars, needs_autograd,
                       require_fp8_scales)
 from ._library import aligned16, kernel_arch, ops, warn_once
-from ._dispatch import Candidate, Dispatcher, configs
+from ._dispatch import Candidate, Dispatcher, configs, recording
 
 
 
@@ -141,7 +141,7 @@ def _config_runner(call: _Call, config: int, name: str) -> Optional[Callable]:
     alpha, beta, kernel_dtype, out_dtype, fast, n = (call.alpha, call.beta, call.kernel_dtype, call.out_dtype,
                                                      call.fast_accum, call.n)
     if call.scale_a is None:
-        if call.c is None and call.n == call.b.shape[0] and call.in_place():
+        if call.c is None and call.in_place():  # padding or a copy would show as operands not in place
             return _run_cutlass(alpha, beta, out_dtype, config, name)
         return None
     if not call.in_place():
@@ -150,14 +150,7 @@ def _config_runner(call: _Call, config: int, name: str) -> Optional[Callable]:
     def run(a, b, c, scale_a, scale_b):
         return _trim(ops.gemm(a, b, c, alpha, beta, kernel_dtype, _flat(scale_a), _flat(scale_b), fast, config),
                      n, kernel_dtype, out_dtype)
-    return _recording(name, run)
-
-
-def _recording(name: str, run: Callable) -> Callable:
-    def recorded(*operands):
-        autotune.record_eager(name)
-        return run(*operands)
-    return recorded
+    return recording(name, run)
 
 
 def _run(call: _Call, candidate: Candidate):
@@ -176,14 +169,14 @@ def _runner_of(call: _Call, candidate: Candidate) -> Optional[Callable]:
     if candidate.name == _CUBLAS:
         return _run_cublas(call.out_dtype)
     if candidate.name == _SCALED_MM:
-        return _recording(_SCALED_MM, _scaled_mm_runner(call))
+        return recording(_SCALED_MM, _scaled_mm_runner(call))
     if candidate.name == _TORCH_BLOCK:
         alpha = call.alpha
-        return _recording(_TORCH_BLOCK, lambda a, b, c, scale_a, scale_b:
+        return recording(_TORCH_BLOCK, lambda a, b, c, scale_a, scale_b:
                           _scaled_by(_block_peer(a, b, scale_a, scale_b), alpha))
     if candidate.name == _OURS_BLOCK:
         alpha, offs = call.alpha, _one_group(call.a)  # made once: a repeated call launches the GEMM alone
-        return _recording(_OURS_BLOCK, lambda a, b, c, scale_a, scale_b:
+        return recording(_OURS_BLOCK, lambda a, b, c, scale_a, scale_b:
                           _scaled_by(_block_ours(a, b, scale_a, scale_b, offs), alpha))
     return None
 
