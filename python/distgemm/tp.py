@@ -529,14 +529,14 @@ def _all_gather_matmul_eager(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, 
                              return_gathered):
     world = _state(group).size
     mode = _scale_mode(b, scale_a, scale_b)
+    arch = kernel_arch(a.device)  # read once, handed to every GEMM of the call
     if world == 1:
-        out = gemm_unchecked(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum)
+        out = gemm_unchecked(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, arch)
         return out, (a if return_gathered else None)
     if a.is_cuda:
         _raise_on_error_word(a.get_device())
     a = a.contiguous()
     # Every call takes part in the group's choice; 128-block scales run the collectives path.
-    arch = kernel_arch(a.device)
     fused = _use_fused(group, arch) and mode != "block" and _fused_operands(a, b, out_dtype, fast_accum, arch)
     if fused:
         a, b, fast = fused
@@ -548,7 +548,7 @@ def _all_gather_matmul_eager(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, 
                               (tuple(a.shape), str(a.dtype), str(out_dtype), mode))
     gathered = _all_gather(a, group)
     gathered_scale = _gathered_scale_a(scale_a, a.shape[0], group, mode == "block")
-    out = gemm_unchecked(gathered, b, c, alpha, beta, out_dtype, gathered_scale, scale_b, fast_accum)
+    out = gemm_unchecked(gathered, b, c, alpha, beta, out_dtype, gathered_scale, scale_b, fast_accum, arch)
     return out, (gathered if return_gathered else None)
 
 
@@ -562,14 +562,14 @@ def _matmul_reduce_scatter(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fa
 def _matmul_reduce_scatter_eager(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, group):
     world = _state(group).size
     mode = _scale_mode(b, scale_a, scale_b)
+    arch = kernel_arch(a.device)  # read once, handed to every GEMM of the call
     if world == 1:
-        return gemm_unchecked(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum)
+        return gemm_unchecked(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, arch)
     if a.is_cuda:
         _raise_on_error_word(a.get_device())
     full_c = c is not None and c.dim() == 2 and c.shape[0] != 1
     bias = None if c is None or full_c else c.reshape(-1)
     a = a.contiguous()
-    arch = kernel_arch(a.device)
     fused = _use_fused(group, arch) and mode != "block" and _fused_operands(
         a, b, out_dtype, fast_accum, arch, _RS, mode == "row", a.shape[0] // world)
     if fused:
@@ -581,7 +581,7 @@ def _matmul_reduce_scatter_eager(a, b, c, alpha, beta, out_dtype, scale_a, scale
         _agree_before_collectives(group, _RS, a, a.shape[0] // world, b.shape[0], out_dtype, scale_a,
                                   (a.shape[0], b.shape[0], str(out_dtype)))
         # FP32 partial sums (rounded to bfloat16 first where block scales take the FP8 kernel)
-        partial = gemm_unchecked(a, b, None, alpha, 0.0, torch.float32, scale_a, scale_b, fast_accum)
+        partial = gemm_unchecked(a, b, None, alpha, 0.0, torch.float32, scale_a, scale_b, fast_accum, arch)
         out = _reduce_scatter(partial, group)
         if bias is not None:
             out = out + beta * bias.to(out_dtype).float()
