@@ -40,6 +40,7 @@ _OP_NAMES = {_AG: "distgemm.all_gather_matmul", _RS: "distgemm.matmul_reduce_sca
 _ALGOS = {"auto": 0, "fused": 1, "decomposed": 2}  # dg_tp_algo
 
 # Error word (see csrc/tp/tp_kernels.cuh): reason << 24 | op << 16 | (peer + 1).
+_REASON_PEER_FAILED = 8
 _REASONS = {
     1: "is at another call (the ranks' call counts differ: an earlier call failed or was skipped on one side)",
     2: "runs another op, algorithm or piece split (DISTGEMM_TP_ALGO, DISTGEMM_TP_PIECES and "
@@ -82,6 +83,10 @@ def _raise_for_code(code: int, index: int) -> None:
     if reason == 0:
         raise TimeoutError(f"{op}: rank on cuda:{index} waited more than DISTGEMM_TIMEOUT_S={timeout_s():g} s for "
                            f"group rank {peer}, which never arrived (died, hung, or was not in the call){after}")
+    if reason == _REASON_PEER_FAILED:
+        raise TimeoutError(f"{op}: group rank {peer} had given up on the call of the rank on cuda:{index} (it "
+                           f"waited more than DISTGEMM_TIMEOUT_S={timeout_s():g} s for it, or an earlier call of "
+                           f"its failed), so this rank did not read what that rank still wrote{after}")
     raise ValueError(f"{op}: the ranks disagree: group rank {peer} {_REASONS.get(reason, 'differs')} "
                      f"(seen by the rank on cuda:{index}){after}")
 
