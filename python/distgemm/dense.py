@@ -177,10 +177,24 @@ def _runner_of(call: _Call, candidate: Candidate) -> Optional[Callable]:
         return recording(_TORCH_BLOCK, lambda a, b, c, scale_a, scale_b:
                           _scaled_by(_block_peer(a, b, scale_a, scale_b), alpha))
     if candidate.name == _OURS_BLOCK:
-        alpha, offs = call.alpha, _one_group(call.a)  # made once: a repeated call launches the GEMM alone
-        return recording(_OURS_BLOCK, lambda a, b, c, scale_a, scale_b:
-                          _scaled_by(_block_ours(a, b, scale_a, scale_b, offs), alpha))
+        return recording(_OURS_BLOCK, _block_ours_runner(call.alpha))
     return None
+
+
+def _block_ours_runner(alpha):
+    """run(a, b, c, scale_a, scale_b) on our kernel. offs is made once, at the first call outside
+    CUDA-graph capture (a repeated call launches the GEMM alone); a call being captured makes its
+    own, in the graph's memory: made during capture, offs would be filled only on replay (eager
+    calls would read unwritten memory), and a graph must not read a tensor this table may drop."""
+    offs = []
+
+    def run(a, b, c, scale_a, scale_b):
+        if _capturing(a):
+            return _scaled_by(_block_ours(a, b, scale_a, scale_b), alpha)
+        if not offs:
+            offs.append(_one_group(a))
+        return _scaled_by(_block_ours(a, b, scale_a, scale_b, offs[0]), alpha)
+    return run
 
 
 # ---------------------------------------------------------------- candidates
@@ -291,6 +305,11 @@ def _c_form(c, m: int) -> str:
 
 
 # 128-block scales: our FP8 grouped kernel with one group, or cuBLAS's block-scaled GEMM.
+def _capturing(t) -> bool:
+    """Whether work on t's device is being captured into a CUDA graph now."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def _one_group(a):
     """offs of one group of a's rows."""
     return torch.full((1,), a.shape[0], dtype=torch.int32, device=a.device)
