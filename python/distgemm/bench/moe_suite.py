@@ -93,7 +93,7 @@ def _step(layer, x, offs, dy, params, main_grads) -> Callable[[], None]:
         with torch.no_grad():
             for p in params:
                 p.mul_(1.0 - 1e-4)  # an optimizer's in-place update: FP8 copies must be made anew
-    run.params = params
+    run.params = list(params) + ([x] if x.requires_grad else [])  # whose .grad the step makes anew
     return run
 
 
