@@ -366,6 +366,53 @@ def peer_raises_then_recover(ctx: RankCtx, op: str):
     ctx.record("recover_after_timeout", not problems, "correct" if not problems else "; ".join(problems), seconds)
 
 
+def late_peer(ctx: RankCtx, op: str):
+    """Rank 1 calls only after rank 0's wait timed out, and rank 0 had enqueued its next call
+    (another problem) before it saw the failure. Rank 0: TimeoutError naming rank 1. Rank 1:
+    a TimeoutError saying rank 0 gave up, raised without another full wait, and NaN, never the
+    result of rank 0's next call's data. Then both recover() and the next calls are right."""
+    t = timeout_s()
+    limit = t + SLACK_S
+    rows = 512 if op == "ag" else 1024
+    first, second = Problem(ctx, op, rows, seed=1), Problem(ctx, op, rows, seed=2)
+    ctx.sync()
+    warm = _warm(ctx, [first])
+    name = f"late_peer_{op}"
+    if not ctx.sync():
+        ctx.record(name, False, "ranks did not meet after the warm-up", 0.0, "; ".join(warm))
+        return
+    if ctx.rank == 0:
+        start = time.monotonic()
+        outs, problems = [], list(warm)
+        try:
+            outs = [first.call(), second.call()]  # both enqueued before the host can see the first fail
+        except Exception as e:
+            problems.append(f"enqueueing two calls raised {type(e).__name__}: {e}")
+        info = attempt(ctx, second)  # a third call: synchronizes and reads the error word
+        info["seconds"] = time.monotonic() - start
+        problems += judge_error(info, "timeout", op, 1, limit)
+        if any(not bool(torch.isnan(o.float()).all()) for o in outs):
+            problems.append("an output of the calls enqueued before the failure was not poisoned (NaN)")
+    else:
+        time.sleep(t + 2.0)
+        info = attempt(ctx, first)
+        problems = warm + judge_error(info, "timeout", op, 0, t)  # at once: rank 0's mark is there
+        if info["error"] is not None and "given up" not in info["message"]:
+            problems.append(f"the message does not say the peer gave up: {info['message'][:300]}")
+    ctx.record(name, not problems, "error on both ranks" if not problems else "; ".join(problems), info["seconds"],
+               info["message"])
+    if not ctx.sync(limit + 30):
+        ctx.record(f"{name}:recover", False, "ranks did not meet before recover()", 0.0)
+        return
+    rec = try_recover(ctx)
+    problems = [] if rec["error"] is None else [f"recover() raised {rec['error']}: {rec['message'][:300]}"]
+    if not problems:
+        ctx.sync()
+        for again in (first, second):
+            problems += [f"after recover(): {p}" for p in judge_correct(attempt(ctx, again))]
+    ctx.record(f"{name}:recover", not problems, "correct" if not problems else "; ".join(problems), rec["seconds"])
+
+
 def _disagreement(ctx: RankCtx, name: str, warm_problems, mine: Problem, agreeing: Problem,
                   env_mine=None, env_agree=None, broken: Optional[list] = None):
     """The ranks make one call that differs (shape, dtype or setting): every rank must get

@@ -39,8 +39,17 @@ TpBuffers::Rows TpBuffers::rows(const RowsRef& ref) const {
 uint32_t* TpBuffers::flag(const FlagRef& f) const {
   const size_t region = f.region == FlagRegion::kConsumed ? TpHeader::kConsumed
                         : f.region == FlagRegion::kReady  ? TpHeader::kReady
+                        : f.region == FlagRegion::kFailed ? TpHeader::kFailed
                                                           : TpHeader::kStepReady;
   return peers_.word(f.owner, region, f.index);
+}
+
+FailureMarks TpBuffers::failure_marks(const Step& st) const {
+  FailureMarks marks{};
+  for (const FlagRef& f : st.failure_marks) marks.in_peers[marks.count++] = flag(f);
+  marks.seen = peers_.word(d_.rank, TpHeader::kFailed);
+  marks.world = plan_.shape.world;
+  return marks;
 }
 
 StepGemm TpBuffers::gemm(const Step& st) const {
@@ -158,10 +167,12 @@ dg_status execute(const dg_tp_desc& d, const Peers& peers, const TpPlan& plan, u
   // The peers' waits for this rank run out (bounded) and give them NaN and the error.
   const std::string message = dg_last_error();
   if (run.push && !run.joined) join_streams(*pool, stream, 1);
+  const SyncParams unconditional{};  // no error word: the fill happens whatever it says
   for (const Step& st : plan.steps) {
     if (st.kind != StepKind::kPoison) continue;
     const TpBuffers::Rows rows = buffers.rows(st.dst);
-    launch_poison_on_error(rows.data, st.dst.rows, rows.cols, rows.pitch, rows.elem_bytes, nullptr, stream);
+    launch_poison_on_error(rows.data, st.dst.rows, rows.cols, rows.pitch, rows.elem_bytes, buffers.failure_marks(st),
+                           unconditional, stream);
   }
   cudaGetLastError();  // the clean-up's own failures are not this call's error
   return fail(status, message);
@@ -194,7 +205,8 @@ dg_status run_steps(const dg_tp_desc& d, const Peers& peers, const TpPlan& plan,
           targets.started[targets.count] = buffers.flag(f);
           targets.sig_slots[targets.count++] = peers.signature(f.owner, rank);
         }
-        DG_CUDA_RETURN(launch_begin_call(peers.word(rank, TpHeader::kEpoch), targets, sig, on));
+        DG_CUDA_RETURN(launch_begin_call(peers.word(rank, TpHeader::kEpoch), targets, sig, buffers.failure_marks(st),
+                                         sync.error, on));
         break;
       }
       case StepKind::kCheckPeers: {
@@ -204,7 +216,7 @@ dg_status run_steps(const dg_tp_desc& d, const Peers& peers, const TpPlan& plan,
           checks.sig[checks.count] = peers.signature(rank, w.peer);
           checks.rank[checks.count++] = w.peer;
         }
-        DG_CUDA_RETURN(launch_check_peers(checks, sig, sync, on));
+        DG_CUDA_RETURN(launch_check_peers(checks, sig, buffers.failure_marks(st), sync, on));
         break;
       }
       case StepKind::kFork:
@@ -219,7 +231,9 @@ dg_status run_steps(const dg_tp_desc& d, const Peers& peers, const TpPlan& plan,
         ScaleTargets targets{};
         targets.dst[targets.count++] =
             reinterpret_cast<float*>(peers.base[st.peer] + plan.regions.scales) + rank * plan.shape.m;
-        DG_CUDA_RETURN(launch_scatter_scales(g.scale_a, g.scale_a_len, plan.shape.m, targets, on));
+        // Into a peer only while the call stands (the own rows are written whatever happens).
+        DG_CUDA_RETURN(launch_scatter_scales(g.scale_a, g.scale_a_len, plan.shape.m, targets,
+                                             st.peer == rank ? nullptr : sync.error, on));
         break;
       }
       case StepKind::kScaleBias:
@@ -232,7 +246,7 @@ dg_status run_steps(const dg_tp_desc& d, const Peers& peers, const TpPlan& plan,
       case StepKind::kSignal: {
         SignalTargets targets{};
         for (const FlagRef& f : st.signals) targets.flags[targets.count++] = buffers.flag(f);
-        DG_CUDA_RETURN(launch_signal(targets, sync.epoch, on));
+        DG_CUDA_RETURN(launch_signal(targets, sync.epoch, sync.error, on));
         break;
       }
       case StepKind::kWait:
@@ -247,8 +261,8 @@ dg_status run_steps(const dg_tp_desc& d, const Peers& peers, const TpPlan& plan,
       }
       case StepKind::kPoison: {
         const TpBuffers::Rows rows = buffers.rows(st.dst);
-        DG_CUDA_RETURN(
-            launch_poison_on_error(rows.data, st.dst.rows, rows.cols, rows.pitch, rows.elem_bytes, sync.error, on));
+        DG_CUDA_RETURN(launch_poison_on_error(rows.data, st.dst.rows, rows.cols, rows.pitch, rows.elem_bytes,
+                                              buffers.failure_marks(st), sync, on));
         break;
       }
     }

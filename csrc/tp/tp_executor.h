@@ -8,6 +8,7 @@
 #include "tp/tp_call.h"
 #include "tp/tp_heuristics.h"
 #include "tp/tp_consumer.h"
+#include "tp/tp_kernels.cuh"
 #include "tp/tp_plan.h"
 #include "distgemm/distgemm.h"
 
@@ -27,6 +28,8 @@ class TpBuffers {
   };
   Rows rows(const RowsRef& ref) const;
   uint32_t* flag(const FlagRef& f) const;
+  // The failure marks a step writes into the peers (its failure_marks) and this rank's own.
+  FailureMarks failure_marks(const Step& step) const;
   // A kGemm step's GEMM: the caller's desc on the step's rows (FP8 row scales and full C rows
   // follow them; the bias only where the step adds it, scaled in the workspace where planned).
   StepGemm gemm(const Step& step) const;

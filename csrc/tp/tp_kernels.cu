@@ -12,9 +12,22 @@ __device__ __forceinline__ void store_release_sys(uint32_t* p, uint32_t v) {
   asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
-__global__ void begin_call_kernel(uint32_t* epoch, PeerTargets peers, CallSignature sig) {
+__device__ __forceinline__ bool call_failed(const int* error) {
+  return error != nullptr && *reinterpret_cast<const volatile int*>(error) != 0;
+}
+
+// Tells every peer that this rank's call `epoch` failed; the fence makes the marks visible
+// system-wide before this kernel completes, so before any copy the stream runs after it.
+__device__ void mark_failed_in_peers(const FailureMarks& marks, uint32_t epoch) {
+  for (int i = 0; i < marks.count; ++i) store_release_sys(marks.in_peers[i], epoch);
+  __threadfence_system();
+}
+
+__global__ void begin_call_kernel(uint32_t* epoch, PeerTargets peers, CallSignature sig, FailureMarks marks,
+                                  const int* error) {
   const uint32_t value = *epoch + 1;
   *epoch = value;
+  if (call_failed(error)) mark_failed_in_peers(marks, value);
   sig.words[CallSignature::kEpoch] = value;
   // No fence: what "started" vouches for (the earlier calls' reads of this workspace) finished
   // before this kernel began; the release orders the signature and the epoch before the flag.
@@ -33,14 +46,16 @@ __device__ void record_error(const SyncParams& s, int code) {
   }
 }
 
-__global__ void check_peers_kernel(PeerChecks peers, CallSignature own, SyncParams s) {
-  const uint32_t epoch = *s.epoch;
+__device__ void check_each_peer(const PeerChecks& peers, const CallSignature& own, const FailureMarks& marks,
+                                const SyncParams& s, uint32_t epoch) {
   for (int i = 0; i < peers.count; ++i) {
     const int p = peers.rank[i];
     if (!wait_flag(peers.started[i], epoch, s, p)) return;  // timed out (recorded) or failed
     const auto* slot = reinterpret_cast<const volatile uint32_t*>((peers.sig[i] + (epoch & 1u) * kMaxWorld)->words);
     int reason = -1;
-    if (slot[CallSignature::kEpoch] != epoch) {
+    if (load_acquire_sys(marks.seen + p) != 0) {
+      reason = kReasonPeerFailed;
+    } else if (slot[CallSignature::kEpoch] != epoch) {
       reason = kReasonOutOfStep;
     } else {
       for (int w = 1; w < CallSignature::kFields && reason < 0; ++w) {
@@ -60,9 +75,23 @@ __global__ void check_peers_kernel(PeerChecks peers, CallSignature own, SyncPara
   }
 }
 
+__global__ void check_peers_kernel(PeerChecks peers, CallSignature own, FailureMarks marks, SyncParams s) {
+  const uint32_t epoch = *s.epoch;
+  check_each_peer(peers, own, marks, s, epoch);
+  if (call_failed(s.error)) mark_failed_in_peers(marks, epoch);
+}
+
 template <class Word>
-__global__ void poison_kernel(Word* data, int64_t rows, int64_t cols, int64_t ld, Word nan, const int* error) {
-  if (error != nullptr && *reinterpret_cast<const volatile int*>(error) == 0) return;
+__global__ void poison_kernel(Word* data, int64_t rows, int64_t cols, int64_t ld, Word nan, FailureMarks marks,
+                              SyncParams s) {
+  if (s.error != nullptr && !call_failed(s.error)) {
+    int peer = -1;
+    for (int q = 0; q < marks.world && peer < 0; ++q)
+      if (load_acquire_sys(marks.seen + q) != 0) peer = q;
+    if (peer < 0) return;
+    if (blockIdx.x == 0 && threadIdx.x == 0)
+      record_error(s, (kReasonPeerFailed << kErrorReasonShift) | s.error_tag | (peer + 1));
+  }
   const int64_t total = rows * cols;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += gridDim.x * int64_t(blockDim.x))
     data[(i / cols) * ld + i % cols] = nan;
@@ -72,7 +101,8 @@ __global__ void wait_flag_kernel(const uint32_t* flag, int32_t offset, SyncParam
   wait_flag(flag, *s.epoch + offset, s, peer);
 }
 
-__global__ void signal_kernel(SignalTargets targets, const uint32_t* epoch) {
+__global__ void signal_kernel(SignalTargets targets, const uint32_t* epoch, const int* error) {
+  if (call_failed(error)) return;
   const uint32_t value = *epoch;
   __threadfence_system();  // the stream's earlier writes (copies, GEMM stores) come first
   for (int i = threadIdx.x; i < targets.count; i += blockDim.x) {
@@ -80,7 +110,9 @@ __global__ void signal_kernel(SignalTargets targets, const uint32_t* epoch) {
   }
 }
 
-__global__ void scatter_scales_kernel(const float* src, int64_t count, int64_t rows, ScaleTargets targets) {
+__global__ void scatter_scales_kernel(const float* src, int64_t count, int64_t rows, ScaleTargets targets,
+                                      const int* error) {
+  if (call_failed(error)) return;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < rows; i += gridDim.x * int64_t(blockDim.x)) {
     const float v = src[count == 1 ? 0 : i];
     for (int q = 0; q < targets.count; ++q) targets.dst[q][i] = v;
@@ -116,40 +148,40 @@ cudaError_t launch_scale_row(const void* src, void* dst, int64_t n, dg_dtype dty
 }
 
 cudaError_t launch_scatter_scales(const float* src, int64_t count, int64_t rows, const ScaleTargets& targets,
-                                  cudaStream_t stream) {
+                                  const int* error, cudaStream_t stream) {
   const int blocks = static_cast<int>(std::min<int64_t>((rows + 255) / 256, 256));
-  scatter_scales_kernel<<<blocks, 256, 0, stream>>>(src, count, rows, targets);
+  scatter_scales_kernel<<<blocks, 256, 0, stream>>>(src, count, rows, targets, error);
   return cudaGetLastError();
 }
 
 cudaError_t launch_begin_call(uint32_t* epoch, const PeerTargets& peers, const CallSignature& sig,
-                              cudaStream_t stream) {
-  begin_call_kernel<<<1, 1, 0, stream>>>(epoch, peers, sig);
+                              const FailureMarks& marks, const int* error, cudaStream_t stream) {
+  begin_call_kernel<<<1, 1, 0, stream>>>(epoch, peers, sig, marks, error);
   return cudaGetLastError();
 }
 
-cudaError_t launch_check_peers(const PeerChecks& peers, const CallSignature& own, const SyncParams& s,
-                               cudaStream_t stream) {
-  check_peers_kernel<<<1, 1, 0, stream>>>(peers, own, s);
+cudaError_t launch_check_peers(const PeerChecks& peers, const CallSignature& own, const FailureMarks& marks,
+                               const SyncParams& s, cudaStream_t stream) {
+  check_peers_kernel<<<1, 1, 0, stream>>>(peers, own, marks, s);
   return cudaGetLastError();
 }
 
-cudaError_t launch_poison_on_error(void* data, int64_t rows, int64_t cols, int64_t ld, int elem_bytes, const int* error,
-                                   cudaStream_t stream) {
+cudaError_t launch_poison_on_error(void* data, int64_t rows, int64_t cols, int64_t ld, int elem_bytes,
+                                   const FailureMarks& marks, const SyncParams& s, cudaStream_t stream) {
   if (!data || rows <= 0 || cols <= 0) return cudaSuccess;
   constexpr int kBlocks = 32, kThreads = 256;  // the common case returns at once
   switch (elem_bytes) {
     case 2:  // bf16 and fp16 NaN share no pattern: 0x7fff is NaN in both
       poison_kernel<uint16_t>
-          <<<kBlocks, kThreads, 0, stream>>>(static_cast<uint16_t*>(data), rows, cols, ld, uint16_t{0x7fff}, error);
+          <<<kBlocks, kThreads, 0, stream>>>(static_cast<uint16_t*>(data), rows, cols, ld, uint16_t{0x7fff}, marks, s);
       break;
     case 4:
       poison_kernel<uint32_t>
-          <<<kBlocks, kThreads, 0, stream>>>(static_cast<uint32_t*>(data), rows, cols, ld, 0x7fffffffu, error);
+          <<<kBlocks, kThreads, 0, stream>>>(static_cast<uint32_t*>(data), rows, cols, ld, 0x7fffffffu, marks, s);
       break;
     default:  // 1-byte (FP8) data: 0x7f is NaN in e4m3fn and e5m2
       poison_kernel<uint8_t>
-          <<<kBlocks, kThreads, 0, stream>>>(static_cast<uint8_t*>(data), rows, cols, ld, uint8_t{0x7f}, error);
+          <<<kBlocks, kThreads, 0, stream>>>(static_cast<uint8_t*>(data), rows, cols, ld, uint8_t{0x7f}, marks, s);
   }
   return cudaGetLastError();
 }
@@ -159,9 +191,9 @@ cudaError_t launch_wait_flag(const uint32_t* flag, int32_t offset, const SyncPar
   return cudaGetLastError();
 }
 
-cudaError_t launch_signal(const SignalTargets& targets, const uint32_t* epoch, cudaStream_t stream) {
+cudaError_t launch_signal(const SignalTargets& targets, const uint32_t* epoch, const int* error, cudaStream_t stream) {
   if (targets.count == 0) return cudaSuccess;
-  signal_kernel<<<1, 64, 0, stream>>>(targets, epoch);
+  signal_kernel<<<1, 64, 0, stream>>>(targets, epoch, error);
   return cudaGetLastError();
 }
 

@@ -29,6 +29,11 @@ struct TpHeader {
   // flag: what every rank checks its call against (two slots: a peer may begin the next call
   // before this rank has read the current one)
   static constexpr size_t kSignatures = kStepReady + 4 * kMaxWorld * kMaxPieces;
+  // [world] peer p's call of epoch kFailed[p] failed (a wait timed out, the ranks disagreed, or
+  // an earlier call's failure stood): written by p, 0 until the group recovers. The copy-engine
+  // copies p had enqueued still land in this workspace, unguarded, so every call of this rank
+  // that sees a mark fails too instead of reading what they wrote.
+  static constexpr size_t kFailed = kSignatures + 2 * kMaxWorld * 32;
   static constexpr size_t kBytes = 8192;
 };
 
@@ -40,7 +45,8 @@ struct CallSignature {
   static constexpr uint32_t kElsewhere = 1u << 13;
   uint32_t words[kFields] = {};
 };
-static_assert(TpHeader::kSignatures + 2 * kMaxWorld * sizeof(CallSignature) <= TpHeader::kBytes, "header overflow");
+static_assert(sizeof(CallSignature) == 32, "TpHeader::kFailed follows the signature slots");
+static_assert(TpHeader::kFailed + 4 * kMaxWorld <= TpHeader::kBytes, "header overflow");
 
 inline size_t align_up(size_t bytes, size_t to) { return (bytes + to - 1) / to * to; }
 

@@ -65,6 +65,7 @@ class Builder {
     Step& st = add(StepKind::kBeginCall, Lane::kMain);
     for (int p = 0; p < s_.world; ++p)
       if (p != s_.rank) st.signals.push_back({p, FlagRegion::kConsumed, s_.rank});
+    mark_failure_in_peers(st);
   }
   // Nearest peers first: they are the first this rank exchanges with.
   void check_peers(Lane lane) {
@@ -73,6 +74,11 @@ class Builder {
       const int p = (s_.rank + i) % s_.world;
       st.waits.push_back({{s_.rank, FlagRegion::kConsumed, p}, p});
     }
+    mark_failure_in_peers(st);
+  }
+  void mark_failure_in_peers(Step& st) {
+    for (int p = 0; p < s_.world; ++p)
+      if (p != s_.rank) st.failure_marks.push_back({p, FlagRegion::kFailed, s_.rank});
   }
   void copy(Lane lane, RowsRef src, RowsRef dst) {
     Step& st = add(StepKind::kCopy, lane);
@@ -211,6 +217,8 @@ const char* region_name(FlagRegion r) {
       return "ready";
     case FlagRegion::kStepReady:
       return "step_ready";
+    case FlagRegion::kFailed:
+      return "failed";
   }
   return "?";
 }
@@ -329,6 +337,11 @@ std::string TpPlan::str() const {
         break;
     }
     for (const FlagRef& f : st.signals) o << " !" << flag_str(f);
+    if (!st.failure_marks.empty()) {
+      o << " (failed: !";
+      for (size_t i = 0; i < st.failure_marks.size(); ++i) o << (i ? " !" : "") << flag_str(st.failure_marks[i]);
+      o << ')';
+    }
     if (st.waits_per_chunk) o << " (per chunk)";
     for (const PlannedWait& w : st.waits) o << " ?" << flag_str(w.flag) << "<-" << w.peer;
     o << '\n';

@@ -37,8 +37,8 @@ struct RowPieces {
 
 // A flag word in the header of `owner`'s workspace (TpHeader): kConsumed[index] (a peer began
 // this call), kReady[index] (a piece of a gathered shard is in), kStepReady[index] (a piece of
-// pushed partial sums is in).
-enum class FlagRegion : uint8_t { kConsumed, kReady, kStepReady };
+// pushed partial sums is in), kFailed[index] (that peer's call failed).
+enum class FlagRegion : uint8_t { kConsumed, kReady, kStepReady, kFailed };
 struct FlagRef {
   int owner = -1;
   FlagRegion region = FlagRegion::kReady;
@@ -72,16 +72,17 @@ enum class Lane : uint8_t {
 
 enum class StepKind : uint8_t {
   kBeginCall,      // epoch += 1, then publish the signature and raise `signals` (peers' kConsumed)
-  kCheckPeers,     // wait for `waits` (every peer began this call) and compare signatures
+  kCheckPeers,     // wait for `waits` (every peer began this call), read their failure marks and
+                   // compare signatures
   kFork,           // the push lane waits for the main lane's work so far
   kJoin,           // the main lane waits for the push lane's work
   kScatterScales,  // this shard's FP8 row scales into `peer`'s gathered scales
   kScaleBias,      // beta * bias into this rank's workspace (the cuBLASLt pieces add it unscaled)
   kCopy,           // src rows -> dst rows
-  kSignal,         // raise `signals` after the lane's earlier work
+  kSignal,         // raise `signals` after the lane's earlier work, unless the call failed
   kWait,           // bounded wait on the lane for `waits` (one)
   kGemm,           // out rows (dst) = a rows (src) @ b^T (+ chain) (+ the caller's c if `bias`)
-  kPoison,         // if the call failed, fill dst rows with NaN
+  kPoison,         // if the call failed or a peer marked its own as failed, fill dst rows with NaN
 };
 
 struct Step {
@@ -96,6 +97,10 @@ struct Step {
   int peer = -1;                   // kScatterScales: the destination rank
   std::vector<FlagRef> signals;    // kBeginCall, kSignal
   std::vector<PlannedWait> waits;  // kCheckPeers, kWait, kGemm (waited inside the kernel)
+  // kBeginCall, kCheckPeers: the peers' kFailed words for this rank, set to the epoch when the
+  // call has failed (the begin step: an earlier call's failure stands; the check: it failed).
+  // A failed call writes nothing else that a peer could take for valid data: no signal.
+  std::vector<FlagRef> failure_marks;
 };
 
 // What a plan is made from: one rank's view of the call.

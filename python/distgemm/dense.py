@@ -56,9 +56,11 @@ def gemm(
     alpha, beta = check_scalars("distgemm.gemm", alpha=alpha, beta=beta)
     out_dtype = check_operands("distgemm.gemm", a, b, c, out_dtype, scale_a, scale_b)
     require_fp8_scales("distgemm.gemm", a, scale_a, scale_b)
+    arch = kernel_arch(a.device)
     if autograd:
-        return _GemmFunction.apply(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, use_fast_accum)
-    return gemm_unchecked(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, use_fast_accum, looked_up=looked_up)
+        return _GemmFunction.apply(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, use_fast_accum, arch)
+    return gemm_unchecked(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, use_fast_accum, arch,
+                          looked_up=looked_up)
 
 
 # One dispatcher for every dense call: 16-bit ones (cuBLAS or a tile configuration), float8
@@ -175,10 +177,24 @@ def _runner_of(call: _Call, candidate: Candidate) -> Optional[Callable]:
         return recording(_TORCH_BLOCK, lambda a, b, c, scale_a, scale_b:
                           _scaled_by(_block_peer(a, b, scale_a, scale_b), alpha))
     if candidate.name == _OURS_BLOCK:
-        alpha, offs = call.alpha, _one_group(call.a)  # made once: a repeated call launches the GEMM alone
-        return recording(_OURS_BLOCK, lambda a, b, c, scale_a, scale_b:
-                          _scaled_by(_block_ours(a, b, scale_a, scale_b, offs), alpha))
+        return recording(_OURS_BLOCK, _block_ours_runner(call.alpha))
     return None
+
+
+def _block_ours_runner(alpha):
+    """run(a, b, c, scale_a, scale_b) on our kernel. offs is made once, at the first call outside
+    CUDA-graph capture (a repeated call launches the GEMM alone); a call being captured makes its
+    own, in the graph's memory: made during capture, offs would be filled only on replay (eager
+    calls would read unwritten memory), and a graph must not read a tensor this table may drop."""
+    offs = []
+
+    def run(a, b, c, scale_a, scale_b):
+        if _capturing(a):
+            return _scaled_by(_block_ours(a, b, scale_a, scale_b), alpha)
+        if not offs:
+            offs.append(_one_group(a))
+        return _scaled_by(_block_ours(a, b, scale_a, scale_b, offs[0]), alpha)
+    return run
 
 
 # ---------------------------------------------------------------- candidates
@@ -289,6 +305,11 @@ def _c_form(c, m: int) -> str:
 
 
 # 128-block scales: our FP8 grouped kernel with one group, or cuBLAS's block-scaled GEMM.
+def _capturing(t) -> bool:
+    """Whether work on t's device is being captured into a CUDA graph now."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def _one_group(a):
     """offs of one group of a's rows."""
     return torch.full((1,), a.shape[0], dtype=torch.int32, device=a.device)
@@ -346,11 +367,12 @@ def _block_scaled_gemm(call: _Call):
     return _run(call, chosen)
 
 
-def gemm_unchecked(a, b, c, alpha, beta, out_dtype, scale_a=None, scale_b=None, fast_accum=False, *,
+def gemm_unchecked(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, arch: int, *,
                    looked_up=False):
     """gemm for arguments check_operands accepted, without autograd. A call the autotuner settled
     before runs its remembered choice (every caller: gemm, its autograd, the modules, the TP
-    fallback); `looked_up`: gemm already looked for it."""
+    fallback); `arch`: kernel_arch of a's device, read once by the caller; `looked_up`: gemm
+    already looked for it."""
     if not looked_up and scale_a is None and scale_b is None and not fast_accum:
         run = _repeat_call(a, b, c, alpha, beta, out_dtype)
         if run is not None:
@@ -360,7 +382,6 @@ def gemm_unchecked(a, b, c, alpha, beta, out_dtype, scale_a=None, scale_b=None, 
     if not _is_compiling():
         signature = _call_signature(a, b, c, alpha, beta, out_dtype,
                                     (scale_a, scale_b, fast_accum) if scaled else None)
-    arch = kernel_arch(a.device)
     if scaled and block_scales(b, scale_b):
         # Remembered for bfloat16 out only: gemm refuses others, but looks its table up before its checks.
         call = _Call(a, b, None, alpha, beta, torch.bfloat16, scale_a, scale_b, fast_accum, None, arch,
@@ -535,13 +556,13 @@ class _GemmFunction(torch.autograd.Function):
     dB = alpha * dD^T @ A (cuBLAS), dC = beta * dD (summed over rows for a bias)."""
 
     @staticmethod
-    def forward(ctx, a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum):
+    def forward(ctx, a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, arch):
         if a.dtype in FLOAT8 and (a.requires_grad or b.requires_grad):
             raise NotImplementedError("distgemm.gemm: autograd through float8 inputs is not supported")
         ctx.save_for_backward(a, b)
-        ctx.alpha, ctx.beta = alpha, beta
+        ctx.alpha, ctx.beta, ctx.arch = alpha, beta, arch
         ctx.c_meta = None if c is None else (c.shape, c.dtype)
-        return gemm_unchecked(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum)
+        return gemm_unchecked(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, arch)
 
     @staticmethod
     def backward(ctx, grad):
@@ -549,14 +570,14 @@ class _GemmFunction(torch.autograd.Function):
         grad_a = grad_b = grad_c = None
         g = grad.to(a.dtype)
         if ctx.needs_input_grad[0]:
-            grad_a = gemm_unchecked(g, b.T, None, ctx.alpha, 0.0, a.dtype)
+            grad_a = gemm_unchecked(g, b.T, None, ctx.alpha, 0.0, a.dtype, None, None, False, ctx.arch)
         if ctx.needs_input_grad[1]:
             grad_b = torch.matmul(g.T, a)
             if ctx.alpha != 1.0:
                 grad_b = grad_b * ctx.alpha
         if ctx.needs_input_grad[2] and ctx.c_meta is not None:
             grad_c = grad_of_c(grad, ctx.beta, *ctx.c_meta)
-        return grad_a, grad_b, grad_c, None, None, None, None, None, None
+        return grad_a, grad_b, grad_c, None, None, None, None, None, None, None
 
 
 # ---------------------------------------------------------------- op registration

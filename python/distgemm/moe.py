@@ -238,15 +238,25 @@ def _forms(x, kind, recipe, offs, *, rows, transposed, dtype, dy=None, bf16=Fals
     return (values if bf16 else None), r8, rs, out.yt_fp8, out.yt_scale
 
 
+def _release(*tensors) -> None:
+    """Frees the memory of saved activations the backward has read for the last time (their
+    SavedVariables keep the tensor objects, not the storage: TransformerEngine's way)."""
+    for t in tensors:
+        if t is not None:
+            t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+
+
 class _GroupedMLP(torch.autograd.Function):
     """fc1 -> activation -> fc2 per expert. FP8: the weights' copies come in quantized; x, the
     activation, the output gradient and the activation's gradient are each quantized in the
     pass that reads them anyway (rows for the next GEMM, the padded transpose for the wgrad),
-    and the backward keeps FP8 copies, not bf16 ones, of what the wgrads read."""
+    and the backward keeps FP8 copies, not bf16 ones, of what the wgrads read. The backward
+    frees each saved activation after its last use. `save_input` (FP8): x itself is saved and
+    its transposed copy made in the backward, for callers that keep x anyway."""
 
     @staticmethod
     def forward(ctx, x, offs, w1, w2, b1, b2, w1_fp8, w1_scale, w1t_fp8, w1t_scale, w2_fp8, w2_scale,
-                w2t_fp8, w2t_scale, kind, recipe, grad_dtype, fuse_wgrad, source, token_rows, k):
+                w2t_fp8, w2t_scale, kind, recipe, grad_dtype, fuse_wgrad, source, token_rows, k, save_input):
         # source / token_rows / k: route()'s gather, when x holds the tokens (see grouped_mlp).
         x = x.contiguous()
         gather = source is not None
@@ -267,8 +277,10 @@ class _GroupedMLP(torch.autograd.Function):
             e4m3 = torch.float8_e4m3fn
             # Copies made per call are made just before their GEMM and dropped after it (the
             # dgrad's in the backward), so that at most one weight's copy is alive at a time.
-            _, x8, sx, xt8, sxt = _forms(x, "identity", recipe, offs, rows=True, transposed=need_w1, dtype=e4m3,
-                                         source=source if recipe == "block" else None)
+            _, x8, sx, xt8, sxt = _forms(x, "identity", recipe, offs, rows=True, transposed=need_w1 and not save_input,
+                                         dtype=e4m3, source=source if recipe == "block" else None)
+            if save_input:
+                xt8 = x  # the tokens where the block recipe gathers them as read (source saved too)
             if w1_fp8 is None:
                 w1_fp8, w1_scale, _, _ = quantize_weight(w1, recipe, copies="forward")
             h = grouped_mm(x8, w1_fp8, offs, scale_x=sx, scale_w=w1_scale)
@@ -283,15 +295,20 @@ class _GroupedMLP(torch.autograd.Function):
             saved = (xt8, sxt, h, at8, sat, w1t_fp8, w1t_scale, w2t_fp8, w2t_scale)
         if b2 is not None:
             y = _add_bias(y, b2, experts)
-        ctx.save_for_backward(offs, w1, w2, b1, b2, experts, token_rows if gather else None, *saved)
+        regather = source if gather and save_input and recipe == "block" else None
+        ctx.save_for_backward(offs, w1, w2, b1, b2, experts, token_rows if gather else None, regather, *saved)
         ctx.k = k
         ctx.kind, ctx.recipe, ctx.grad_dtype, ctx.fuse_wgrad = kind, recipe, grad_dtype, fuse_wgrad
-        ctx.need = (need_dx, need_w1, need_w2, need_b1)
+        ctx.need, ctx.save_input, ctx.released = (need_dx, need_w1, need_w2, need_b1), save_input, False
         return y
 
     @staticmethod
     def backward(ctx, grad):
-        offs, w1, w2, b1, b2, experts, token_rows, *saved = ctx.saved_tensors
+        if ctx.released:
+            raise RuntimeError("distgemm.moe.grouped_mlp: the backward frees the saved activations as it reads "
+                               "them, so it runs once per forward (not with retain_graph=True)")
+        ctx.released = True
+        offs, w1, w2, b1, b2, experts, token_rows, regather, *saved = ctx.saved_tensors
         need_dx, need_w1, need_w2, need_b1 = ctx.need
         need_da = need_dx or need_w1 or need_b1
         need_db2 = b2 is not None and ctx.needs_input_grad[5]
@@ -303,9 +320,11 @@ class _GroupedMLP(torch.autograd.Function):
             x, h, a = saved
             if need_w2:
                 dw2 = _weight_grad(w2, ctx.fuse_wgrad, dy, a, offs)
+            _release(a)
             if need_da:
                 da = grouped_mm(dy, w2, offs, trans_w=False)
                 dh = activation(h, ctx.kind, dy=da).y
+            _release(h)
             if need_dx:
                 dx = grouped_mm(dh, w1, offs, trans_w=False)
             if need_w1:
@@ -318,6 +337,7 @@ class _GroupedMLP(torch.autograd.Function):
             if need_w2:
                 dw2 = _weight_grad(w2, ctx.fuse_wgrad, dyt8, at8, offs, scale_dy=sdyt, scale_x=sat)
             del dyt8, sdyt
+            _release(at8, sat)
             if need_da:
                 if w2t8 is None:
                     _, _, w2t8, sw2t = quantize_weight(w2, recipe, copies="dgrad")
@@ -327,18 +347,22 @@ class _GroupedMLP(torch.autograd.Function):
                 dh, dh8, sdh, dht8, sdht = _forms(h, ctx.kind, recipe, offs, rows=need_dx, transposed=need_w1,
                                                   dtype=gd, dy=da, bf16=need_b1)
                 del da
+            _release(h)
             if need_dx:
                 if w1t8 is None:
                     _, _, w1t8, sw1t = quantize_weight(w1, recipe, copies="dgrad")
                 dx = grouped_mm(dh8, w1t8.transpose(1, 2), offs, scale_x=sdh, scale_w=sw1t, trans_w=False)
                 del dh8, sdh, w1t8, sw1t
             if need_w1:
+                if ctx.save_input:  # xt8 holds x: its transposed copy now, after dx freed the dgrad's operands
+                    _, _, _, xt8, sxt = _forms(xt8, "identity", recipe, offs, rows=False, transposed=True,
+                                               dtype=torch.float8_e4m3fn, source=regather)
                 dw1 = _weight_grad(w1, ctx.fuse_wgrad, dht8, xt8, offs, scale_dy=sdht, scale_x=sxt)
         if need_b1:
             db1 = _bias_grad(dh, experts, b1)
         if dx is not None and token_rows is not None:  # the gather's backward: each token's rows summed
             dx = _summed_rows(dx, token_rows, ctx.k)
-        return (dx, None, dw1, dw2, db1, db2) + (None,) * 15
+        return (dx, None, dw1, dw2, db1, db2) + (None,) * 16
 
 
 def _check_layer(op, x, offs, w1, w2, b1, b2, kind, fp8, grad_dtype):
@@ -407,7 +431,8 @@ def grouped_mlp(x: torch.Tensor, offs: torch.Tensor, fc1_weight: torch.Tensor, f
                 activation: str = "swiglu", fc1_bias: Optional[torch.Tensor] = None,
                 fc2_bias: Optional[torch.Tensor] = None, fp8: Optional[str] = None,
                 fp8_grad_dtype: torch.dtype = torch.float8_e4m3fn, fuse_wgrad_accumulation: bool = False,
-                fp8_weights: Optional[Tuple[tuple, tuple]] = None, routing: Optional["Routing"] = None) -> torch.Tensor:
+                fp8_weights: Optional[Tuple[tuple, tuple]] = None, routing: Optional["Routing"] = None,
+                save_original_input: bool = False) -> torch.Tensor:
     """Every expert's MLP on its rows of x (T, hidden), grouped by expert with ``offs`` (int32
     cumulative expert ends on x's device, read on the GPU only):
     ``y_g = act(x_g @ fc1_weight[g].T + fc1_bias[g]) @ fc2_weight[g].T + fc2_bias[g]``.
@@ -419,6 +444,10 @@ def grouped_mlp(x: torch.Tensor, offs: torch.Tensor, fc1_weight: torch.Tensor, f
     caller made; otherwise the forward's copies are made in the forward and the dgrad's in the
     backward (so that they are never alive together). With
     ``fuse_wgrad_accumulation`` the weight gradients are added into ``weight.main_grad`` (FP32).
+    ``save_original_input`` (FP8): the backward keeps x rather than its FP8 transposed copy
+    (half x's bytes) and makes that copy when fc1's weight gradient needs it (one more read of
+    x): less memory where the caller keeps x anyway, more where x could have been freed. The
+    backward runs once per forward: it frees the saved activations as it goes.
 
     ``routing`` (:func:`route`'s; ``offs`` then routing.offs): x holds the tokens (T, hidden) and
     the layer's rows are x's in routing's order, gathered as they are read: with ``fp8="block"``
@@ -426,7 +455,7 @@ def grouped_mlp(x: torch.Tensor, offs: torch.Tensor, fc1_weight: torch.Tensor, f
     Returns the (T * k, hidden) rows in expert order, as with permuted x; the gradient of x sums
     each token's rows."""
     op = "distgemm.moe.grouped_mlp"
-    check_flags(op, fuse_wgrad_accumulation=fuse_wgrad_accumulation)
+    check_flags(op, fuse_wgrad_accumulation=fuse_wgrad_accumulation, save_original_input=save_original_input)
     _check_layer(op, x, offs, fc1_weight, fc2_weight, fc1_bias, fc2_bias, activation, fp8, fp8_grad_dtype)
     rows = x.shape[0]
     if routing is not None:
@@ -442,7 +471,7 @@ def grouped_mlp(x: torch.Tensor, offs: torch.Tensor, fc1_weight: torch.Tensor, f
         copies = _check_fp8_weights(op, fp8_weights, fp8, fc1_weight, fc2_weight)
     gather = (None, None, 1) if routing is None else (routing.source, routing.token_rows, routing.k)
     return _GroupedMLP.apply(x, offs, fc1_weight, fc2_weight, fc1_bias, fc2_bias, *copies, activation, fp8,
-                             fp8_grad_dtype, fuse_wgrad_accumulation, *gather)
+                             fp8_grad_dtype, fuse_wgrad_accumulation, *gather, save_original_input and fp8 is not None)
 
 
 def _check_layer_routing(op, x, offs, routing) -> int:

@@ -188,15 +188,18 @@ class GroupedMLP(nn.Module):
     folded into the passes that read each tensor anyway; the weights' FP8 copies are made per
     call, or kept across micro-batches with ``is_first_microbatch`` (see GroupedLinear).
     ``fuse_wgrad_accumulation=True`` adds the weight gradients into ``weight.main_grad`` (FP32).
+    ``save_original_input=True`` (FP8) keeps x for the backward instead of its FP8 transposed
+    copy: less memory where the caller keeps x anyway (see :func:`distgemm.moe.grouped_mlp`).
     """
 
     def __init__(self, num_experts: int, hidden: int, ffn: int, activation: str = "swiglu",
                  bias: bool = False, dtype: torch.dtype = torch.bfloat16, device=None,
                  fuse_wgrad_accumulation: bool = False, fp8: Optional[str] = None,
-                 fp8_grad_dtype: torch.dtype = torch.float8_e4m3fn):
+                 fp8_grad_dtype: torch.dtype = torch.float8_e4m3fn, save_original_input: bool = False):
         super().__init__()
         _check_sizes("GroupedMLP", num_experts=num_experts, hidden=hidden, ffn=ffn)
-        check_flags("GroupedMLP", bias=bias, fuse_wgrad_accumulation=fuse_wgrad_accumulation)
+        check_flags("GroupedMLP", bias=bias, fuse_wgrad_accumulation=fuse_wgrad_accumulation,
+                    save_original_input=save_original_input)
         if activation not in ACTIVATIONS:
             raise ValueError(f"GroupedMLP: activation must be one of {ACTIVATIONS}, got {activation!r}")
         if fp8 is not None and fp8 not in FP8_RECIPES:
@@ -208,6 +211,7 @@ class GroupedMLP(nn.Module):
             raise ValueError(f"GroupedMLP: dtype must be torch.bfloat16, got {dtype}")
         self.num_experts, self.hidden, self.ffn, self.activation = num_experts, hidden, ffn, activation
         self.fp8, self.fp8_grad_dtype, self.fuse_wgrad_accumulation = fp8, fp8_grad_dtype, fuse_wgrad_accumulation
+        self.save_original_input = save_original_input
         width = 2 * ffn if activation == "swiglu" else ffn
         self.fc1_weight = nn.Parameter(torch.empty(num_experts, width, hidden, dtype=dtype, device=device))
         self.fc2_weight = nn.Parameter(torch.empty(num_experts, hidden, ffn, dtype=dtype, device=device))
@@ -237,7 +241,7 @@ class GroupedMLP(nn.Module):
                            fc1_bias=self.fc1_bias, fc2_bias=self.fc2_bias, fp8=self.fp8,
                            fp8_grad_dtype=self.fp8_grad_dtype,
                            fuse_wgrad_accumulation=self.fuse_wgrad_accumulation, fp8_weights=copies,
-                           routing=routing)
+                           routing=routing, save_original_input=self.save_original_input)
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, hidden={self.hidden}, ffn={self.ffn}, "

@@ -40,6 +40,7 @@ _OP_NAMES = {_AG: "distgemm.all_gather_matmul", _RS: "distgemm.matmul_reduce_sca
 _ALGOS = {"auto": 0, "fused": 1, "decomposed": 2}  # dg_tp_algo
 
 # Error word (see csrc/tp/tp_kernels.cuh): reason << 24 | op << 16 | (peer + 1).
+_REASON_PEER_FAILED = 8
 _REASONS = {
     1: "is at another call (the ranks' call counts differ: an earlier call failed or was skipped on one side)",
     2: "runs another op, algorithm or piece split (DISTGEMM_TP_ALGO, DISTGEMM_TP_PIECES and "
@@ -82,6 +83,10 @@ def _raise_for_code(code: int, index: int) -> None:
     if reason == 0:
         raise TimeoutError(f"{op}: rank on cuda:{index} waited more than DISTGEMM_TIMEOUT_S={timeout_s():g} s for "
                            f"group rank {peer}, which never arrived (died, hung, or was not in the call){after}")
+    if reason == _REASON_PEER_FAILED:
+        raise TimeoutError(f"{op}: group rank {peer} had given up on the call of the rank on cuda:{index} (it "
+                           f"waited more than DISTGEMM_TIMEOUT_S={timeout_s():g} s for it, or an earlier call of "
+                           f"its failed), so this rank did not read what that rank still wrote{after}")
     raise ValueError(f"{op}: the ranks disagree: group rank {peer} {_REASONS.get(reason, 'differs')} "
                      f"(seen by the rank on cuda:{index}){after}")
 
@@ -529,14 +534,14 @@ def _all_gather_matmul_eager(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, 
                              return_gathered):
     world = _state(group).size
     mode = _scale_mode(b, scale_a, scale_b)
+    arch = kernel_arch(a.device)  # read once, handed to every GEMM of the call
     if world == 1:
-        out = gemm_unchecked(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum)
+        out = gemm_unchecked(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, arch)
         return out, (a if return_gathered else None)
     if a.is_cuda:
         _raise_on_error_word(a.get_device())
     a = a.contiguous()
     # Every call takes part in the group's choice; 128-block scales run the collectives path.
-    arch = kernel_arch(a.device)
     fused = _use_fused(group, arch) and mode != "block" and _fused_operands(a, b, out_dtype, fast_accum, arch)
     if fused:
         a, b, fast = fused
@@ -548,7 +553,7 @@ def _all_gather_matmul_eager(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, 
                               (tuple(a.shape), str(a.dtype), str(out_dtype), mode))
     gathered = _all_gather(a, group)
     gathered_scale = _gathered_scale_a(scale_a, a.shape[0], group, mode == "block")
-    out = gemm_unchecked(gathered, b, c, alpha, beta, out_dtype, gathered_scale, scale_b, fast_accum)
+    out = gemm_unchecked(gathered, b, c, alpha, beta, out_dtype, gathered_scale, scale_b, fast_accum, arch)
     return out, (gathered if return_gathered else None)
 
 
@@ -562,14 +567,14 @@ def _matmul_reduce_scatter(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fa
 def _matmul_reduce_scatter_eager(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, group):
     world = _state(group).size
     mode = _scale_mode(b, scale_a, scale_b)
+    arch = kernel_arch(a.device)  # read once, handed to every GEMM of the call
     if world == 1:
-        return gemm_unchecked(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum)
+        return gemm_unchecked(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, arch)
     if a.is_cuda:
         _raise_on_error_word(a.get_device())
     full_c = c is not None and c.dim() == 2 and c.shape[0] != 1
     bias = None if c is None or full_c else c.reshape(-1)
     a = a.contiguous()
-    arch = kernel_arch(a.device)
     fused = _use_fused(group, arch) and mode != "block" and _fused_operands(
         a, b, out_dtype, fast_accum, arch, _RS, mode == "row", a.shape[0] // world)
     if fused:
@@ -581,7 +586,7 @@ def _matmul_reduce_scatter_eager(a, b, c, alpha, beta, out_dtype, scale_a, scale
         _agree_before_collectives(group, _RS, a, a.shape[0] // world, b.shape[0], out_dtype, scale_a,
                                   (a.shape[0], b.shape[0], str(out_dtype)))
         # FP32 partial sums (rounded to bfloat16 first where block scales take the FP8 kernel)
-        partial = gemm_unchecked(a, b, None, alpha, 0.0, torch.float32, scale_a, scale_b, fast_accum)
+        partial = gemm_unchecked(a, b, None, alpha, 0.0, torch.float32, scale_a, scale_b, fast_accum, arch)
         out = _reduce_scatter(partial, group)
         if bias is not None:
             out = out + beta * bias.to(out_dtype).float()

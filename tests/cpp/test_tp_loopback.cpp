@@ -497,6 +497,92 @@ TEST(TpLoopback, DisagreementAndTimeoutAreReported) {
   }
 }
 
+// A peer that arrives after the timeout: rank 0 gives up on its call (and runs the next one it
+// had enqueued, with another shard, before its host sees the failure); rank 1 calls only then.
+// Rank 1 must fail with a clear error and NaN, never pair its call with the shard of rank 0's
+// next call (its flags had moved past this call) or with the copies rank 0 still made. Then
+// both continue on the same workspaces zeroed, as recover() leaves a captured one.
+TEST(TpLoopback, LatePeerFailsClearlyThenBothContinue) {
+  REQUIRE_SM90();
+  const int64_t m = 256, k = 128, n = 128;
+  const std::vector<float> first = random_values(m * k, 21, 1.f), next = random_values(m * k, 22, 1.f),
+                           own = random_values(m * k, 23, 1.f), weights = random_values(n * k, 24, 0.1f);
+  Buffer a0_first(m * k * 2), a0_next(m * k * 2), a1(m * k * 2), b(n * k * 2), out[kWorld];
+  upload_bf16(a0_first, first);
+  upload_bf16(a0_next, next);
+  upload_bf16(a1, own);
+  upload_bf16(b, weights);
+  for (int r = 0; r < kWorld; ++r) new (&out[r]) Buffer(kWorld * m * n * 2);
+  dg_tp_desc probe{};
+  probe.gemm.a = matrix(a1.ptr, DG_BF16, m, k);
+  probe.gemm.d = matrix(nullptr, DG_BF16, kWorld * m, n);
+  probe.world = kWorld;
+  size_t need = 0;
+  ASSERT_EQ(dg_tp_workspace_size(DG_TP_ALL_GATHER_GEMM, &probe, &need), DG_SUCCESS) << dg_last_error();
+  // Rows [0, m) come from rank 0's first shard, [m, 2m) from rank 1's.
+  std::vector<double> want(kWorld * m * n);
+  for (int64_t i = 0; i < kWorld * m; ++i)
+    for (int64_t j = 0; j < n; ++j) {
+      const float* row = (i < m ? first.data() + i * k : own.data() + (i - m) * k);
+      double acc = 0;
+      for (int64_t p = 0; p < k; ++p) acc += double(row[p]) * weights[j * k + p];
+      want[i * n + j] = acc;
+    }
+  for (dg_tp_algo algo : {DG_TP_ALGO_FUSED, DG_TP_ALGO_DECOMPOSED}) {
+    SCOPED_TRACE(algo == DG_TP_ALGO_FUSED ? "fused" : "decomposed");
+    auto make_desc = [&](const LoopbackGroup& group, int r, const Buffer& a) {
+      dg_gemm_desc g{};
+      g.a = matrix(a.ptr, DG_BF16, m, k);
+      g.b = matrix(b.ptr, DG_BF16, n, k);
+      g.d = matrix(out[r].ptr, DG_BF16, kWorld * m, n);
+      g.alpha = 1.f;
+      g.config = -1;
+      dg_tp_desc d = group.desc(r, g, {algo, 1, 0, 0.0});
+      d.timeout_s = 1.0;
+      return d;
+    };
+    auto shard = [&](int r) -> const Buffer& { return r == 0 ? a0_first : a1; };
+    load_each_rank_alone(need, dg_all_gather_gemm,
+                         [&](const LoopbackGroup& group, int r) { return make_desc(group, r, shard(r)); });
+    LoopbackGroup group(need);
+    const dg_tp_desc d0 = make_desc(group, 0, a0_first), d0_next = make_desc(group, 0, a0_next);
+    ASSERT_EQ(dg_all_gather_gemm(&d0, group.streams[0]), DG_SUCCESS) << dg_last_error();
+    ASSERT_EQ(dg_all_gather_gemm(&d0_next, group.streams[0]), DG_SUCCESS) << dg_last_error();
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    EXPECT_EQ(dg_tp_error(0), (0 << 24) | (dg_tp_error(0) & 0xff0000) | 2) << "rank 0 times out waiting for rank 1";
+    // One device plays both ranks, so its one error word is rank 1's too: cleared, as rank 1's
+    // own GPU would have it.
+    ASSERT_EQ(dg_tp_clear_error(0), DG_SUCCESS) << dg_last_error();
+    const dg_tp_desc d1 = make_desc(group, 1, a1);
+    ASSERT_EQ(dg_all_gather_gemm(&d1, group.streams[1]), DG_SUCCESS) << dg_last_error();
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const int word = dg_tp_error(0);
+    EXPECT_EQ(word >> 24, 8) << "rank 1 must see that rank 0 gave up on the call, error word " << word;
+    EXPECT_EQ(word & 0xffff, 1) << "naming rank 0";
+    const std::vector<float> got = download(out[1], kWorld * m * n, DG_BF16);
+    int64_t finite = 0;
+    for (float v : got) finite += std::isfinite(v);
+    EXPECT_EQ(finite, 0) << "the late rank's output must be all NaN (rel error to the right answer "
+                         << rel_error(got, want) << ")";
+    EXPECT_EQ(dg_all_gather_gemm(&d1, group.streams[1]), DG_ERROR_TIMEOUT);
+    EXPECT_NE(std::string(dg_last_error()).find("given up"), std::string::npos) << dg_last_error();
+
+    // Recovered: the error cleared, the workspaces zeroed; both ranks call again.
+    ASSERT_EQ(dg_tp_clear_error(0), DG_SUCCESS) << dg_last_error();
+    for (int r = 0; r < kWorld; ++r) ASSERT_EQ(cudaMemset(group.ws[r].ptr, 0, need), cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    ASSERT_NO_FATAL_FAILURE(call_both(group, dg_all_gather_gemm, [&](const LoopbackGroup& g, int r) {
+      dg_tp_desc d = make_desc(g, r, shard(r));
+      d.timeout_s = 30.0;
+      return d;
+    }));
+    EXPECT_EQ(dg_tp_error(0), 0);
+    for (int r = 0; r < kWorld; ++r)
+      EXPECT_LT(rel_error(download(out[r], want.size(), DG_BF16), want), 1e-2) << "rank " << r << " after recovery";
+    ASSERT_EQ(dg_tp_clear_error(0), DG_SUCCESS);
+  }
+}
+
 // A rank that runs the call elsewhere (the collectives fallback) announces it with
 // DG_TP_AGREE_ELSEWHERE: ranks that all do so agree on the shape as usual; one rank here and one
 // elsewhere both record reason 7 at once (the one here hands back NaN) instead of a timeout.

@@ -107,6 +107,17 @@ int check_group(TpShape base) {
         agreed[lane] = true;
         EXPECT_EQ(static_cast<int>(st.waits.size()), world - 1) << ctx;
       }
+      // The begin and check steps mark a failed call in every peer (this rank's kFailed word
+      // there), so that no peer reads what this rank's copies still write; nothing else does.
+      if (st.kind == StepKind::kBeginCall || st.kind == StepKind::kCheckPeers) {
+        std::vector<FlagRef> want;
+        for (int p = 0; p < world; ++p)
+          if (p != r) want.push_back({p, FlagRegion::kFailed, r});
+        EXPECT_EQ(st.failure_marks, want) << ctx << ": rank " << r << " " << plan.str();
+      } else {
+        EXPECT_TRUE(st.failure_marks.empty()) << ctx;
+      }
+      for (const FlagRef& f : st.signals) EXPECT_NE(f.region, FlagRegion::kFailed) << ctx << ": a mark as a signal";
       const bool writes_peer = (st.kind == StepKind::kCopy && st.dst.space == Space::kWorkspace && st.dst.owner != r) ||
                                (st.kind == StepKind::kScatterScales && st.peer != r);
       if (writes_peer) {

@@ -587,3 +587,49 @@ def test_moe_kernel_classes_file_each_kernel_by_what_it_does():
     for i, cls in enumerate(names.values()):
         want[cls] = want.get(cls, 0.0) + 3.0 + i
     assert classes == pytest.approx(want)
+
+
+def test_moe_peak_counts_the_gradients_a_step_allocates(monkeypatch):
+    """A layer that allocates its .grad in the step (set to None at the step's start) has them
+    counted: the previous step's are freed before the base is read, not inside the measurement."""
+    import torch
+
+    from distgemm.bench import moe_suite
+
+    mib = 2 ** 20
+    mem = {"now": 1000 * mib, "peak": 0}
+
+    def allocate(n):
+        mem["now"] += n
+        mem["peak"] = max(mem["peak"], mem["now"])
+
+    class Param:
+        def __init__(self):
+            self._grad = torch.empty(0)  # the last step's gradient, 672 MiB
+            allocate(672 * mib)
+
+        @property
+        def grad(self):
+            return self._grad
+
+        @grad.setter
+        def grad(self, value):
+            if self._grad is not None:
+                allocate(-672 * mib)
+            if value is not None:
+                allocate(672 * mib)
+            self._grad = value
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: mem["now"])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: mem["peak"])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: mem.update(peak=mem["now"]))
+    p = Param()
+
+    def step():
+        p.grad = None
+        allocate(100 * mib)  # activations
+        p.grad = torch.empty(0)  # this step's gradient
+        allocate(-100 * mib)
+    step.params = [p]
+    assert moe_suite._peak_mb(step) == 772.0

@@ -378,3 +378,31 @@ def test_autograd_calls_take_the_settled_runner_and_the_dgrad_its_own_problem(gp
     distgemm.gemm(a, b).float().sum().backward()
     assert gpu["timings"] == timings and gpu["ran"] == ["cublas", "cublas"]  # forward, dgrad: nothing timed
     torch.testing.assert_close(a.grad.float(), 2 * b.float().sum(0).expand(32, 64), rtol=2e-2, atol=2e-2)
+
+
+def test_block_scaled_runner_never_hands_a_graph_tensor_to_eager_calls(gpu, monkeypatch):
+    # Our block-scaled kernel's remembered runner holds the one-group offs. Made during CUDA-graph
+    # capture, offs is the graph's memory, filled only on replay: eager calls must make their own,
+    # and captured calls theirs (a graph must not read a tensor the table may drop).
+    state = {"capturing": True}
+    monkeypatch.setattr(dense, "_capturing", lambda t: state["capturing"])
+    monkeypatch.setattr(autotune, "may_time", lambda: not state["capturing"])
+    one_group = dense._one_group
+
+    def tagged(a):
+        offs = one_group(a)
+        offs.made_in_capture = state["capturing"]
+        return offs
+    monkeypatch.setattr(dense, "_one_group", tagged)
+    seen = []
+
+    def fake_grouped_fp8(x, w, offs, **kwargs):
+        seen.append((state["capturing"], getattr(offs, "made_in_capture", None)))
+        return (x.float() @ w[0].float().T).to(BF16)
+    monkeypatch.setattr(grouped_fp8, "grouped_mm_fp8", fake_grouped_fp8)
+    a, b, sa, sb = block(n=40)  # N % 16 != 0: F.scaled_mm refuses, ours is the lone taker
+    for capturing in (True, False, False, True):
+        state["capturing"] = capturing
+        distgemm.gemm(a, b, scale_a=sa, scale_b=sb)
+    assert dense._REPEAT_CALLS and autotune.last_backend() == "cutlass:grouped"
+    assert seen == [(True, True), (False, False), (False, False), (True, True)], seen

@@ -68,6 +68,37 @@ def test_grouped_mlp_matches_fp32_reference(fp8, kind):
     assert torch.all(layer.fc1_weight.grad[1] == 0) and torch.all(layer.fc2_bias.grad[1] == 0)
 
 
+@pytest.mark.parametrize("fp8", ["block", "row"])
+def test_save_original_input_gives_the_same_gradients(fp8):
+    """Keeping x and making its FP8 transposed copy in the backward is the same arithmetic as
+    saving that copy from the forward: bit-identical gradients, x itself left intact."""
+    torch.manual_seed(4)
+    counts = [50, 0, 90]
+    grads = []
+    x = torch.randn(sum(counts), 128).bfloat16()
+    dy = torch.randn(sum(counts), 128).bfloat16()
+    for save in (False, True):
+        torch.manual_seed(5)
+        layer = GroupedMLP(3, 128, 128, fp8=fp8, save_original_input=save)
+        xi = x.clone().requires_grad_()
+        layer(xi, _offs(counts)).backward(dy)
+        grads.append((xi.grad, layer.fc1_weight.grad, layer.fc2_weight.grad))
+        assert torch.equal(xi.detach(), x), "the saved input was changed"
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("fp8", [None, "block"])
+def test_a_second_backward_through_the_layer_is_refused(fp8):
+    """The backward frees the saved activations after their last use: a second backward of the
+    same forward (retain_graph=True) is named, not run on freed tensors."""
+    layer = GroupedMLP(2, 128, 128, fp8=fp8)
+    loss = layer(torch.randn(64, 128).bfloat16().requires_grad_(), _offs([30, 34])).float().sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="retain_graph"):
+        loss.backward()
+
+
 def test_grouped_mlp_fused_wgrad_accumulates_into_main_grad():
     torch.manual_seed(2)
     counts = [40, 60]

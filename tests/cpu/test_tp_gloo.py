@@ -136,3 +136,21 @@ def test_workspace_sizes_follow_the_layout():
         assert ops.tp_workspace_size(2, rows, k, n, torch.bfloat16, torch.float32, world) == expect
     with pytest.raises(ValueError, match="world size"):
         ops.tp_workspace_size(1, 16, 64, 64, torch.bfloat16, torch.bfloat16, 1)
+
+
+@pytest.mark.parametrize("reason,kind,words", [
+    (0, TimeoutError, ("never arrived", "group rank 1")),
+    (8, TimeoutError, ("given up", "group rank 1", "did not read")),
+    (3, ValueError, ("disagree", "another number of rows")),
+])
+def test_error_word_reasons_raise_named_errors(reason, kind, words):
+    """The device's error word (reason << 24 | op << 16 | peer + 1) as the exception users see:
+    a peer that gave up on this rank's call (its failure mark) is a TimeoutError too."""
+    from distgemm import tp
+
+    code = (reason << 24) | (1 << 16) | 2
+    with pytest.raises(kind) as info:
+        tp._raise_for_code(code, 0)
+    for w in words:
+        assert w in str(info.value)
+    assert "recover" in str(info.value)

@@ -98,6 +98,13 @@ def test_peer_raises_then_recover():
               env={"DISTGEMM_TP_ALGO": "decomposed"})
 
 
+@pytest.mark.parametrize("op,algo", [("ag", "fused"), ("rs", "decomposed")])
+def test_late_peer(op, algo):
+    """Rank 1 arrives after rank 0 timed out (and ran its next call): both raise, rank 1 at
+    once and with NaN rather than the next call's data; recover() makes both right again."""
+    run_cases(fc.late_peer, op, cases=[f"late_peer_{op}", f"late_peer_{op}:recover"], env={"DISTGEMM_TP_ALGO": algo})
+
+
 def test_shapes_and_dtypes_that_differ_after_the_first_call():
     run_cases(fc.shapes_disagree, cases=["shapes_differ_ag", "shapes_differ_rs", "dtypes_differ_ag"])
 

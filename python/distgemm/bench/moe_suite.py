@@ -93,10 +93,19 @@ def _step(layer, x, offs, dy, params, main_grads) -> Callable[[], None]:
         with torch.no_grad():
             for p in params:
                 p.mul_(1.0 - 1e-4)  # an optimizer's in-place update: FP8 copies must be made anew
+    run.params = list(params) + ([x] if x.requires_grad else [])  # whose .grad the step makes anew
     return run
 
 
 def _peak_mb(fn: Callable[[], None]) -> float:
+    """The most memory one step of `fn` (a _step) holds above what was allocated before it. The
+    previous step's gradients (`fn.params`' .grad, set to None inside the step) are freed first:
+    left in the base, a layer that allocates its gradients in the step (torch's bf16 .grad) would
+    be credited with freeing the last step's, and its peak read short by their size. Gradients
+    accumulated into preallocated FP32 main_grad (ours) are outside the step, as a framework
+    holds them either way."""
+    for p in getattr(fn, "params", ()):
+        p.grad = None
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
