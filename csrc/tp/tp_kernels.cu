@@ -19,7 +19,8 @@ __device__ __forceinline__ bool call_failed(const int* error) {
 // Tells every peer that this rank's call `epoch` failed; the fence makes the marks visible
 // system-wide before this kernel completes, so before any copy the stream runs after it.
 __device__ void mark_failed_in_peers(const FailureMarks& marks, uint32_t epoch) {
-  for (int i = 0; i < marks.count; ++i) store_release_sys(marks.in_peers[i], epoch);
+  const uint32_t mark = epoch != 0 ? epoch : 1u;  // nonzero: the epoch wraps after 2^32 calls
+  for (int i = 0; i < marks.count; ++i) store_release_sys(marks.in_peers[i], mark);
   __threadfence_system();
 }
 
@@ -52,11 +53,13 @@ __device__ void check_each_peer(const PeerChecks& peers, const CallSignature& ow
     const int p = peers.rank[i];
     if (!wait_flag(peers.started[i], epoch, s, p)) return;  // timed out (recorded) or failed
     const auto* slot = reinterpret_cast<const volatile uint32_t*>((peers.sig[i] + (epoch & 1u) * kMaxWorld)->words);
+    // What the peer's call is comes first: a disagreement is named as such on both ranks, though
+    // the rank that found it first has marked its own call as failed by the time the other looks.
+    // A mark is the reason only for a peer at this call that agrees, or at another call.
+    const bool failed = load_acquire_sys(marks.seen + p) != 0;
     int reason = -1;
-    if (load_acquire_sys(marks.seen + p) != 0) {
-      reason = kReasonPeerFailed;
-    } else if (slot[CallSignature::kEpoch] != epoch) {
-      reason = kReasonOutOfStep;
+    if (slot[CallSignature::kEpoch] != epoch) {
+      reason = failed ? kReasonPeerFailed : kReasonOutOfStep;
     } else {
       for (int w = 1; w < CallSignature::kFields && reason < 0; ++w) {
         if (slot[w] == own.words[w]) continue;
@@ -67,6 +70,7 @@ __device__ void check_each_peer(const PeerChecks& peers, const CallSignature& ow
                  : w == CallSignature::kDtypes                                                       ? kReasonDtypes
                                                                                                      : kReasonWorld;
       }
+      if (reason < 0 && failed) reason = kReasonPeerFailed;
     }
     if (reason >= 0) {
       record_error(s, (reason << kErrorReasonShift) | s.error_tag | (p + 1));
