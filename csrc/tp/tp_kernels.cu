@@ -40,12 +40,7 @@ __global__ void begin_call_kernel(uint32_t* epoch, PeerTargets peers, CallSignat
   }
 }
 
-__device__ void record_error(const SyncParams& s, int code) {
-  if (atomicCAS(s.error, 0, code) == 0 && s.error_host) {
-    *reinterpret_cast<volatile int*>(s.error_host) = code;
-    __threadfence_system();
-  }
-}
+__device__ void record_error(const SyncParams& s, int code) { record_wait_error(s, code); }
 
 __device__ void check_each_peer(const PeerChecks& peers, const CallSignature& own, const FailureMarks& marks,
                                 const SyncParams& s, uint32_t epoch) {
@@ -96,6 +91,9 @@ __global__ void poison_kernel(Word* data, int64_t rows, int64_t cols, int64_t ld
     if (blockIdx.x == 0 && threadIdx.x == 0)
       record_error(s, (kReasonPeerFailed << kErrorReasonShift) | s.error_tag | (peer + 1));
   }
+  // A call that failed after its check (a wait inside a GEMM) marks itself here too, so that
+  // peers still waiting for its flags give up at once and its peers' next calls fail.
+  if (s.epoch != nullptr && blockIdx.x == 0 && threadIdx.x == 0) mark_failed_in_peers(marks, *s.epoch);
   const int64_t total = rows * cols;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += gridDim.x * int64_t(blockDim.x))
     data[(i / cols) * ld + i % cols] = nan;
