@@ -26,9 +26,17 @@ __device__ __forceinline__ void fence_generic_to_async_global() {
 #endif
 }
 
+// The first failure's code into the device's error word, then into the host's mapped copy.
+__device__ __forceinline__ void record_wait_error(const SyncParams& s, int code) {
+  if (atomicCAS(s.error, 0, code) == 0 && s.error_host) {
+    *reinterpret_cast<volatile int*>(s.error_host) = code;
+    __threadfence_system();
+  }
+}
+
 // Spins until *flag reaches target (s.error must be set whenever a wait is requested). On
-// timeout (or when another wait already failed) records the error and returns false; the
-// caller proceeds so the kernel always finishes.
+// timeout, or once the peer marked its call as failed, records the error and returns false
+// (at once when another wait already failed); the caller proceeds so the kernel always finishes.
 __device__ __forceinline__ bool wait_flag(const uint32_t* flag, uint32_t target, const SyncParams& s, int peer) {
   if (static_cast<int32_t>(load_acquire_sys(flag) - target) >= 0) {
     fence_generic_to_async_global();
@@ -40,12 +48,12 @@ __device__ __forceinline__ bool wait_flag(const uint32_t* flag, uint32_t target,
     if (static_cast<int32_t>(load_acquire_sys(flag) - target) >= 0) break;
     if ((spin & 63u) == 0) {
       if (*reinterpret_cast<volatile int*>(s.error) != 0) return false;
+      if (s.failed_marks != nullptr && load_acquire_sys(s.failed_marks + peer) != 0) {
+        record_wait_error(s, s.peer_failed_code | (peer + 1));
+        return false;
+      }
       if (global_timer_ns() - start > s.timeout_ns) {
-        const int code = s.error_tag | (peer + 1);
-        if (atomicCAS(s.error, 0, code) == 0 && s.error_host) {
-          *reinterpret_cast<volatile int*>(s.error_host) = code;
-          __threadfence_system();
-        }
+        record_wait_error(s, s.error_tag | (peer + 1));
         return false;
       }
     }

@@ -23,6 +23,11 @@ struct SyncParams {
   int* error_host = nullptr;
   int error_tag = 0;
   int32_t c_peer = 0;  // rank that writes the C operand, for the error word
+  // [world] the failure marks the peers wrote into this rank's workspace: a wait on peer p gives
+  // up once p's is set (p's call failed, so what it would raise never comes), recording
+  // peer_failed_code | (p + 1) rather than waiting out the timeout. nullptr: none.
+  const uint32_t* failed_marks = nullptr;
+  int peer_failed_code = 0;
 };
 
 // Error word layout: bits 16.. hold the op tag, bits 0..15 the peer rank + 1.

@@ -86,7 +86,7 @@ dg_status check_no_earlier_failure(int device) {
   const int peer = (code & ((1 << kErrorPeerBits) - 1)) - 1;
   if (reason == kReasonPeerFailed)
     return fail(DG_ERROR_TIMEOUT,
-                cat("in a ", op_name(tag), " on device ", device, " rank ", peer,
+                cat("in a ", op_name(tag), " on device ", device, ": group rank ", peer,
                     " had given up on the call (it waited past its timeout for this rank, or an earlier call "
                     "of its failed); the outputs of this call were filled with NaN rather than read what that "
                     "rank still wrote. The group must be re-synchronised (dg_tp_clear_error on every rank, and "

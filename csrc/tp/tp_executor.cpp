@@ -191,6 +191,8 @@ dg_status run_steps(const dg_tp_desc& d, const Peers& peers, const TpPlan& plan,
   sync.error = err->device_word;
   sync.error_host = err->host_word_device;
   sync.error_tag = tag;
+  sync.failed_marks = peers.word(rank, TpHeader::kFailed);
+  sync.peer_failed_code = (kReasonPeerFailed << kErrorReasonShift) | tag;
   const CallSignature sig = call_signature(plan, dtypes);
   const dg_gemm_desc& g = d.gemm;
 

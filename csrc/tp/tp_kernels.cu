@@ -19,7 +19,8 @@ __device__ __forceinline__ bool call_failed(const int* error) {
 // Tells every peer that this rank's call `epoch` failed; the fence makes the marks visible
 // system-wide before this kernel completes, so before any copy the stream runs after it.
 __device__ void mark_failed_in_peers(const FailureMarks& marks, uint32_t epoch) {
-  for (int i = 0; i < marks.count; ++i) store_release_sys(marks.in_peers[i], epoch);
+  const uint32_t mark = epoch != 0 ? epoch : 1u;  // nonzero: the epoch wraps after 2^32 calls
+  for (int i = 0; i < marks.count; ++i) store_release_sys(marks.in_peers[i], mark);
   __threadfence_system();
 }
 
@@ -39,12 +40,7 @@ __global__ void begin_call_kernel(uint32_t* epoch, PeerTargets peers, CallSignat
   }
 }
 
-__device__ void record_error(const SyncParams& s, int code) {
-  if (atomicCAS(s.error, 0, code) == 0 && s.error_host) {
-    *reinterpret_cast<volatile int*>(s.error_host) = code;
-    __threadfence_system();
-  }
-}
+__device__ void record_error(const SyncParams& s, int code) { record_wait_error(s, code); }
 
 __device__ void check_each_peer(const PeerChecks& peers, const CallSignature& own, const FailureMarks& marks,
                                 const SyncParams& s, uint32_t epoch) {
@@ -52,11 +48,13 @@ __device__ void check_each_peer(const PeerChecks& peers, const CallSignature& ow
     const int p = peers.rank[i];
     if (!wait_flag(peers.started[i], epoch, s, p)) return;  // timed out (recorded) or failed
     const auto* slot = reinterpret_cast<const volatile uint32_t*>((peers.sig[i] + (epoch & 1u) * kMaxWorld)->words);
+    // What the peer's call is comes first: a disagreement is named as such on both ranks, though
+    // the rank that found it first has marked its own call as failed by the time the other looks.
+    // A mark is the reason only for a peer at this call that agrees, or at another call.
+    const bool failed = load_acquire_sys(marks.seen + p) != 0;
     int reason = -1;
-    if (load_acquire_sys(marks.seen + p) != 0) {
-      reason = kReasonPeerFailed;
-    } else if (slot[CallSignature::kEpoch] != epoch) {
-      reason = kReasonOutOfStep;
+    if (slot[CallSignature::kEpoch] != epoch) {
+      reason = failed ? kReasonPeerFailed : kReasonOutOfStep;
     } else {
       for (int w = 1; w < CallSignature::kFields && reason < 0; ++w) {
         if (slot[w] == own.words[w]) continue;
@@ -67,6 +65,7 @@ __device__ void check_each_peer(const PeerChecks& peers, const CallSignature& ow
                  : w == CallSignature::kDtypes                                                       ? kReasonDtypes
                                                                                                      : kReasonWorld;
       }
+      if (reason < 0 && failed) reason = kReasonPeerFailed;
     }
     if (reason >= 0) {
       record_error(s, (reason << kErrorReasonShift) | s.error_tag | (p + 1));
@@ -92,6 +91,9 @@ __global__ void poison_kernel(Word* data, int64_t rows, int64_t cols, int64_t ld
     if (blockIdx.x == 0 && threadIdx.x == 0)
       record_error(s, (kReasonPeerFailed << kErrorReasonShift) | s.error_tag | (peer + 1));
   }
+  // A call that failed after its check (a wait inside a GEMM) marks itself here too, so that
+  // peers still waiting for its flags give up at once and its peers' next calls fail.
+  if (s.epoch != nullptr && blockIdx.x == 0 && threadIdx.x == 0) mark_failed_in_peers(marks, *s.epoch);
   const int64_t total = rows * cols;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += gridDim.x * int64_t(blockDim.x))
     data[(i / cols) * ld + i % cols] = nan;

@@ -94,7 +94,11 @@ class Builder {
     st.bias = bias;
     return st;
   }
-  void poison(RowsRef rows) { add(StepKind::kPoison, Lane::kMain).dst = rows; }
+  void poison(RowsRef rows) {
+    Step& st = add(StepKind::kPoison, Lane::kMain);
+    st.dst = rows;
+    mark_failure_in_peers(st);  // a failure found after the check (inside a GEMM's wait)
+  }
 
  private:
   TpPlan& plan_;

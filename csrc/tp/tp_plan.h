@@ -97,8 +97,9 @@ struct Step {
   int peer = -1;                   // kScatterScales: the destination rank
   std::vector<FlagRef> signals;    // kBeginCall, kSignal
   std::vector<PlannedWait> waits;  // kCheckPeers, kWait, kGemm (waited inside the kernel)
-  // kBeginCall, kCheckPeers: the peers' kFailed words for this rank, set to the epoch when the
-  // call has failed (the begin step: an earlier call's failure stands; the check: it failed).
+  // kBeginCall, kCheckPeers, kPoison: the peers' kFailed words for this rank, set to the epoch
+  // when the call has failed (the begin step: an earlier call's failure stands; the check and
+  // the poison steps: it failed by then).
   // A failed call writes nothing else that a peer could take for valid data: no signal.
   std::vector<FlagRef> failure_marks;
 };

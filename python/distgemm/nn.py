@@ -68,23 +68,28 @@ class _GroupedLinearFP8(torch.autograd.Function):
     """FP8 forward, dgrad and wgrad of GroupedLinear: x and the output gradient each quantized
     in one pass into the rows the next GEMM reads and the padded transpose the wgrad reads (the
     block recipe; the row recipe's full-row scales take a second read), the weight's copies
-    from _FP8WeightCopies; the backward keeps x's FP8 transpose, not x."""
+    from _FP8WeightCopies; the backward keeps x's FP8 transpose, not x (or, `save_input`, x,
+    transposed when the wgrad needs it)."""
 
     @staticmethod
-    def forward(ctx, x, weight, offs, w8, sw, wt8, swt, recipe, fuse_wgrad, grad_dtype):
+    def forward(ctx, x, weight, offs, w8, sw, wt8, swt, recipe, fuse_wgrad, grad_dtype, save_input):
         need_w = ctx.needs_input_grad[1]
         if w8 is None:
             w8, sw, _, _ = quantize_weight(weight, recipe, copies="forward")
-        _, x8, sx, xt8, sxt = _forms(x.contiguous(), "identity", recipe, offs, rows=True, transposed=need_w,
+        x = x.contiguous()
+        _, x8, sx, xt8, sxt = _forms(x, "identity", recipe, offs, rows=True, transposed=need_w and not save_input,
                                      dtype=torch.float8_e4m3fn)
-        ctx.save_for_backward(weight, offs, xt8, sxt, wt8, swt)
-        ctx.recipe, ctx.fuse_wgrad, ctx.grad_dtype = recipe, fuse_wgrad, grad_dtype
+        ctx.save_for_backward(weight, offs, x if save_input else xt8, sxt, wt8, swt)
+        ctx.recipe, ctx.fuse_wgrad, ctx.grad_dtype, ctx.save_input = recipe, fuse_wgrad, grad_dtype, save_input
         return grouped_mm(x8, w8, offs, scale_x=sx, scale_w=sw)
 
     @staticmethod
     def backward(ctx, grad):
         weight, offs, xt8, sxt, wt8, swt = ctx.saved_tensors
         need_dx, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if need_w and ctx.save_input:  # xt8 holds x
+            _, _, _, xt8, sxt = _forms(xt8, "identity", ctx.recipe, offs, rows=False, transposed=True,
+                                       dtype=torch.float8_e4m3fn)
         _, g8, sg, gt8, sgt = _forms(grad.contiguous().to(torch.bfloat16), "identity", ctx.recipe, offs,
                                      rows=need_dx, transposed=need_w, dtype=ctx.grad_dtype)
         dx = dw = None
@@ -95,7 +100,7 @@ class _GroupedLinearFP8(torch.autograd.Function):
             dx = grouped_mm(g8, wt8.transpose(1, 2), offs, scale_x=sg, scale_w=swt, trans_w=False)
         if need_w:
             dw = _weight_grad(weight, ctx.fuse_wgrad, gt8, xt8, offs, scale_dy=sgt, scale_x=sxt)
-        return (dx, dw) + (None,) * 8
+        return (dx, dw) + (None,) * 9
 
 
 class GroupedLinear(nn.Module):
@@ -113,16 +118,20 @@ class GroupedLinear(nn.Module):
     wgrad from both operands quantized per 128 tokens of each expert, in FP32. The master
     weight stays in ``dtype``. ``fp8_grad_dtype=torch.float8_e5m2`` quantizes the output
     gradients to e5m2 (wider range, 2 mantissa bits; TransformerEngine's hybrid recipe)
-    against the e4m3 weights and activations.
+    against the e4m3 weights and activations. ``save_original_input=True`` (FP8) keeps x for the
+    backward instead of its FP8 transposed copy (less memory where x is kept anyway; one more
+    read of x in the backward).
     """
 
     def __init__(self, num_experts: int, in_features: int, out_features: int, bias: bool = False,
                  dtype: torch.dtype = torch.bfloat16, device=None,
                  fuse_wgrad_accumulation: bool = False, fp8: Optional[str] = None,
-                 fp8_grad_dtype: torch.dtype = torch.float8_e4m3fn):
+                 fp8_grad_dtype: torch.dtype = torch.float8_e4m3fn, save_original_input: bool = False):
         super().__init__()
         _check_sizes("GroupedLinear", num_experts=num_experts, in_features=in_features, out_features=out_features)
-        check_flags("GroupedLinear", bias=bias, fuse_wgrad_accumulation=fuse_wgrad_accumulation)
+        check_flags("GroupedLinear", bias=bias, fuse_wgrad_accumulation=fuse_wgrad_accumulation,
+                    save_original_input=save_original_input)
+        self.save_original_input = save_original_input
         if fp8 is not None and fp8 not in FP8_RECIPES:
             raise ValueError(f"GroupedLinear: fp8 must be None or one of {FP8_RECIPES}, got {fp8!r}")
         if fp8_grad_dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
@@ -160,7 +169,8 @@ class GroupedLinear(nn.Module):
                 raise ValueError(f"GroupedLinear(fp8={self.fp8!r}): x and weight must be bfloat16 (quantized on the "
                                  f"fly), got {x.dtype} and {self.weight.dtype}")
             w8, sw, wt8, swt = self._fp8_weight.get(self.weight, is_first_microbatch) or (None,) * 4
-            y = _GroupedLinearFP8.apply(x, self.weight, offs, w8, sw, wt8, swt, self.fp8, fuse, self.fp8_grad_dtype)
+            y = _GroupedLinearFP8.apply(x, self.weight, offs, w8, sw, wt8, swt, self.fp8, fuse, self.fp8_grad_dtype,
+                                        self.save_original_input)
         elif fuse:
             y = _GroupedLinearMainGrad.apply(x, self.weight, offs)
         else:

@@ -313,13 +313,18 @@ def recover(group=None) -> None:
     state.exchange("recover", "1", timeouts=3.0)
     # Workspaces a CUDA graph captured stay alive (a replay writes into them and the peers'),
     # zeroed as at set-up: every rank zeroes its own before the "recovered" step, so a replay
-    # after recover() starts on flags and call counts that agree again.
+    # after recover() starts on flags and call counts that agree again. Only once every rank's
+    # device is idle ("drained"): a peer's kernel still in flight writes flags and failure marks
+    # into this rank's workspace.
     kept = list(state.retired)
     if state.workspace is not None and state.workspace.captured:
         kept.append(state.workspace)
-    if torch.cuda.is_available():
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.synchronize()
+    state.exchange("drained", "1")
+    if cuda:
         device = torch.cuda.current_device()
-        torch.cuda.synchronize(device)
         ops.tp_clear_error(device)
         for ws in kept:
             ws.tensor.zero_()

@@ -109,7 +109,7 @@ int check_group(TpShape base) {
       }
       // The begin and check steps mark a failed call in every peer (this rank's kFailed word
       // there), so that no peer reads what this rank's copies still write; nothing else does.
-      if (st.kind == StepKind::kBeginCall || st.kind == StepKind::kCheckPeers) {
+      if (st.kind == StepKind::kBeginCall || st.kind == StepKind::kCheckPeers || st.kind == StepKind::kPoison) {
         std::vector<FlagRef> want;
         for (int p = 0; p < world; ++p)
           if (p != r) want.push_back({p, FlagRegion::kFailed, r});

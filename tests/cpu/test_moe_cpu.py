@@ -198,3 +198,22 @@ def test_fp8_grouped_linear_names_a_dtype_it_cannot_quantize():
     layer = GroupedLinear(2, 16, 8, fp8="block").half()
     with pytest.raises(ValueError, match=r"GroupedLinear\(fp8='block'\): x and weight must be bfloat16"):
         layer(torch.randn(10, 16).half(), _offs([4, 6]))
+
+
+@pytest.mark.parametrize("fp8", ["block", "row"])
+def test_grouped_linear_save_original_input_gives_the_same_gradients(fp8):
+    from distgemm.nn import GroupedLinear
+
+    torch.manual_seed(6)
+    counts = [40, 0, 100]
+    x = torch.randn(sum(counts), 256).bfloat16()
+    dy = torch.randn(sum(counts), 128).bfloat16()
+    grads = []
+    for save in (False, True):
+        torch.manual_seed(7)
+        layer = GroupedLinear(3, 256, 128, fp8=fp8, save_original_input=save)
+        xi = x.clone().requires_grad_()
+        layer(xi, _offs(counts)).backward(dy)
+        grads.append((xi.grad, layer.weight.grad))
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)

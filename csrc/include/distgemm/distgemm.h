@@ -254,8 +254,12 @@ DG_API dg_status dg_gemm_reduce_scatter(const dg_tp_desc* desc, cudaStream_t str
  * once a call failed: reason 0 a wait on that peer timed out; 1 the peer is at another call;
  * 2 another op, algorithm or piece split; 3 other rows; 4 another K (all-gather) or N
  * (reduce-scatter); 5 other dtypes or scale modes; 6 another group size; 7 one of the two runs
- * the call elsewhere (DG_TP_AGREE_ELSEWHERE) and the other on the workspaces. Read from mapped host
- * memory, without synchronizing the device. dg_tp_clear_error synchronizes `device` and resets it. */
+ * the call elsewhere (DG_TP_AGREE_ELSEWHERE) and the other on the workspaces; 8 the peer had
+ * given up on the call (its own wait timed out or an earlier call of its failed: DG_ERROR_TIMEOUT).
+ * A failed call marks itself in its peers' workspaces and raises no more flags, so its peers' calls
+ * fail too; the word is the device's, so a failure fails the calls every group has in flight on
+ * that device. Read from mapped host memory, without synchronizing the device. dg_tp_clear_error
+ * synchronizes `device` and resets it. */
 DG_API int dg_tp_error(int device);
 DG_API dg_status dg_tp_clear_error(int device);
 
