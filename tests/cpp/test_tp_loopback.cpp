@@ -109,6 +109,17 @@ void run_together(size_t need, TpOp op, MakeDesc make_desc) {
   ASSERT_EQ(dg_tp_error(0), 0);
 }
 
+// The workspace bytes of a bf16 all-gather + GEMM of (m, k) shards into N columns.
+size_t all_gather_workspace(const void* a, int64_t m, int64_t k, int64_t n) {
+  dg_tp_desc probe{};
+  probe.gemm.a = matrix(a, DG_BF16, m, k);
+  probe.gemm.d = matrix(nullptr, DG_BF16, kWorld * m, n);
+  probe.world = kWorld;
+  size_t need = 0;
+  EXPECT_EQ(dg_tp_workspace_size(DG_TP_ALL_GATHER_GEMM, &probe, &need), DG_SUCCESS) << dg_last_error();
+  return need;
+}
+
 struct AllGatherCase {
   const char* name;
   dg_tp_settings settings;
@@ -513,12 +524,8 @@ TEST(TpLoopback, LatePeerFailsClearlyThenBothContinue) {
   upload_bf16(a1, own);
   upload_bf16(b, weights);
   for (int r = 0; r < kWorld; ++r) new (&out[r]) Buffer(kWorld * m * n * 2);
-  dg_tp_desc probe{};
-  probe.gemm.a = matrix(a1.ptr, DG_BF16, m, k);
-  probe.gemm.d = matrix(nullptr, DG_BF16, kWorld * m, n);
-  probe.world = kWorld;
-  size_t need = 0;
-  ASSERT_EQ(dg_tp_workspace_size(DG_TP_ALL_GATHER_GEMM, &probe, &need), DG_SUCCESS) << dg_last_error();
+  const size_t need = all_gather_workspace(a1.ptr, m, k, n);
+  ASSERT_GT(need, 0u);
   // Rows [0, m) come from rank 0's first shard, [m, 2m) from rank 1's.
   std::vector<double> want(kWorld * m * n);
   for (int64_t i = 0; i < kWorld * m; ++i)
@@ -593,12 +600,8 @@ TEST(TpLoopback, RankRunningElsewhereIsNamed) {
   upload_bf16(a, random_values(m * k, 7, 1.f));
   upload_bf16(b, random_values(n * k, 8, 0.1f));
   for (int r = 0; r < kWorld; ++r) new (&out[r]) Buffer(kWorld * m * n * 2);
-  dg_tp_desc probe{};
-  probe.gemm.a = matrix(a.ptr, DG_BF16, m, k);
-  probe.gemm.d = matrix(nullptr, DG_BF16, kWorld * m, n);
-  probe.world = kWorld;
-  size_t need = 0;
-  ASSERT_EQ(dg_tp_workspace_size(DG_TP_ALL_GATHER_GEMM, &probe, &need), DG_SUCCESS) << dg_last_error();
+  const size_t need = all_gather_workspace(a.ptr, m, k, n);
+  ASSERT_GT(need, 0u);
   // rows: this rank's shard rows; mode: 0 (the call) or DG_TP_AGREE_ELSEWHERE
   auto desc = [&](const LoopbackGroup& group, int r, int64_t rows, int mode) {
     dg_gemm_desc g{};
@@ -659,12 +662,8 @@ TEST(TpLoopback, TwoThreadsCallingAtOnceEachPushTheirOwnNewShard) {
     new (&gathered[r]) Buffer(kWorld * m * k * 2);
     new (&delay_dst[r]) Buffer(delay_bytes);
   }
-  dg_tp_desc probe{};
-  probe.gemm.a = matrix(a[0].ptr, DG_BF16, m, k);
-  probe.gemm.d = matrix(nullptr, DG_BF16, kWorld * m, n);
-  probe.world = kWorld;
-  size_t need = 0;
-  ASSERT_EQ(dg_tp_workspace_size(DG_TP_ALL_GATHER_GEMM, &probe, &need), DG_SUCCESS) << dg_last_error();
+  const size_t need = all_gather_workspace(a[0].ptr, m, k, n);
+  ASSERT_GT(need, 0u);
   auto make_desc = [&](const LoopbackGroup& group, int r) {
     dg_gemm_desc g{};
     g.a = matrix(a[r].ptr, DG_BF16, m, k);
