@@ -1,8 +1,9 @@
-"""Host time of a repeated `distgemm.gemm` without a GPU: CPU tensors, the dispatch of an sm_90
-GPU (kernel checks faked, the autotuner's timing replaced so that cuBLAS is chosen), so that the
-repeated call runs its remembered runner, F.linear. Prints our call, F.linear and torch.matmul,
-and the pieces of our path (the signature, the lookup). What it measures is Python on this host;
-the H200's figures come from the bench's `host` suite.
+"""Host time of a repeated `distgemm.gemm` and `distgemm.grouped_mm` without a GPU: CPU tensors,
+the dispatch of an sm_90 GPU (kernel checks faked, the autotuner's timing replaced so that the
+vendor call is chosen), so that the repeated call runs its remembered runner, F.linear or
+torch._grouped_mm. Prints our calls against F.linear, torch.matmul and torch._grouped_mm, and
+the pieces of our dense path (the signature, the lookup). What it measures is Python on this
+host; the H200's figures come from the bench's `host` suite.
 
     python scripts/dev/dispatch_host_cpu.py
 """
@@ -16,7 +17,7 @@ import torch
 
 import distgemm
 import distgemm._library as library
-from distgemm import autotune, dense
+from distgemm import autotune, dense, grouped
 
 
 def fake_sm90() -> None:
@@ -30,8 +31,11 @@ def fake_sm90() -> None:
     autotune._LOADED = True
     autotune.may_time = lambda: True
     autotune.flush_buffer = lambda *args, **kwargs: None
-    autotune._medians = lambda candidates, flush: {n: 0.5 if n == "cublas" else 1.0 for n in candidates}
+    vendors = ("cublas", grouped.TORCH)
+    autotune._medians = lambda candidates, flush: {n: 0.5 if n in vendors else 1.0 for n in candidates}
     torch.cuda.device = lambda device: contextlib.nullcontext()
+    backend = grouped._backend
+    grouped._backend = lambda op, device, *args: backend(op, torch.device("cuda", 0), *args)
 
 
 def per_call_us(fn, number=200_000) -> float:
@@ -52,6 +56,14 @@ def main() -> None:
         signature = per_call_us(lambda: dense._call_signature(a, b, None, 1.0, 0.0, None))
         lookup = per_call_us(lambda: dense._repeat_call(a, b, None, 1.0, 0.0, None))
         print(f"  of ours: the signature {signature:.2f} us, the lookup with it {lookup:.2f} us")
+        x, w = torch.randn(16, 8, dtype=torch.bfloat16), torch.randn(2, 8, 8, dtype=torch.bfloat16)
+        offs = torch.tensor([8, 16], dtype=torch.int32)
+        distgemm.grouped_mm(x, w, offs)
+        assert autotune.last_backend() == grouped.TORCH, autotune.last_backend()
+        ours = per_call_us(lambda: distgemm.grouped_mm(x, w, offs), number=50_000)
+        peer = per_call_us(lambda: torch._grouped_mm(x, w.transpose(1, 2), offs=offs), number=50_000)
+        print(f"distgemm.grouped_mm (repeated) {ours:.2f} us; torch._grouped_mm {peer:.2f} us; "
+              f"ours - torch {ours - peer:+.2f} us")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ Layers (ratio = peer step time / ours, > 1: ours faster):
   same module with ``fp8="block"`` (1 x 128 activations, 128 x 128 weights) / ``fp8="row"``.
   Weight gradients accumulate into FP32 ``main_grad`` (zeroed inside the timed step, as a
   framework does once per optimizer step).
+- ``distgemm block, save_original_input``: the block layer keeping x for the backward instead
+  of its FP8 transposed copy (time and memory; not in the geomean).
 - ``torch bf16``: the same layer written with ``torch._grouped_mm`` and autograd, its grads set
   to None every step (the issue's peer). ``loop bf16``: a per-expert loop of ``torch.matmul``
   (host-known group sizes), forward only figures and the step.
@@ -28,6 +30,8 @@ import torch
 from .common import entry, geomean, gpu_slug, plot_ratios, print_row, round_robin_ms, write_results
 
 TOKENS = 32768
+# The block layer keeping x for its backward instead of x's FP8 transposed copy: time and memory.
+SAVE_INPUT = "distgemm block, save_original_input"
 # (experts, hidden, ffn): DeepSeek-V3-like, Qwen3-like, fine-grained, Mixtral-like.
 LAYERS = ((8, 7168, 2048), (32, 4096, 1536), (64, 2048, 768), (16, 5120, 1408))
 QUICK_LAYERS = ((8, 7168, 2048), (64, 2048, 768))
@@ -182,9 +186,10 @@ def run(out_dir: str, quick: bool, activations=("swiglu", "gelu")) -> Dict[str, 
                 x = torch.randn(TOKENS, hidden, device=dev).bfloat16()
                 dy = torch.randn(TOKENS, hidden, device=dev).bfloat16()
                 layers, steps = {}, {}
-                for name, fp8 in (("distgemm bf16", None), ("distgemm block", "block"), ("distgemm row", "row")):
+                for name, fp8, save in (("distgemm bf16", None, False), ("distgemm block", "block", False),
+                                        ("distgemm row", "row", False), (SAVE_INPUT, "block", True)):
                     m = GroupedMLP(experts, hidden, ffn, activation=activation, device=dev, fp8=fp8,
-                                   fuse_wgrad_accumulation=True)
+                                   fuse_wgrad_accumulation=True, save_original_input=save)
                     grads = []
                     for w in (m.fc1_weight, m.fc2_weight):
                         w.main_grad = torch.zeros(w.shape, device=dev)
@@ -216,6 +221,10 @@ def run(out_dir: str, quick: bool, activations=("swiglu", "gelu")) -> Dict[str, 
                 cols.update({f"{n.split()[-1]}/torch": f"{row[n]['vs_torch_bf16']:.2f}x"
                              for n in ("distgemm bf16", "distgemm block", "distgemm row")})
                 cols["mem block/torch"] = f"{row['distgemm block']['peak_mb'] / max(row['torch bf16']['peak_mb'], 1):.2f}x"
+                row[SAVE_INPUT]["vs_torch_bf16"] = round(times["torch bf16"] / times[SAVE_INPUT], 3)
+                cols["save_input: time, mem /torch"] = (
+                    f"{row[SAVE_INPUT]['vs_torch_bf16']:.2f}x, "
+                    f"{row[SAVE_INPUT]['peak_mb'] / max(row['torch bf16']['peak_mb'], 1):.2f}x")
                 print_row(label, cols)
                 if not skewed:
                     for name in ("distgemm block", "distgemm bf16"):
