@@ -223,10 +223,21 @@ def _forms(x, kind, recipe, offs, *, rows, transposed, dtype, dy=None, bf16=Fals
 
 def _release(*tensors) -> None:
     """Frees the memory of saved activations the backward has read for the last time (their
-    SavedVariables keep the tensor objects, not the storage: TransformerEngine's way)."""
+    SavedVariables keep the tensor objects, not the storage: TransformerEngine's way). Not when
+    the graph is kept for another backward (retain_graph=True: they are read again), nor while
+    torch.compile traces (its backward frees what it no longer needs itself)."""
+    if torch.compiler.is_compiling() or _graph_kept():
+        return
     for t in tensors:
         if t is not None:
             t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+
+
+def _graph_kept() -> bool:
+    """Whether the running backward keeps the graph (retain_graph=True): its saved tensors will be
+    read again. True where torch does not say (a private call), so that nothing is freed then."""
+    keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return True if keep_graph is None else bool(keep_graph())
 
 
 class _GroupedMLP(torch.autograd.Function):
@@ -234,12 +245,14 @@ class _GroupedMLP(torch.autograd.Function):
     activation, the output gradient and the activation's gradient are each quantized in the
     pass that reads them anyway (rows for the next GEMM, the padded transpose for the wgrad),
     and the backward keeps FP8 copies, not bf16 ones, of what the wgrads read. The backward
-    frees each saved activation after its last use. `save_input` (FP8): x itself is saved and
-    its transposed copy made in the backward, for callers that keep x anyway."""
+    frees each saved activation after its last use (unless the graph is kept). `save_input`
+    (FP8): x itself is saved and its transposed copy made in the backward, for callers that keep
+    x anyway (not for a non-contiguous x: its contiguous copy would cost more than the FP8 one)."""
 
     @staticmethod
     def forward(ctx, x, offs, w1, w2, b1, b2, w1_fp8, w1_scale, w1t_fp8, w1t_scale, w2_fp8, w2_scale,
                 w2t_fp8, w2t_scale, kind, recipe, grad_dtype, fuse_wgrad, save_input):
+        save_input = save_input and x.is_contiguous()
         x = x.contiguous()
         tokens = x.shape[0]
         need_dx, need_w1, need_w2 = ctx.needs_input_grad[0], ctx.needs_input_grad[2], ctx.needs_input_grad[3]
@@ -258,7 +271,7 @@ class _GroupedMLP(torch.autograd.Function):
             # dgrad's in the backward), so that at most one weight's copy is alive at a time.
             _, x8, sx, xt8, sxt = _forms(x, "identity", recipe, offs, rows=True, transposed=need_w1 and not save_input,
                                          dtype=e4m3)
-            if save_input:
+            if save_input and need_w1:
                 xt8 = x
             if w1_fp8 is None:
                 w1_fp8, w1_scale, _, _ = quantize_weight(w1, recipe, copies="forward")
@@ -276,15 +289,11 @@ class _GroupedMLP(torch.autograd.Function):
             y = _add_bias(y, b2, experts)
         ctx.save_for_backward(offs, w1, w2, b1, b2, experts, *saved)
         ctx.kind, ctx.recipe, ctx.grad_dtype, ctx.fuse_wgrad = kind, recipe, grad_dtype, fuse_wgrad
-        ctx.need, ctx.save_input, ctx.released = (need_dx, need_w1, need_w2, need_b1), save_input, False
+        ctx.need, ctx.save_input = (need_dx, need_w1, need_w2, need_b1), save_input
         return y
 
     @staticmethod
     def backward(ctx, grad):
-        if ctx.released:
-            raise RuntimeError("distgemm.moe.grouped_mlp: the backward frees the saved activations as it reads "
-                               "them, so it runs once per forward (not with retain_graph=True)")
-        ctx.released = True
         offs, w1, w2, b1, b2, experts, *saved = ctx.saved_tensors
         need_dx, need_w1, need_w2, need_b1 = ctx.need
         need_da = need_dx or need_w1 or need_b1
@@ -421,7 +430,7 @@ def grouped_mlp(x: torch.Tensor, offs: torch.Tensor, fc1_weight: torch.Tensor, f
     ``save_original_input`` (FP8): the backward keeps x rather than its FP8 transposed copy
     (half x's bytes) and makes that copy when fc1's weight gradient needs it (one more read of
     x): less memory where the caller keeps x anyway, more where x could have been freed. The
-    backward runs once per forward: it frees the saved activations as it goes."""
+    backward frees the saved activations as it goes (unless ``retain_graph=True`` keeps them)."""
     op = "distgemm.moe.grouped_mlp"
     check_flags(op, fuse_wgrad_accumulation=fuse_wgrad_accumulation, save_original_input=save_original_input)
     _check_layer(op, x, offs, fc1_weight, fc2_weight, fc1_bias, fc2_bias, activation, fp8, fp8_grad_dtype)
