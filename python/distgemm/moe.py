@@ -240,10 +240,21 @@ def _forms(x, kind, recipe, offs, *, rows, transposed, dtype, dy=None, bf16=Fals
 
 def _release(*tensors) -> None:
     """Frees the memory of saved activations the backward has read for the last time (their
-    SavedVariables keep the tensor objects, not the storage: TransformerEngine's way)."""
+    SavedVariables keep the tensor objects, not the storage: TransformerEngine's way). Not when
+    the graph is kept for another backward (retain_graph=True: they are read again), nor while
+    torch.compile traces (its backward frees what it no longer needs itself)."""
+    if torch.compiler.is_compiling() or _graph_kept():
+        return
     for t in tensors:
         if t is not None:
             t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+
+
+def _graph_kept() -> bool:
+    """Whether the running backward keeps the graph (retain_graph=True): its saved tensors will be
+    read again. True where torch does not say (a private call), so that nothing is freed then."""
+    keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return True if keep_graph is None else bool(keep_graph())
 
 
 class _GroupedMLP(torch.autograd.Function):
@@ -251,15 +262,18 @@ class _GroupedMLP(torch.autograd.Function):
     activation, the output gradient and the activation's gradient are each quantized in the
     pass that reads them anyway (rows for the next GEMM, the padded transpose for the wgrad),
     and the backward keeps FP8 copies, not bf16 ones, of what the wgrads read. The backward
-    frees each saved activation after its last use. `save_input` (FP8): x itself is saved and
-    its transposed copy made in the backward, for callers that keep x anyway."""
+    frees each saved activation after its last use (unless the graph is kept). `save_input`
+    (FP8): x itself is saved and its transposed copy made in the backward, for callers that keep
+    x anyway (not for a non-contiguous x: its contiguous copy would cost more than the FP8 one)."""
 
     @staticmethod
     def forward(ctx, x, offs, w1, w2, b1, b2, w1_fp8, w1_scale, w1t_fp8, w1t_scale, w2_fp8, w2_scale,
                 w2t_fp8, w2t_scale, kind, recipe, grad_dtype, fuse_wgrad, source, token_rows, k, save_input):
         # source / token_rows / k: route()'s gather, when x holds the tokens (see grouped_mlp).
-        x = x.contiguous()
         gather = source is not None
+        # x kept only where it is the caller's: not a contiguous copy, nor rows gathered here.
+        save_input = save_input and x.is_contiguous() and not (gather and recipe != "block")
+        x = x.contiguous()
         if gather and recipe != "block":  # the gather as its own pass
             x = _gathered_rows(x, source)
         tokens = source.numel() if gather else x.shape[0]
@@ -279,7 +293,7 @@ class _GroupedMLP(torch.autograd.Function):
             # dgrad's in the backward), so that at most one weight's copy is alive at a time.
             _, x8, sx, xt8, sxt = _forms(x, "identity", recipe, offs, rows=True, transposed=need_w1 and not save_input,
                                          dtype=e4m3, source=source if recipe == "block" else None)
-            if save_input:
+            if save_input and need_w1:
                 xt8 = x  # the tokens where the block recipe gathers them as read (source saved too)
             if w1_fp8 is None:
                 w1_fp8, w1_scale, _, _ = quantize_weight(w1, recipe, copies="forward")
@@ -299,15 +313,11 @@ class _GroupedMLP(torch.autograd.Function):
         ctx.save_for_backward(offs, w1, w2, b1, b2, experts, token_rows if gather else None, regather, *saved)
         ctx.k = k
         ctx.kind, ctx.recipe, ctx.grad_dtype, ctx.fuse_wgrad = kind, recipe, grad_dtype, fuse_wgrad
-        ctx.need, ctx.save_input, ctx.released = (need_dx, need_w1, need_w2, need_b1), save_input, False
+        ctx.need, ctx.save_input = (need_dx, need_w1, need_w2, need_b1), save_input
         return y
 
     @staticmethod
     def backward(ctx, grad):
-        if ctx.released:
-            raise RuntimeError("distgemm.moe.grouped_mlp: the backward frees the saved activations as it reads "
-                               "them, so it runs once per forward (not with retain_graph=True)")
-        ctx.released = True
         offs, w1, w2, b1, b2, experts, token_rows, regather, *saved = ctx.saved_tensors
         need_dx, need_w1, need_w2, need_b1 = ctx.need
         need_da = need_dx or need_w1 or need_b1
@@ -447,7 +457,7 @@ def grouped_mlp(x: torch.Tensor, offs: torch.Tensor, fc1_weight: torch.Tensor, f
     ``save_original_input`` (FP8): the backward keeps x rather than its FP8 transposed copy
     (half x's bytes) and makes that copy when fc1's weight gradient needs it (one more read of
     x): less memory where the caller keeps x anyway, more where x could have been freed. The
-    backward runs once per forward: it frees the saved activations as it goes.
+    backward frees the saved activations as it goes (unless ``retain_graph=True`` keeps them).
 
     ``routing`` (:func:`route`'s; ``offs`` then routing.offs): x holds the tokens (T, hidden) and
     the layer's rows are x's in routing's order, gathered as they are read: with ``fp8="block"``

@@ -76,6 +76,7 @@ class _GroupedLinearFP8(torch.autograd.Function):
         need_w = ctx.needs_input_grad[1]
         if w8 is None:
             w8, sw, _, _ = quantize_weight(weight, recipe, copies="forward")
+        save_input = save_input and need_w and x.is_contiguous()  # a copy of x would cost more than its FP8 one
         x = x.contiguous()
         _, x8, sx, xt8, sxt = _forms(x, "identity", recipe, offs, rows=True, transposed=need_w and not save_input,
                                      dtype=torch.float8_e4m3fn)
@@ -87,9 +88,6 @@ class _GroupedLinearFP8(torch.autograd.Function):
     def backward(ctx, grad):
         weight, offs, xt8, sxt, wt8, swt = ctx.saved_tensors
         need_dx, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        if need_w and ctx.save_input:  # xt8 holds x
-            _, _, _, xt8, sxt = _forms(xt8, "identity", ctx.recipe, offs, rows=False, transposed=True,
-                                       dtype=torch.float8_e4m3fn)
         _, g8, sg, gt8, sgt = _forms(grad.contiguous().to(torch.bfloat16), "identity", ctx.recipe, offs,
                                      rows=need_dx, transposed=need_w, dtype=ctx.grad_dtype)
         dx = dw = None
@@ -98,6 +96,10 @@ class _GroupedLinearFP8(torch.autograd.Function):
                 _, _, wt8, swt = quantize_weight(weight, ctx.recipe, copies="dgrad")
             # dx_g = dy_g @ w_g: the K-major operand is the transposed copy (G, K, N).
             dx = grouped_mm(g8, wt8.transpose(1, 2), offs, scale_x=sg, scale_w=swt, trans_w=False)
+        del g8, sg, wt8, swt
+        if need_w and ctx.save_input:  # xt8 holds x: its transposed copy now, the dgrad's operands freed
+            _, _, _, xt8, sxt = _forms(xt8, "identity", ctx.recipe, offs, rows=False, transposed=True,
+                                       dtype=torch.float8_e4m3fn)
         if need_w:
             dw = _weight_grad(weight, ctx.fuse_wgrad, gt8, xt8, offs, scale_dy=sgt, scale_x=sxt)
         return (dx, dw) + (None,) * 9

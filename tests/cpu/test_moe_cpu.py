@@ -89,14 +89,55 @@ def test_save_original_input_gives_the_same_gradients(fp8):
 
 
 @pytest.mark.parametrize("fp8", [None, "block"])
-def test_a_second_backward_through_the_layer_is_refused(fp8):
-    """The backward frees the saved activations after their last use: a second backward of the
-    same forward (retain_graph=True) is named, not run on freed tensors."""
+def test_a_kept_graph_keeps_its_saved_activations(fp8):
+    """The backward frees the saved activations after their last use unless the graph is kept:
+    dgrad and wgrad asked for separately (retain_graph=True, as pipeline schedules split them)
+    give what one backward gives."""
+    torch.manual_seed(8)
     layer = GroupedMLP(2, 128, 128, fp8=fp8)
-    loss = layer(torch.randn(64, 128).bfloat16().requires_grad_(), _offs([30, 34])).float().sum()
-    loss.backward(retain_graph=True)
-    with pytest.raises(RuntimeError, match="retain_graph"):
-        loss.backward()
+    x = torch.randn(64, 128).bfloat16().requires_grad_()
+    offs = _offs([30, 34])
+    loss = layer(x, offs).float().sum()
+    dx, = torch.autograd.grad(loss, x, retain_graph=True)
+    dw1, dw2 = torch.autograd.grad(loss, [layer.fc1_weight, layer.fc2_weight])
+    loss = layer(x, offs).float().sum()
+    loss.backward()
+    assert torch.equal(dx, x.grad) and torch.equal(dw1, layer.fc1_weight.grad) and torch.equal(dw2, layer.fc2_weight.grad)
+
+
+def test_grouped_mlp_traces_whole_under_torch_compile():
+    """fullgraph=True: freeing the saved activations (a .data swap) is left to the compiled
+    backward, so nothing breaks the graph."""
+    torch.manual_seed(9)
+    layer = GroupedMLP(2, 128, 128)
+    x = torch.randn(64, 128).bfloat16().requires_grad_()
+    offs = _offs([30, 34])
+    layer(x, offs).float().sum().backward()
+    want = x.grad.clone()
+    x.grad = None
+    torch.compile(layer, fullgraph=True, backend="eager")(x, offs).float().sum().backward()
+    assert torch.equal(x.grad, want)
+
+
+@pytest.mark.parametrize("case", ["kept", "frozen fc1", "strided x"])
+def test_save_original_input_keeps_x_only_where_it_helps(case):
+    """x is kept for the backward only where fc1's weight needs its gradient and x is contiguous
+    (a contiguous copy of x would cost more than its FP8 transpose). Seen through autograd: a kept
+    x changed in place after the forward is refused as usual; an x not kept is not read again."""
+    torch.manual_seed(10)
+    layer = GroupedMLP(2, 128, 128, fp8="block", save_original_input=True)
+    layer.fc1_weight.requires_grad_(case != "frozen fc1")
+    base = torch.randn(64, 256).bfloat16().requires_grad_()
+    x = base[:, :128] if case == "strided x" else base[:, :128].detach().clone().requires_grad_()
+    y = layer(x, _offs([30, 34]))
+    with torch.no_grad():
+        (base if case == "strided x" else x).mul_(2)
+    if case == "kept":
+        with pytest.raises(RuntimeError, match="inplace"):
+            y.float().sum().backward()
+    else:
+        y.float().sum().backward()
+        assert torch.isfinite(layer.fc2_weight.grad).all()
 
 
 def test_grouped_mlp_fused_wgrad_accumulates_into_main_grad():
