@@ -105,6 +105,26 @@ def test_the_layer_with_routing_is_the_layer_on_permuted_rows(fp8):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("fp8", ["block", "row"])
+def test_the_layer_with_routing_keeps_the_tokens_with_save_original_input(fp8):
+    """With routing and save_original_input, the backward regathers the tokens' transposed copy
+    (block) or keeps the FP8 one (row: its rows are gathered here): the same gradients."""
+    torch.manual_seed(5)
+    experts, tokens, k, hidden = 4, 45, 2, 128
+    ids = _ids(tokens, k, experts, 0.2, seed=6)
+    x = torch.randn(tokens, hidden).bfloat16()
+    grads = []
+    for save in (False, True):
+        torch.manual_seed(7)
+        layer = GroupedMLP(experts, hidden, 128, fp8=fp8, save_original_input=save)
+        xs = x.clone().requires_grad_()
+        routing = moe.route(ids, experts)
+        layer(xs, routing.offs, routing=routing).float().sum().backward()
+        grads.append((xs.grad, layer.fc1_weight.grad, layer.fc2_weight.grad))
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
 def test_routing_is_checked_against_x():
     layer = GroupedMLP(3, 64, 64)
     routing = moe.route(_ids(10, 2, 3, 0.0, seed=1), 3)
