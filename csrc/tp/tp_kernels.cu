@@ -40,8 +40,6 @@ __global__ void begin_call_kernel(uint32_t* epoch, PeerTargets peers, CallSignat
   }
 }
 
-__device__ void record_error(const SyncParams& s, int code) { record_wait_error(s, code); }
-
 __device__ void check_each_peer(const PeerChecks& peers, const CallSignature& own, const FailureMarks& marks,
                                 const SyncParams& s, uint32_t epoch) {
   for (int i = 0; i < peers.count; ++i) {
@@ -68,7 +66,7 @@ __device__ void check_each_peer(const PeerChecks& peers, const CallSignature& ow
       if (reason < 0 && failed) reason = kReasonPeerFailed;
     }
     if (reason >= 0) {
-      record_error(s, (reason << kErrorReasonShift) | s.error_tag | (p + 1));
+      record_wait_error(s, (reason << kErrorReasonShift) | s.error_tag | (p + 1));
       return;
     }
   }
@@ -88,8 +86,7 @@ __global__ void poison_kernel(Word* data, int64_t rows, int64_t cols, int64_t ld
     for (int q = 0; q < marks.world && peer < 0; ++q)
       if (load_acquire_sys(marks.seen + q) != 0) peer = q;
     if (peer < 0) return;
-    if (blockIdx.x == 0 && threadIdx.x == 0)
-      record_error(s, (kReasonPeerFailed << kErrorReasonShift) | s.error_tag | (peer + 1));
+    if (blockIdx.x == 0 && threadIdx.x == 0) record_wait_error(s, s.peer_failed_code | (peer + 1));
   }
   // A call that failed after its check (a wait inside a GEMM) marks itself here too, so that
   // peers still waiting for its flags give up at once and its peers' next calls fail.
