@@ -200,6 +200,34 @@ __device__ __forceinline__ void write_transpose(const ActProblem& p, const uint1
   }
 }
 
+// The rows of padded row block `pblock`: its first row, how many (0..128), and whether they lie
+// past the last group's end (rows the grouped GEMMs skip, such as a permute's dropped copies).
+// Those take one more span after the last group's blocks (it fits in the padded row blocks:
+// floor(E / 128) + ceil((T - E) / 128) <= ceil(T / 128)); the row-wise outputs cover them, the
+// transpose does not (its blocks there hold zeros, as quantize_fp8 with offs leaves them).
+struct BlockSpan {
+  int64_t first;
+  int count;
+  bool past_groups;
+};
+
+__device__ __forceinline__ BlockSpan block_span(const ActProblem& p, const int32_t* ends, int64_t pblock) {
+  if (ends == nullptr) {
+    const int64_t first = pblock * kBlock;
+    return {first, static_cast<int>(min64(kBlock, p.tokens - first)), false};
+  }
+  int64_t g = quant::find_group(ends, p.groups, pblock);  // warp-uniform
+  int64_t start = g == 0 ? 0 : ends[g - 1], end = ends[g];
+  const bool past_groups = g == p.groups - 1 && pblock >= p.groups + end / kBlock;
+  if (past_groups) {
+    g = p.groups;
+    start = end;
+    end = p.tokens;
+  }
+  const int64_t first = start + (pblock - (g + start / kBlock)) * kBlock;
+  return {first, static_cast<int>(min64(kBlock, max64(0, end - first))), past_groups};
+}
+
 // CTAs an SM at least: 4 for the identity (<= 64 registers), 2 for the SwiGLU backward's two
 // planes, 3 for the others (<= 85).
 template <int Act, __nv_fp8_interpretation_t I>
@@ -210,31 +238,20 @@ __global__ void __launch_bounds__(kThreads, Act == kIdentity         ? 4
   constexpr int kPlanes = Act == kSwigluBackward ? 2 : 1;
   extern __shared__ __align__(16) uint16_t tile[];  // [kPlanes][128][128] bf16 bits
   __shared__ uint32_t red[4][kBlock / 2];           // the transpose's column-pair maxima, per quarter of the rows
-  __shared__ int64_t span[2];
+  __shared__ BlockSpan span;
   const auto* x = static_cast<const uint16_t*>(p.x);
   const auto* dy = static_cast<const uint16_t*>(p.dy);
   const int64_t pblock = blockIdx.x;
   const int64_t c0 = int64_t(blockIdx.y) * kBlock;
 
   if (threadIdx.x < 32) {
-    int64_t first, count;
-    if (p.ends == nullptr) {
-      first = pblock * kBlock;
-      count = min64(kBlock, p.tokens - first);
-    } else {
-      const int64_t g = quant::find_group(p.ends, p.groups, pblock);
-      const int64_t start = g == 0 ? 0 : p.ends[g - 1];
-      first = start + (pblock - (g + start / kBlock)) * kBlock;
-      count = min64(kBlock, max64(0, p.ends[g] - first));
-    }
-    if (threadIdx.x == 0) {
-      span[0] = first;
-      span[1] = count;
-    }
+    const BlockSpan mine = block_span(p, p.ends, pblock);
+    if (threadIdx.x == 0) span = mine;
   }
   __syncthreads();
-  const int64_t first = span[0];
-  const int count = static_cast<int>(span[1]);
+  const int64_t first = span.first;
+  const int count = span.count;
+  const bool past_groups = span.past_groups;
 
   // Rows: a half-warp per row, 8 columns a lane, 8 rows a thread.
   const int sub = threadIdx.x & 15;
@@ -300,8 +317,10 @@ __global__ void __launch_bounds__(kThreads, Act == kIdentity         ? 4
       }
       if (p.yt_fp8 != nullptr) {
         uint16_t* t = tile + (q * kBlock + i) * kBlock + sub * 8;
-        *reinterpret_cast<uint4*>(t) = make_uint4(pack_bf16x2(v[q][0], v[q][1]), pack_bf16x2(v[q][2], v[q][3]),
-                                                  pack_bf16x2(v[q][4], v[q][5]), pack_bf16x2(v[q][6], v[q][7]));
+        *reinterpret_cast<uint4*>(t) = past_groups
+                                           ? make_uint4(0, 0, 0, 0)
+                                           : make_uint4(pack_bf16x2(v[q][0], v[q][1]), pack_bf16x2(v[q][2], v[q][3]),
+                                                        pack_bf16x2(v[q][4], v[q][5]), pack_bf16x2(v[q][6], v[q][7]));
       }
     }
   }
@@ -340,20 +359,6 @@ constexpr int kSmemGroups = 1024;
 constexpr int kUnitRows = 32;  // a pipeline unit: 32 rows x 128 columns
 constexpr int kUnitsPerTile = kBlock / kUnitRows;
 constexpr int kActStages = 4;
-
-// The rows of padded row block `pblock`: its first row and how many (0..128).
-__device__ __forceinline__ void block_span(const ActProblem& p, const int32_t* ends, int64_t pblock, int64_t& first,
-                                           int& count) {
-  if (ends == nullptr) {
-    first = pblock * kBlock;
-    count = static_cast<int>(min64(kBlock, p.tokens - first));
-    return;
-  }
-  const int64_t g = quant::find_group(ends, p.groups, pblock);  // warp-uniform
-  const int64_t start = g == 0 ? 0 : ends[g - 1];
-  first = start + (pblock - (g + start / kBlock)) * kBlock;
-  count = static_cast<int>(min64(kBlock, max64(0, ends[g] - first)));
-}
 
 template <int Act, __nv_fp8_interpretation_t I>
 __global__ void __launch_bounds__(kThreads)
@@ -404,9 +409,11 @@ __global__ void __launch_bounds__(kThreads)
       const int u = static_cast<int>(n % kUnitsPerTile);
       if (k != load_k) {
         load_k = k;
-        int64_t pb, c0, first;
+        int64_t pb, c0;
         locate(k, pb, c0);
-        block_span(p, ends, pb, first, load_count);
+        const BlockSpan span = block_span(p, ends, pb);
+        const int64_t first = span.first;
+        load_count = span.count;
         load_col = c0 + chunk_col < p.inner;
         load_x = x + (first + chunk_row) * p.x_cols + c0 + chunk_col;
         if constexpr (Act == kSwigluBackward || Act == kGeluBackward)
@@ -430,8 +437,8 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
   for (int n = 0; n < kActStages - 1; ++n) issue(n);
 
-  int64_t use_k = -1, pblock = 0, c0 = 0, first = 0;
-  int count = 0;
+  int64_t use_k = -1, pblock = 0, c0 = 0;
+  BlockSpan span{0, 0, false};
   // The unit's rows: 8 lanes a row, 16 columns a lane (8 at 8 lane, 8 at 64 + 8 lane, so that
   // the lanes of a row read and write contiguous runs), one row a thread.
   const int lane = threadIdx.x & 7;
@@ -444,11 +451,11 @@ __global__ void __launch_bounds__(kThreads)
     if (k != use_k) {
       use_k = k;
       locate(k, pblock, c0);
-      block_span(p, ends, pblock, first, count);
+      span = block_span(p, ends, pblock);
     }
     const int i = static_cast<int>(n % kUnitsPerTile) * kUnitRows + iu;  // the row within the tile
-    const bool active = i < count;
-    const int64_t r = first + i;
+    const bool active = i < span.count;
+    const int64_t r = span.first + i;
     const uint16_t* stage = ring + (n % kActStages) * kIn * kUnitElems;
     float v[2][2][8];     // [plane][half][column]
     uint32_t b[2][2][4];  // the same values as bf16 pairs
@@ -504,7 +511,9 @@ __global__ void __launch_bounds__(kThreads)
             for (int e = 0; e < 8; ++e) row[c + e] = static_cast<uint16_t>(b[q][h][e / 2] >> (16 * (e % 2)));
           }
         }
-        if (transposed) *reinterpret_cast<uint4*>(tile + (q * kBlock + i) * kBlock + h * 64 + lane * 8) = w;
+        if (transposed)
+          *reinterpret_cast<uint4*>(tile + (q * kBlock + i) * kBlock + h * 64 + lane * 8) =
+              span.past_groups ? make_uint4(0, 0, 0, 0) : w;
       }
     }
     if (!transposed || n % kUnitsPerTile != kUnitsPerTile - 1) continue;  // uniform

@@ -174,9 +174,14 @@ def test_permute_kernel_is_the_quantized_gather(tokens, hidden, k, experts):
     ids[ids == 1] = 0  # expert 1 gets no tokens
     r = moe.route(ids, experts)
     forms = dict(offs=r.offs, bf16=True, fp8_rows=True, fp8_transposed=True)
+    torch.empty(64 << 20, device=DEV).fill_(float("nan"))  # freed into the cache the outputs come from
     fused = moe.activation(x, "identity", rows=r.source, **forms)
     gathered = torch.where((r.source < 0).unsqueeze(1), 0, x[r.source.clamp(min=0)])
+    # Outputs from fresh memory filled with NaN: every row, the dropped copies past offs[-1]
+    # included, must be written.
+    torch.empty(64 << 20, device=DEV).fill_(float("nan"))
     plain = moe.activation(gathered, "identity", **forms)
+    assert torch.equal(plain.y, gathered)
     for name, a, b in zip(fused._fields, fused, plain):
         assert torch.equal(_bits(a), _bits(b)), name
     fp8 = moe.permute(x, ids, experts, fp8="block")

@@ -358,6 +358,7 @@ typedef enum dg_moe_act {
  *   yt_fp8: FP8 (Y, Tp) with yt_scale (Tp / 128, Y): y transposed and padded per group, the
  *           layout of dg_quantize_fp8 with DG_QUANT_1X128, transpose and offs (the FP8 grouped
  *           wgrad's operands); Tp = 128 * (ceil(T / 128) + num_groups).
+ * y and y_fp8 cover all T rows, those past offs[num_groups - 1] too; yt_fp8 covers the groups.
  * Each FP8 copy is bit-identical to dg_quantize_fp8 of the bf16 y. Any subset of the three
  * (at least one); NULL leaves a form out. DG_MOE_SWIGLU_BACKWARD with y_fp8 needs C % 128 == 0
  * (a 1 x 128 block never spans the gate and up halves). */
