@@ -87,6 +87,8 @@ for step in ${STEPS:-}; do
       bash scripts/reliability/sanitizer.sh "$OUT/initcheck" > "$OUT/initcheck.log" 2>&1
       rm -f "$OUT"/initcheck/initcheck_*.sanitizer.log  # tallied into initcheck_tally.json (too large to bring back)
       tail -3 "$OUT/initcheck.log"; cat "$OUT/initcheck/initcheck_tally.txt" 2>/dev/null | head -30 ;;
+    vendor) PROBE_OUT="$OUT/vendor_path_probe.json" CUDA_MODULE_LOADING=EAGER timeout "${T:-200}" \
+      python3 scripts/dev/vendor_path_probe.py > "$OUT/vendor_path_probe.log" 2>&1; tail -25 "$OUT/vendor_path_probe.log" ;;
     moebw) PROBE_OUT="$OUT/moe_bandwidth.json" timeout "${T:-200}" python3 scripts/dev/moe_bandwidth.py \
       > "$OUT/moe_bandwidth.log" 2>&1; tail -30 "$OUT/moe_bandwidth.log" ;;
     *) stamp "unknown step $step" ;;
