@@ -191,19 +191,28 @@ def quantize_weight(w: torch.Tensor, recipe: str = "block", *, copies: str = "bo
 
 
 def _expert_of_rows(offs: torch.Tensor, tokens: int) -> torch.Tensor:
-    """Index of the expert owning each row, on the device (no host sync)."""
+    """Index of the expert owning each row, on the device (no host sync); G for the rows past
+    offs[-1], which belong to no expert."""
     rows = torch.arange(tokens, device=offs.device, dtype=offs.dtype)
-    return torch.searchsorted(offs, rows, right=True).clamp_(max=offs.numel() - 1)
+    return torch.searchsorted(offs, rows, right=True)
+
+
+def _bias_of_rows(bias: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """Each row's expert bias (G, n) in FP32, zeros for the rows past offs[-1] (experts from
+    _expert_of_rows): no expert's bias or its gradient touches them."""
+    padded = torch.cat([bias.float(), bias.new_zeros((1, bias.shape[1]), dtype=torch.float32)])
+    return padded[experts]
 
 
 def _add_bias(y: torch.Tensor, bias: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-    return (y.float() + bias.float()[experts]).to(y.dtype)
+    return (y.float() + _bias_of_rows(bias, experts)).to(y.dtype)
 
 
 def _bias_grad(grad: torch.Tensor, experts: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """Each expert's rows of grad summed in FP32."""
-    out = torch.zeros(bias.shape, dtype=torch.float32, device=grad.device)
-    return out.index_add_(0, experts, grad.float()).to(bias.dtype)
+    """Each expert's rows of grad summed in FP32 (the rows past offs[-1], which hold whatever the
+    GEMMs left there, into a bucket dropped)."""
+    out = torch.zeros((bias.shape[0] + 1, bias.shape[1]), dtype=torch.float32, device=grad.device)
+    return out.index_add_(0, experts, grad.float())[:-1].to(bias.dtype)
 
 
 def _weight_grad(weight, fuse_wgrad, dy, x, offs, **fp8_scales):
@@ -446,6 +455,8 @@ def grouped_mlp(x: torch.Tensor, offs: torch.Tensor, fc1_weight: torch.Tensor, f
     """Every expert's MLP on its rows of x (T, hidden), grouped by expert with ``offs`` (int32
     cumulative expert ends on x's device, read on the GPU only):
     ``y_g = act(x_g @ fc1_weight[g].T + fc1_bias[g]) @ fc2_weight[g].T + fc2_bias[g]``.
+    Rows past ``offs[-1]`` belong to no expert: as in :func:`distgemm.grouped_mm`, their rows of
+    y and of x's gradient are not written (nor do they reach any gradient of the parameters).
 
     fc1_weight (G, 2 * ffn, hidden) for SwiGLU (gate rows first, then up), (G, ffn, hidden) for
     GELU; fc2_weight (G, hidden, ffn). ``fp8="block"`` (1 x 128 activations and gradients,

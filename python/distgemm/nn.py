@@ -10,7 +10,7 @@ from torch import nn
 
 from ._checks import check_flags, check_main_grad
 from .grouped import grouped_mm
-from .moe import (ACTIVATIONS, FP8_RECIPES, _expert_of_rows, _forms, _weight_grad, grouped_mlp, route,
+from .moe import (ACTIVATIONS, FP8_RECIPES, _expert_of_rows, _bias_of_rows, _forms, _weight_grad, grouped_mlp, route,
                   quantize_weight, unpermute)
 
 
@@ -178,7 +178,7 @@ class GroupedLinear(nn.Module):
         else:
             y = grouped_mm(x, self.weight, offs)
         if self.bias is not None:  # in FP32: the bias gradient sums every row of its expert
-            y = (y.float() + self.bias.float()[_expert_of_rows(offs, x.shape[0])]).to(y.dtype)
+            y = (y.float() + _bias_of_rows(self.bias, _expert_of_rows(offs, x.shape[0]))).to(y.dtype)
         return y
 
     def extra_repr(self) -> str:

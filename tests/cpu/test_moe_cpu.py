@@ -258,3 +258,32 @@ def test_grouped_linear_save_original_input_gives_the_same_gradients(fp8):
         grads.append((xi.grad, layer.weight.grad))
     for a, b in zip(*grads):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("fp8", [None, "block"])
+def test_bias_gradients_leave_out_rows_past_the_last_expert(monkeypatch, fp8):
+    """Rows past offs[-1] (a router's dropped copies) belong to no expert: the GEMMs leave them
+    unwritten on the GPU (NaN here, as uninitialized memory may hold), and neither bias nor its
+    gradient may see them. The gradients equal those of the layer run on the routed rows only."""
+    real = moe.grouped_mm
+
+    def unwritten_past_the_end(x, w, offs, **kwargs):
+        y = real(x, w, offs, **kwargs)
+        y[int(offs[-1]):] = float("nan")
+        return y
+    monkeypatch.setattr(moe, "grouped_mm", unwritten_past_the_end)
+    torch.manual_seed(1)
+    t, h, f, g = 300, 128, 128, 4
+    offs = torch.tensor([60, 60, 170, 250], dtype=torch.int32)  # an empty expert, 50 rows past the end
+    w1, w2 = (torch.randn(g, 2 * f, h) * 0.05).bfloat16(), (torch.randn(g, h, f) * 0.05).bfloat16()
+    b1, b2 = torch.randn(g, 2 * f).bfloat16(), torch.randn(g, h).bfloat16()
+    x, dy = torch.randn(t, h).bfloat16(), torch.randn(t, h).bfloat16()
+    grads = []
+    for rows in (t, 250):
+        leaves = [p.clone().requires_grad_() for p in (x[:rows], w1, w2, b1, b2)]
+        y = moe.grouped_mlp(leaves[0], offs, *leaves[1:3], fc1_bias=leaves[3], fc2_bias=leaves[4], fp8=fp8)
+        y.backward(dy[:rows])
+        grads.append([p.grad for p in leaves[1:]] + [leaves[0].grad[:250]])
+    for name, a, b in zip(("fc1_weight", "fc2_weight", "fc1_bias", "fc2_bias", "x"), *grads):
+        assert torch.isfinite(a).all(), name
+        assert torch.equal(a, b), name
