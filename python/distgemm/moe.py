@@ -25,6 +25,7 @@ import torch
 from . import _settings
 from ._checks import check_flags, check_main_grad
 from ._library import has_kernels, ops
+from ._routing import check_offs_values
 from .grouped import grouped_mm, grouped_mm_wgrad
 from .quantize import FP8_MAX, quantize_fp8
 
@@ -48,7 +49,7 @@ class ActivationOut(NamedTuple):
 
 def _act_code(op: str, kind, backward: bool) -> int:
     table = _BACKWARD if backward else _FORWARD
-    if kind not in table:
+    if not isinstance(kind, str) or kind not in table:
         raise ValueError(f"{op}: activation must be one of {tuple(table)}{' (with dy)' if backward else ''}, "
                          f"got {kind!r}")
     return table[kind]
@@ -84,8 +85,8 @@ def _check_activation_args(op, x, code, dy, offs, transposed, fp8_dtype) -> int:
     inner = x.shape[1] // 2 if code in (SWIGLU, SWIGLU_BACKWARD) else x.shape[1]
     if dy is not None and (not isinstance(dy, torch.Tensor) or dy.dtype != torch.bfloat16
                            or tuple(dy.shape) != (x.shape[0], inner) or dy.device != x.device):
-        raise ValueError(f"{op}: dy must be a bfloat16 tensor of shape {(x.shape[0], inner)} on {x.device}, got "
-                         f"{getattr(dy, 'dtype', None)} {tuple(getattr(dy, 'shape', ()))}")
+        got = f"{dy.dtype} {tuple(dy.shape)} on {dy.device}" if isinstance(dy, torch.Tensor) else type(dy).__name__
+        raise ValueError(f"{op}: dy must be a bfloat16 tensor of shape {(x.shape[0], inner)} on {x.device}, got {got}")
     if transposed:
         if not isinstance(offs, torch.Tensor) or offs.dtype != torch.int32 or offs.dim() != 1 or offs.numel() < 1:
             got = (f"{offs.dtype} of shape {tuple(offs.shape)}" if isinstance(offs, torch.Tensor)
@@ -122,6 +123,9 @@ def activation(x: torch.Tensor, kind: str = "identity", *, dy: Optional[torch.Te
         if not isinstance(rows, torch.Tensor) or rows.dim() != 1 or rows.dtype != torch.int64 or rows.device != x.device:
             raise ValueError(f"{op}: rows must be a 1-D int64 tensor on {x.device}, got "
                              f"{getattr(rows, 'dtype', type(rows).__name__)} of shape {tuple(getattr(rows, 'shape', ()))}")
+    if fp8_transposed:
+        check_offs_values(op, offs, x.shape[0] if rows is None else rows.numel(), "rows")
+    if rows is not None:
         if x.is_cuda and has_kernels(x.device):
             y, y8, sy, yt8, syt = ops.moe_act(x, None, code, inner, offs if fp8_transposed else None, bf16, fp8_rows,
                                               fp8_transposed, fp8_dtype, rows)
@@ -157,7 +161,8 @@ def quantize_weight(w: torch.Tensor, recipe: str = "block", *, copies: str = "bo
     copy (the other two entries are None)."""
     op = "distgemm.moe.quantize_weight"
     if not isinstance(w, torch.Tensor) or w.dim() != 3:
-        raise ValueError(f"{op}: w must be a 3-D (G, N, K) tensor, got {tuple(getattr(w, 'shape', ()))}")
+        raise ValueError(f"{op}: w must be a 3-D (G, N, K) tensor, got "
+                         f"{tuple(w.shape) if isinstance(w, torch.Tensor) else type(w).__name__}")
     if recipe not in FP8_RECIPES:
         raise ValueError(f"{op}: recipe must be one of {FP8_RECIPES}, got {recipe!r}")
     if copies not in ("both", "forward", "dgrad"):
@@ -414,9 +419,10 @@ def _check_layer(op, x, offs, w1, w2, b1, b2, kind, fp8, grad_dtype):
         if t.device != x.device:
             raise ValueError(f"{op}: {name} is on {t.device} but x is on {x.device}")
     for name, b, n in (("fc1_bias", b1, width), ("fc2_bias", b2, hidden)):
-        if b is not None and (not isinstance(b, torch.Tensor) or tuple(b.shape) != (g, n) or b.device != x.device):
-            raise ValueError(f"{op}: {name} must be a ({g}, {n}) tensor on {x.device}, got "
-                             f"{tuple(getattr(b, 'shape', ()))}")
+        if b is not None and (not isinstance(b, torch.Tensor) or tuple(b.shape) != (g, n) or b.device != x.device
+                              or not b.dtype.is_floating_point):
+            got = f"{b.dtype} {tuple(b.shape)} on {b.device}" if isinstance(b, torch.Tensor) else type(b).__name__
+            raise ValueError(f"{op}: {name} must be a floating-point ({g}, {n}) tensor on {x.device}, got {got}")
 
 
 def _check_fp8_weights(op, fp8_weights, fp8, w1, w2) -> tuple:
@@ -481,6 +487,7 @@ def grouped_mlp(x: torch.Tensor, offs: torch.Tensor, fc1_weight: torch.Tensor, f
     rows = x.shape[0]
     if routing is not None:
         rows = _check_layer_routing(op, x, offs, routing)
+    check_offs_values(op, offs, rows, "rows of the layer")
     if fuse_wgrad_accumulation and torch.is_grad_enabled():
         for name, w in (("fc1_weight", fc1_weight), ("fc2_weight", fc2_weight)):
             if w.requires_grad:
@@ -500,7 +507,9 @@ def _check_layer_routing(op, x, offs, routing) -> int:
     if not isinstance(routing, Routing):
         raise TypeError(f"{op}: routing must be distgemm.moe.route's Routing, got {type(routing).__name__}")
     rows = routing.source.numel()
-    if routing.k < 1 or rows != x.shape[0] * routing.k or routing.token_rows.numel() != rows:
+    if routing.k < 1:
+        raise ValueError(f"{op}: routing must route each token to k >= 1 experts, got k={routing.k}")
+    if rows != x.shape[0] * routing.k or routing.token_rows.numel() != rows:
         raise ValueError(f"{op}: routing is for {rows // max(routing.k, 1)} tokens x k={routing.k}, but x has "
                          f"{x.shape[0]} tokens")
     if offs is not routing.offs and (offs.shape != routing.offs.shape or offs.device != routing.offs.device):
@@ -574,17 +583,20 @@ class Routing(NamedTuple):
 
 
 def _check_routing(op, topk_ids, tokens, num_experts):
+    """topk_ids a (tokens, k) int tensor (tokens None: any) of ids in [-1, num_experts), the
+    values checked on CPU only."""
     if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2 or topk_ids.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"{op}: topk_ids must be a 2-D (T, k) int32 or int64 tensor, got "
-                         f"{getattr(topk_ids, 'dtype', type(topk_ids).__name__)} of shape "
-                         f"{tuple(getattr(topk_ids, 'shape', ()))}")
-    if topk_ids.shape[0] != tokens:
+        got = (f"{topk_ids.dtype} of shape {tuple(topk_ids.shape)}" if isinstance(topk_ids, torch.Tensor)
+               else type(topk_ids).__name__)
+        raise ValueError(f"{op}: topk_ids must be a 2-D (T, k) int32 or int64 tensor, got {got}")
+    if tokens is not None and topk_ids.shape[0] != tokens:
         raise ValueError(f"{op}: topk_ids must have one row per token ({tokens}), got {topk_ids.shape[0]}")
     if isinstance(num_experts, bool) or not isinstance(num_experts, int) or not 1 <= num_experts < 2 ** 31:
         raise ValueError(f"{op}: num_experts must be an int in [1, 2^31) (int32 offs), got {num_experts!r}")
     if topk_ids.numel() >= 2 ** 31:
         raise ValueError(f"{op}: T * k = {topk_ids.numel()} routed copies must be fewer than 2^31 (int32 offs)")
-    if not topk_ids.is_cuda and topk_ids.numel() and (int(topk_ids.min()) < -1 or int(topk_ids.max()) >= num_experts):
+    host = topk_ids.device.type == "cpu"  # not CUDA (a host sync), nor meta (no values)
+    if host and topk_ids.numel() and (int(topk_ids.min()) < -1 or int(topk_ids.max()) >= num_experts):
         raise ValueError(f"{op}: topk_ids must be expert indices in [0, {num_experts}) or -1 (dropped), got "
                          f"values in [{int(topk_ids.min())}, {int(topk_ids.max())}]")
 
@@ -595,10 +607,7 @@ def route(topk_ids: torch.Tensor, num_experts: int) -> Routing:
     ``offs[-1]``. No host synchronisation. On CUDA, ids outside [-1, num_experts) are not checked
     (they would need a host sync): they count as dropped."""
     op = "distgemm.moe.route"
-    if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2:
-        raise ValueError(f"{op}: topk_ids must be a 2-D (T, k) int32 or int64 tensor, got "
-                         f"{tuple(getattr(topk_ids, 'shape', ()))}")
-    _check_routing(op, topk_ids, topk_ids.shape[0], num_experts)
+    _check_routing(op, topk_ids, None, num_experts)
     return _route(topk_ids, num_experts)
 
 
@@ -629,7 +638,8 @@ def permute(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, *, fp8: O
     then quantized). Not differentiable."""
     op = "distgemm.moe.permute"
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
-        raise ValueError(f"{op}: x must be a 2-D (T, hidden) tensor, got {tuple(getattr(x, 'shape', ()))}")
+        raise ValueError(f"{op}: x must be a 2-D (T, hidden) tensor, got "
+                         f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
     if fp8 is not None and fp8 not in FP8_RECIPES:
         raise ValueError(f"{op}: fp8 must be None or one of {FP8_RECIPES}, got {fp8!r}")
     if fp8 is not None and x.dtype != torch.bfloat16:
@@ -650,6 +660,17 @@ def permute(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, *, fp8: O
 def gather(x: torch.Tensor, routing: Routing) -> torch.Tensor:
     """x's rows in the order ``routing`` gives (zeros for dropped copies); differentiable in x,
     whose gradient sums each token's kept rows in FP32."""
+    op = "distgemm.moe.gather"
+    if not isinstance(routing, Routing):
+        raise TypeError(f"{op}: routing must be distgemm.moe.route's Routing, got {type(routing).__name__}")
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise ValueError(f"{op}: x must be a 2-D (T, hidden) tensor, got "
+                         f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    if routing.k >= 1 and x.shape[0] * routing.k != routing.token_rows.numel():
+        raise ValueError(f"{op}: x must have routing's {routing.token_rows.numel() // routing.k} token rows "
+                         f"(k={routing.k}), got {x.shape[0]}")
+    if routing.source.device != x.device:
+        raise ValueError(f"{op}: routing is on {routing.source.device} but x is on {x.device}")
     if _routing_kernels(x):
         return _Gather.apply(x, routing.source, routing.token_rows, routing.k)
     return _GatherReference.apply(x, routing.source, routing.token_rows, routing.k)
@@ -810,7 +831,10 @@ def unpermute(y: torch.Tensor, row_map: torch.Tensor, topk_weights: torch.Tensor
         raise ValueError(f"{op}: topk_weights must have topk_ids' shape {tuple(topk_ids.shape)}, got {(tokens, k)}")
     if not isinstance(y, torch.Tensor) or y.dim() != 2 or y.shape[0] != tokens * k:
         raise ValueError(f"{op}: y must be (T * k, hidden) = ({tokens * k}, ...) for topk_weights {(tokens, k)}, got "
-                         f"{tuple(getattr(y, 'shape', ()))}")
+                         f"{tuple(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__}")
+    if not y.dtype.is_floating_point:
+        raise ValueError(f"{op}: y must be a floating-point tensor (the weighted sum is returned in its dtype), "
+                         f"got {y.dtype}")
     if (not isinstance(row_map, torch.Tensor) or tuple(row_map.shape) != (tokens * k,)
             or row_map.dtype not in (torch.int32, torch.int64)):
         raise ValueError(f"{op}: row_map must be permute's (T * k,) = ({tokens * k},) int64 row map, got "
@@ -821,6 +845,9 @@ def unpermute(y: torch.Tensor, row_map: torch.Tensor, topk_weights: torch.Tensor
             raise ValueError(f"{op}: {name} is on {t.device} but y is on {y.device}")
     _check_row_map(op, row_map)
     kept = None
+    if topk_ids is None and num_experts is not None:
+        raise ValueError(f"{op}: num_experts (got {num_experts!r}) masks the dropped copies with topk_ids; "
+                         "topk_ids is None")
     if topk_ids is not None:
         _check_routing(op, topk_ids, tokens, num_experts)
         kept = (topk_ids >= 0) & (topk_ids < num_experts)

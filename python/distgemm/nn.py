@@ -9,9 +9,10 @@ import torch
 from torch import nn
 
 from ._checks import check_flags, check_main_grad
+from ._routing import check_offs_tensor, check_offs_values
 from .grouped import grouped_mm
-from .moe import (ACTIVATIONS, FP8_RECIPES, _expert_of_rows, _bias_of_rows, _forms, _weight_grad, grouped_mlp, route,
-                  quantize_weight, unpermute)
+from .moe import (ACTIVATIONS, FP8_RECIPES, _check_routing, _expert_of_rows, _bias_of_rows, _forms, _route,
+                  _weight_grad, grouped_mlp, quantize_weight, unpermute)
 
 
 class _GroupedLinearMainGrad(torch.autograd.Function):
@@ -37,6 +38,12 @@ def _check_sizes(op: str, **sizes) -> None:
     for name, v in sizes.items():
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"{op}: {name} must be an int >= 1, got {v!r}")
+
+
+def _check_microbatch(op: str, is_first_microbatch) -> None:
+    """is_first_microbatch None, True or False (checked whether or not the layer runs in FP8)."""
+    if not (is_first_microbatch is None or isinstance(is_first_microbatch, bool)):
+        raise ValueError(f"{op}: is_first_microbatch must be None, True or False, got {is_first_microbatch!r}")
 
 
 class _FP8WeightCopies:
@@ -136,6 +143,9 @@ class GroupedLinear(nn.Module):
         self.save_original_input = save_original_input
         if fp8 is not None and fp8 not in FP8_RECIPES:
             raise ValueError(f"GroupedLinear: fp8 must be None or one of {FP8_RECIPES}, got {fp8!r}")
+        if dtype not in ((torch.bfloat16,) if fp8 else (torch.bfloat16, torch.float16)):
+            raise ValueError(f"GroupedLinear{f'(fp8={fp8!r})' if fp8 else ''}: dtype must be torch.bfloat16"
+                             f"{'' if fp8 else ' or torch.float16'}, got {dtype}")
         if fp8_grad_dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
             raise ValueError("GroupedLinear: fp8_grad_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, "
                              f"got {fp8_grad_dtype}")
@@ -160,9 +170,20 @@ class GroupedLinear(nn.Module):
         """``is_first_microbatch`` (FP8 only; TransformerEngine's contract): None re-quantizes
         the weight on every call; True re-quantizes and keeps the copies; False reuses them (the
         caller promises the weight has not changed since the last True)."""
+        op = "GroupedLinear"
         if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != self.in_features:
-            raise ValueError(f"GroupedLinear: x must be a 2-D (T, in_features={self.in_features}) tensor, got "
-                             f"{tuple(getattr(x, 'shape', ()))}")
+            raise ValueError(f"{op}: x must be a 2-D (T, in_features={self.in_features}) tensor, got "
+                             f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+        if not self.fp8 and x.dtype != self.weight.dtype:
+            raise ValueError(f"{op}: x must have the weight's dtype {self.weight.dtype}, got {x.dtype}")
+        if x.device != self.weight.device:
+            raise ValueError(f"{op}: x is on {x.device} but the weight is on {self.weight.device}")
+        check_offs_tensor(op, offs)
+        if offs.numel() != self.num_experts or offs.device != x.device:
+            raise ValueError(f"{op}: offs must hold num_experts = {self.num_experts} cumulative ends on {x.device}, "
+                             f"got shape {tuple(offs.shape)} on {offs.device}")
+        check_offs_values(op, offs, x.shape[0])
+        _check_microbatch(op, is_first_microbatch)
         fuse = self.fuse_wgrad_accumulation and torch.is_grad_enabled() and self.weight.requires_grad
         if fuse:
             check_main_grad("GroupedLinear", "weight", self.weight)
@@ -244,6 +265,7 @@ class GroupedMLP(nn.Module):
         """x (T, hidden) grouped by expert with offs; or with ``routing`` (:func:`distgemm.moe.route`'s,
         offs = routing.offs) x's tokens, gathered into expert order as they are read (see
         :func:`distgemm.moe.grouped_mlp`)."""
+        _check_microbatch("GroupedMLP", is_first_microbatch)
         copies = None
         if self.fp8:
             copies = (self._fp8_copies[0].get(self.fc1_weight, is_first_microbatch),
@@ -283,14 +305,28 @@ class MoEExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                 is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
-        if not isinstance(x, torch.Tensor) or x.dim() != 2:
-            raise ValueError(f"MoEExperts: x must be a 2-D (T, hidden) tensor, got {tuple(getattr(x, 'shape', ()))}")
-        if isinstance(topk_ids, torch.Tensor) and topk_ids.device != x.device:
-            raise ValueError(f"MoEExperts: topk_ids is on {topk_ids.device} but x is on {x.device}")
-        routing = route(topk_ids, self.num_experts)
-        if routing.source.numel() != x.shape[0] * routing.k:
-            raise ValueError(f"MoEExperts: topk_ids must have one row per token ({x.shape[0]}), got "
-                             f"{topk_ids.shape[0]}")
+        op, hidden = "MoEExperts", self.experts.hidden
+        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != hidden or x.dtype != torch.bfloat16:
+            got = f"{x.dtype} of shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"{op}: x must be a 2-D bfloat16 (T, hidden={hidden}) tensor, got {got}")
+        if x.device != self.experts.fc1_weight.device:
+            raise ValueError(f"{op}: x is on {x.device} but the experts' weights are on {self.experts.fc1_weight.device}")
+        _check_routing(op, topk_ids, x.shape[0], self.num_experts)
+        if topk_ids.shape[1] < 1:
+            raise ValueError(f"{op}: topk_ids must route each token to k >= 1 experts, got shape "
+                             f"{tuple(topk_ids.shape)}")
+        if topk_ids.device != x.device:
+            raise ValueError(f"{op}: topk_ids is on {topk_ids.device} but x is on {x.device}")
+        if not isinstance(topk_weights, torch.Tensor) or not topk_weights.dtype.is_floating_point:
+            got = topk_weights.dtype if isinstance(topk_weights, torch.Tensor) else type(topk_weights).__name__
+            raise ValueError(f"{op}: topk_weights must be a floating-point (T, k) tensor, got {got}")
+        if topk_weights.shape != topk_ids.shape:
+            raise ValueError(f"{op}: topk_weights must have topk_ids' shape {tuple(topk_ids.shape)}, got "
+                             f"{tuple(topk_weights.shape)}")
+        if topk_weights.device != x.device:
+            raise ValueError(f"{op}: topk_weights is on {topk_weights.device} but x is on {x.device}")
+        _check_microbatch(op, is_first_microbatch)
+        routing = _route(topk_ids, self.num_experts)  # route() without its checks, made above
         y = self.experts(x, routing.offs, is_first_microbatch=is_first_microbatch, routing=routing)
         return unpermute(y, routing.row_map, topk_weights, topk_ids, self.num_experts)
 
