@@ -213,6 +213,15 @@ def _cublas_why_not(call: _Call) -> Optional[str]:
 
 def _cublas_gemm(a, b, c, out_dtype):
     """alpha = 1, beta = 1 (or no c) through PyTorch's cuBLAS: the 16-bit vendor candidate."""
+    if torch._C._is_any_autocast_enabled():
+        # F.linear and addmm follow autocast (another dtype out, float16 overflowing bfloat16's
+        # range); our kernels, and so gemm, do not.
+        with torch.autocast(a.device.type, enabled=False):
+            return _cublas_gemm_as_is(a, b, c, out_dtype)
+    return _cublas_gemm_as_is(a, b, c, out_dtype)
+
+
+def _cublas_gemm_as_is(a, b, c, out_dtype):
     if c is None:  # F.linear: a @ b.T without a Python-side view of b (~0.3 us less than mm)
         return F.linear(a, b)
     return torch.addmm(c.to(out_dtype), a, b.t())
@@ -383,10 +392,13 @@ def gemm_unchecked(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum
         signature = _call_signature(a, b, c, alpha, beta, out_dtype,
                                     (scale_a, scale_b, fast_accum) if scaled else None)
     if scaled and block_scales(b, scale_b):
-        # Remembered for bfloat16 out only: gemm refuses others, but looks its table up before its checks.
+        # Remembered for bfloat16 out without c only: gemm refuses others, but looks its table up
+        # before its checks. The TP ops pass a c, which these kernels have no epilogue for.
         call = _Call(a, b, None, alpha, beta, torch.bfloat16, scale_a, scale_b, fast_accum, None, arch,
-                     signature if out_dtype == torch.bfloat16 else None)
+                     signature if out_dtype == torch.bfloat16 and c is None else None)
         out = _block_scaled_gemm(call)
+        if c is not None:
+            out = out.float() + beta * c.float().reshape(-1, b.shape[0])
         return out if out.dtype == out_dtype else out.to(out_dtype)  # float32: TP's partial sums
     if a.shape[1] == 0 or not arch:
         if a.device.type == "cuda" and a.shape[1] > 0:
@@ -420,8 +432,8 @@ def _trim(out, n: int, kernel_dtype, out_dtype):
 def _run_cublas(out_dtype):
     def run(a, b, c):
         autotune.record_eager(_CUBLAS)
-        if c is None:  # _cublas_gemm's first case, inlined: this runs on every repeated call
-            return F.linear(a, b)
+        if c is None and not torch._C._is_any_autocast_enabled():  # _cublas_gemm's first case, inlined
+            return F.linear(a, b)  # (this runs on every repeated call)
         return _cublas_gemm(a, b, c, out_dtype)
     return run
 
