@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import NamedTuple, Optional, Tuple
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from . import _settings
 from ._checks import check_flags, check_main_grad
@@ -331,6 +332,7 @@ class _GroupedMLP(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad):
         offs, w1, w2, b1, b2, experts, token_rows, regather, *saved = ctx.saved_tensors
         need_dx, need_w1, need_w2, need_b1 = ctx.need
@@ -595,7 +597,8 @@ def _check_routing(op, topk_ids, tokens, num_experts):
         raise ValueError(f"{op}: num_experts must be an int in [1, 2^31) (int32 offs), got {num_experts!r}")
     if topk_ids.numel() >= 2 ** 31:
         raise ValueError(f"{op}: T * k = {topk_ids.numel()} routed copies must be fewer than 2^31 (int32 offs)")
-    host = topk_ids.device.type == "cpu"  # not CUDA (a host sync), nor meta (no values)
+    # not CUDA (a host sync), nor meta (no values), nor under torch.compile (data-dependent)
+    host = topk_ids.device.type == "cpu" and not torch.compiler.is_compiling()
     if host and topk_ids.numel() and (int(topk_ids.min()) < -1 or int(topk_ids.max()) >= num_experts):
         raise ValueError(f"{op}: topk_ids must be expert indices in [0, {num_experts}) or -1 (dropped), got "
                          f"values in [{int(topk_ids.min())}, {int(topk_ids.max())}]")
@@ -781,6 +784,7 @@ class _Gather(torch.autograd.Function):
         return ops.moe_combine(x, source, None, source.numel(), 1)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad):
         (slot_rows,) = ctx.saved_tensors
         if not ctx.needs_input_grad[0]:
@@ -800,6 +804,7 @@ class _Combine(torch.autograd.Function):
         return ops.moe_combine(y, slot_rows, w32, tokens, k)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad):
         y, slot_rows, w32 = ctx.saved_tensors
         tokens, k = ctx.shape

@@ -7,6 +7,7 @@ from typing import Optional
 
 import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from ._checks import check_flags, check_main_grad
 from ._routing import check_offs_tensor, check_offs_values
@@ -26,6 +27,7 @@ class _GroupedLinearMainGrad(torch.autograd.Function):
         return grouped_mm(x, weight, offs)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad):
         x, weight, offs = ctx.saved_tensors
         grad = grad.contiguous()
@@ -65,7 +67,8 @@ class _FP8WeightCopies:
         if is_first_microbatch is None or capturing:
             self.key = self.copies = None
             return None
-        key = (weight.data_ptr(), tuple(weight.shape), weight.dtype)
+        # Copies made in inference mode are inference tensors, which autograd cannot save: not reused outside it.
+        key = (weight.data_ptr(), tuple(weight.shape), weight.dtype, torch.is_inference_mode_enabled())
         if is_first_microbatch or self.copies is None or self.key != key:
             self.key, self.copies = key, quantize_weight(weight, self.recipe)
         return self.copies
@@ -92,6 +95,7 @@ class _GroupedLinearFP8(torch.autograd.Function):
         return grouped_mm(x8, w8, offs, scale_x=sx, scale_w=sw)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad):
         weight, offs, xt8, sxt, wt8, swt = ctx.saved_tensors
         need_dx, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
