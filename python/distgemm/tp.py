@@ -451,6 +451,8 @@ def _(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, group_name)
 
 def _all_gather(x: torch.Tensor, group) -> torch.Tensor:
     x = x.contiguous()
+    if x.numel() == 0:  # nothing to move (every rank's shape agrees); an empty view keeps any strides,
+        return x.new_empty((x.shape[0] * group.size(),) + tuple(x.shape[1:]))  # which the byte view refuses
     raw = x.view(torch.uint8)  # gloo moves bytes of any dtype, but not bf16/fp8 as such
     parts = [torch.empty_like(raw) for _ in range(group.size())]
     dist.all_gather(parts, raw, group=group)
