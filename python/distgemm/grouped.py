@@ -20,7 +20,7 @@ from ._settings import current as _current_settings
 from ._checks import check_flags, needs_autograd
 from ._library import aligned16, device_arch, is_aligned16, has_kernels, ops, warn_once
 from ._routing import check_offs_tensor, check_offs_values, group_bounds
-from .grouped_fp8 import FLOAT8, grouped_mm_fp8, grouped_mm_wgrad_fp8
+from .grouped_fp8 import FLOAT8, check_no_overlap, grouped_mm_fp8, grouped_mm_wgrad_fp8
 
 _CUTLASS, _CUBLAS = 0, 1
 FLOAT16 = (torch.bfloat16, torch.float16)
@@ -94,10 +94,15 @@ def _backend(op: str, device, n: int, k: int, in_dtype, out_dtype, kind: int,
     if device.type != "cuda":
         reasons = {b: "the inputs are not on a CUDA device" for b in ("cutlass", "cublas", "torch")}
     else:
+        # 16-byte rows: distgemm's kernels, the core's cuBLAS loop and torch._grouped_mm's stride
+        # checks alike; the per-group loop takes any N and K.
+        unaligned = f"N={n} and K={k} must be multiples of 8" if n % 8 or k % 8 else None
+        if unaligned:
+            reasons["cublas"] = unaligned
         if not has_kernels(device) or device_arch(device) != 90:
             reasons["cutlass"] = "distgemm's grouped kernels are built for sm_90 only"
-        elif n % 8 or k % 8:
-            reasons["cutlass"] = f"N={n} and K={k} must be multiples of 8"
+        elif unaligned:
+            reasons["cutlass"] = unaligned
         elif (kind, in_dtype, out_dtype) not in _COMPILED:
             reasons["cutlass"] = f"no grouped kernel is built for {in_dtype} -> {out_dtype}"
         if device_arch(device) < 90 or out_dtype != torch.bfloat16:
@@ -105,6 +110,8 @@ def _backend(op: str, device, n: int, k: int, in_dtype, out_dtype, kind: int,
         elif accumulate:
             reasons["torch"] = ("accumulate=True (torch._grouped_mm rounds the product to bfloat16 before "
                                 "the addition)")
+        elif unaligned:
+            reasons["torch"] = unaligned
     order = ("cutlass", "torch", "cublas") if requested == "auto" else (requested, "cutlass", "torch", "cublas")
     torch_may_answer = requested == "auto" and "torch" not in reasons
     for name in order:
@@ -264,7 +271,8 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *,
 
     x (T, K) bfloat16/float16, rows grouped by expert; offs (G,) int32 on x's device.
     Returns (T, N) in ``out_dtype`` (x's dtype or float32), FP32 accumulation. Rows past
-    ``offs[-1]`` are not written (a new output leaves them uninitialized). With ``out`` the
+    ``offs[-1]`` are not written (a new output leaves them uninitialized), nor are those rows of
+    x's gradient. With ``out`` the
     result is written there, or added to it with ``accumulate=True``. Differentiable in x
     and w when ``out`` is not given.
 
@@ -303,6 +311,10 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *,
     requested_dtype = out_dtype
     out_dtype = _out_dtype(op, x.dtype, out_dtype, out)
     _check_out(op, out, (x.shape[0], n), out_dtype, x.device, accumulate)
+    if out is not None and needs_autograd(x, w):
+        raise ValueError(f"{op}: out= is not differentiable, and x or w requires grad; call without out "
+                         "(or under torch.no_grad())")
+    check_no_overlap(op, out, (("x", x), ("w", w)))
 
     backend, torch_may_answer = _backend(op, x.device, n, k, x.dtype, out_dtype, 0 if trans_w else 1, accumulate)
     if backend in ("cutlass", "cublas"):
@@ -324,7 +336,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *,
         ops.grouped_mm_out(x, w, offs, out, accumulate, trans_w, code)
         return out
     if backend == "torch":
-        x, w = aligned16(x), aligned16(w)
+        x, w = aligned16(x.contiguous()), aligned16(w.contiguous())  # its stride checks refuse other views
         y = torch._grouped_mm(x, w.transpose(-2, -1) if trans_w else w, offs=offs, out_dtype=out_dtype)
         if out is None:
             return y
@@ -371,6 +383,7 @@ def grouped_mm_wgrad(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, *,
         raise ValueError(f"{op}: offs must hold at least one group")
     out_dtype = _out_dtype(op, x.dtype, out_dtype, out)
     _check_out(op, out, (groups, n, k), out_dtype, x.device, accumulate)
+    check_no_overlap(op, out, (("dy", dy), ("x", x)))
 
     backend, torch_may_answer = _backend(op, x.device, n, k, x.dtype, out_dtype, 2, accumulate)
     if backend in ("cutlass", "cublas"):
@@ -393,7 +406,7 @@ def grouped_mm_wgrad(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, *,
         ops.grouped_mm_wgrad_out(dy, x, offs, out, accumulate, code)
         return out
     if backend == "torch":
-        dy, x = aligned16(dy), aligned16(x)
+        dy, x = aligned16(dy.contiguous()), aligned16(x.contiguous())
         y = torch._grouped_mm(dy.T, x, offs=offs, out_dtype=out_dtype)
         return y if out is None else out.copy_(y)  # accumulate never takes this backend
     if out is None and x.device.type == "cpu":
@@ -452,6 +465,8 @@ def _grouped_backward(ctx, grad):
     dx = dw = None
     if ctx.needs_input_grad[0]:
         # y = x @ w_g^T  =>  dx = dy @ w_g: the other transpose of the same weights.
+        # Rows past offs[-1] are not written, as in the forward (zeroing them would cost a pass
+        # over dx for rows that are usually not there).
         dx = grouped_mm(grad, w, offs, trans_w=not ctx.trans_w)
     if ctx.needs_input_grad[1]:
         dw = (grouped_mm_wgrad(grad, x, offs) if ctx.trans_w else grouped_mm_wgrad(x, grad, offs))

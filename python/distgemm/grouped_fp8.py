@@ -67,6 +67,23 @@ def _check_common(op, x, offs, pairs):
         raise ValueError(f"{op}: offs is on {offs.device} but the inputs are on {x.device}")
 
 
+def check_no_overlap(op: str, out, inputs) -> None:
+    """A ValueError when out's bytes overlap any of ``inputs`` ((name, tensor) pairs): the kernels
+    read the operands while they write out (conservative: byte ranges, not elements)."""
+    if out is None or out.numel() == 0 or out.device.type == "meta" or torch.compiler.is_compiling():
+        return
+    start = out.data_ptr()
+    end = start + out.numel() * out.element_size()  # out is contiguous
+    for name, t in inputs:
+        if not isinstance(t, torch.Tensor) or t.numel() == 0 or t.device != out.device:
+            continue
+        first = t.data_ptr()
+        last = first + (sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride())) + 1) * t.element_size()
+        if first < end and start < last:
+            raise ValueError(f"{op}: out must not overlap {name} (the kernel reads {name} while it writes out); "
+                             "pass a separate tensor")
+
+
 def _use_kernel(device) -> bool:
     return device.type == "cuda" and has_kernels(device) and device_arch(device) == 90
 
@@ -96,12 +113,7 @@ def _scales(op, x, w_nk, scale_x, scale_w, trans_w):
         scale_w = (scale_w.transpose(1, 2) if trans_w else scale_w).contiguous()
         return SCALE_BLOCK, scale_x, scale_w
     if scale_w.dim() in (0, 1, 2) and scale_x.dim() in (0, 1, 2):
-        sx = scale_x.reshape(-1)
-        if sx.numel() == 1:
-            sx = sx.expand(tokens)
-        if sx.numel() != tokens:
-            raise ValueError(f"{op}: row-wise scales: scale_x must be (T,) = ({tokens},) (or a "
-                             f"scalar), got {_shape(scale_x)}")
+        # scale_w first: a 2-D block scale_w missing its G reads as row-wise, and is named.
         sw = scale_w
         if sw.numel() == 1:
             sw = sw.reshape(1, 1).expand(groups, n)
@@ -109,7 +121,13 @@ def _scales(op, x, w_nk, scale_x, scale_w, trans_w):
             sw = sw.reshape(groups, 1).expand(groups, n)
         if _shape(sw) != (groups, n):
             raise ValueError(f"{op}: row-wise scales: scale_w must be (G, N) = {(groups, n)} (or "
-                             f"a scalar, or (G,)), got {_shape(scale_w)}")
+                             f"a scalar, or (G,); 128 x 128 block scales are 3-D), got {_shape(scale_w)}")
+        sx = scale_x.reshape(-1)
+        if sx.numel() == 1:
+            sx = sx.expand(tokens)
+        if sx.numel() != tokens:
+            raise ValueError(f"{op}: row-wise scales: scale_x must be (T,) = ({tokens},) (or a "
+                             f"scalar), got {_shape(scale_x)}")
         return SCALE_ROW, sx.contiguous(), sw.contiguous()
     raise ValueError(f"{op}: scale_w must be (G, N) (row-wise) or 3-D (128 x 128 blocks), got "
                      f"{_shape(scale_w)}")
@@ -167,6 +185,7 @@ def grouped_mm_fp8(x, w, offs, *, scale_x, scale_w, out=None, accumulate=False,
                             or out.device != x.device or not out.is_contiguous()):
         raise ValueError(f"{op}: out must be a contiguous {out_dtype} tensor of shape "
                          f"{(x.shape[0], n)} on {x.device}, got {out.dtype} {_shape(out)}")
+    check_no_overlap(op, out, (("x", x), ("w", w), ("scale_x", scale_x), ("scale_w", scale_w)))
     mode, sx, sw = _scales(op, x, w_nk, scale_x, scale_w, trans_w)
     check_offs_values(op, offs, x.shape[0])
     del use_fast_accum  # partial sums are always promoted once per 128 of K (no slower)
@@ -243,6 +262,7 @@ def grouped_mm_wgrad_fp8(dy_t, x_t, offs, *, scale_dy, scale_x, out=None, accumu
                             or out.device != dy_t.device or not out.is_contiguous()):
         raise ValueError(f"{op}: out must be a contiguous float32 tensor of shape {(groups, n, k)} "
                          f"on {dy_t.device}, got {out.dtype} {_shape(out)}")
+    check_no_overlap(op, out, (("dy", dy_t), ("x", x_t), ("scale_dy", scale_dy), ("scale_x", scale_x)))
     if not _use_kernel(dy_t.device):
         if out is None:
             out = torch.empty((groups, n, k), dtype=torch.float32, device=dy_t.device)
