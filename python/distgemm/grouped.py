@@ -352,11 +352,12 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *,
 
 def grouped_mm_wgrad(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, *,
                      out: Optional[torch.Tensor] = None, accumulate: bool = False,
-                     out_dtype: Optional[torch.dtype] = torch.float32,
+                     out_dtype: Optional[torch.dtype] = None,
                      scale_dy: Optional[torch.Tensor] = None,
                      scale_x: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Weight gradients of every expert in one launch: ``out[g] = dy[rows_g].T @ x[rows_g]``,
-    a variable-K grouped GEMM. dy (T, N), x (T, K); returns (G, N, K), FP32 by default.
+    a variable-K grouped GEMM. dy (T, N), x (T, K); returns (G, N, K) in ``out_dtype``: by
+    default out's dtype, or FP32 without ``out``.
     Experts without tokens get zeros, or are left untouched with ``accumulate=True`` (which
     adds into ``out``, e.g. an FP32 ``main_grad``).
 
@@ -365,6 +366,8 @@ def grouped_mm_wgrad(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, *,
     with ``scale_dy`` (N, Tp/128) and ``scale_x`` (K, Tp/128); float32 out."""
     op = "distgemm.grouped_mm_wgrad"
     check_flags(op, accumulate=accumulate)
+    if out_dtype is None:
+        out_dtype = out.dtype if isinstance(out, torch.Tensor) else torch.float32
     if isinstance(dy, torch.Tensor) and dy.dtype in FLOAT8:
         if scale_dy is None or scale_x is None:
             raise ValueError(f"{op}: float8 dy needs scale_dy and scale_x")

@@ -264,3 +264,16 @@ def test_fp8_malformed_scales_name_the_argument():
     plain_t, plain_s = quantize_fp8(torch.randn(64, 128), (1, 128), transpose=True)  # no offs: unpadded
     with pytest.raises(ValueError, match="padded layout of quantize_fp8 with offs"):
         distgemm.grouped_mm_wgrad(plain_t, x_t[:, :64], offs, scale_dy=plain_s, scale_x=sxt[:, :1])
+
+
+def test_wgrad_takes_its_dtype_from_out():
+    # out's dtype is the result's unless out_dtype says otherwise; without out, FP32
+    offs = i32([0, 10, 10, 25, 30])
+    dy, x = torch.randn(30, 16).to(BF16), torch.randn(30, 24).to(BF16)
+    ref = distgemm.grouped_mm_wgrad(dy, x, offs)
+    assert ref.dtype == torch.float32
+    out = torch.zeros(5, 16, 24, dtype=BF16)
+    assert distgemm.grouped_mm_wgrad(dy, x, offs, out=out) is out
+    assert torch.equal(out, ref.to(BF16))
+    with pytest.raises(ValueError, match="out"):
+        distgemm.grouped_mm_wgrad(dy, x, offs, out=out, out_dtype=torch.float32)
