@@ -397,7 +397,7 @@ def gemm_unchecked(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum
         call = _Call(a, b, None, alpha, beta, torch.bfloat16, scale_a, scale_b, fast_accum, None, arch,
                      signature if out_dtype == torch.bfloat16 and c is None else None)
         out = _block_scaled_gemm(call)
-        if c is not None:
+        if c is not None and beta != 0:
             out = out.float() + beta * c.float().reshape(-1, b.shape[0])
         return out if out.dtype == out_dtype else out.to(out_dtype)  # float32: TP's partial sums
     if a.shape[1] == 0 or not arch:
@@ -550,7 +550,7 @@ def reference_gemm(a, b, c, alpha, beta, out_dtype, scale_a=None, scale_b=None):
     if scale_b is not None:
         acc = acc * scale_b.float().reshape(1, -1)
     out = alpha * acc
-    if c is not None:
+    if c is not None and beta != 0:  # as BLAS and our kernels: beta = 0 does not read c (NaN in c stays out)
         out = out + beta * c.float().reshape(-1, b.shape[0])
     return out.to(out_dtype)
 

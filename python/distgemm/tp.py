@@ -595,10 +595,10 @@ def _matmul_reduce_scatter_eager(a, b, c, alpha, beta, out_dtype, scale_a, scale
         # FP32 partial sums (rounded to bfloat16 first where block scales take the FP8 kernel)
         partial = gemm_unchecked(a, b, None, alpha, 0.0, torch.float32, scale_a, scale_b, fast_accum, arch)
         out = _reduce_scatter(partial, group)
-        if bias is not None:
+        if bias is not None and beta != 0:  # beta = 0 does not read c (as the fused path and BLAS)
             out = out + beta * bias.to(out_dtype).float()
         out = out.to(out_dtype)
-    if full_c:  # a full C is this rank's output shard: added after the reduction
+    if full_c and beta != 0:  # a full C is this rank's output shard: added after the reduction
         out = (out.float() + beta * c.float()).to(out_dtype)
     return out
 

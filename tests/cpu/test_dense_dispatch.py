@@ -3,6 +3,7 @@ stay fixed."""
 
 import torch
 
+import distgemm
 from distgemm.dense import _flat, kernel_out_dtype
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -47,3 +48,12 @@ def test_a_repeated_call_runs_its_remembered_runner_unless_autograd_or_unhashabl
         assert dense._repeat_call(a, b, None, 1.0, 0.0, None) is not None
     assert dense._repeat_call(a.detach(), b, None, [1.0], 0.0, None) is None
     assert dense._repeat_call("a", b, None, 1.0, 0.0, None) is None
+
+
+def test_beta_zero_does_not_read_c():
+    # as BLAS and the kernels' epilogue: beta = 0 leaves c out, NaN and all
+    a, b = torch.randn(8, 16).bfloat16(), torch.randn(4, 16).bfloat16()
+    for c in (torch.full((8, 4), float("nan")).bfloat16(), torch.full((4,), float("nan")).bfloat16()):
+        out = distgemm.gemm(a, b, c, beta=0.0)
+        assert torch.isfinite(out).all()
+        assert torch.equal(out, distgemm.gemm(a, b))

@@ -41,6 +41,8 @@ def _all_gather_checks(rank, world):
         assert_close(distgemm.all_gather_matmul(a, b, c=c, alpha=0.5, beta=-1.5), 0.5 * p - 1.5 * c.double())
         assert_close(distgemm.all_gather_matmul(a, b, c=bias, alpha=2.0, beta=0.5), 2 * p + 0.5 * bias.double())
         assert_close(distgemm.all_gather_matmul(a, b, c=bias[None], beta=0.5), p + 0.5 * bias.double())
+        # beta = 0 does not read c (as BLAS and the fused GPU path): a NaN there stays out
+        assert_close(distgemm.all_gather_matmul(a, b, c=torch.full_like(c, float("nan")), beta=0.0), p)
         out = distgemm.all_gather_matmul(a, b, c=c.float() * 1.001, beta=1.0, out_dtype=torch.float32)
         assert out.dtype == torch.float32
         assert_close(out, p + 1.001 * c.double())
@@ -109,6 +111,8 @@ def _reduce_scatter_checks(rank, world):
         # a bias is added once to the sum, not once per rank; a full c is this rank's rows
         assert_close(distgemm.matmul_reduce_scatter(a, b, c=bias, alpha=0.5, beta=2.0), 0.5 * p + 2 * bias.double())
         assert_close(distgemm.matmul_reduce_scatter(a, b, c=bias[None], beta=2.0), p + 2 * bias.double())
+        for unread in (torch.full_like(c, float("nan")), torch.full_like(bias, float("nan"))):
+            assert_close(distgemm.matmul_reduce_scatter(a, b, c=unread, beta=0.0), p)
         assert_close(distgemm.matmul_reduce_scatter(a, b, c=c, alpha=-0.5, beta=1.5), -0.5 * p + 1.5 * c.double())
         for out_dtype in (torch.float32, dtype):
             out = distgemm.matmul_reduce_scatter(a, b, c=c, beta=1.5, out_dtype=out_dtype)
