@@ -41,6 +41,19 @@ def test_c_alpha_beta(c_kind, out_dtype):
     assert_close(out, reference(a, b, c.expand(m, n), -0.5, 1.25))
 
 
+@pytest.mark.parametrize("c_kind", ["full", "bias"])
+def test_beta_zero_does_not_read_c(c_kind):
+    # As BLAS and the epilogue's source load: beta = 0 leaves c out, NaN included, on our kernel
+    # (autotuning off: the tile heuristic's) and as the dispatch picks.
+    m, n, k = 300, 520, 256
+    a, b = randn(m, k, dtype=torch.bfloat16, device=DEV), randn(n, k, dtype=torch.bfloat16, device=DEV)
+    c = torch.full((m, n) if c_kind == "full" else (n,), float("nan"), dtype=torch.bfloat16, device=DEV)
+    want = reference(a, b)
+    with distgemm.settings(autotune=False):
+        assert_close(distgemm.gemm(a, b, c, beta=0.0), want)
+    assert_close(distgemm.gemm(a, b, c, alpha=2.0, beta=0.0), reference(a, b, None, 2.0))
+
+
 FP8_PAIRS = [(torch.float8_e4m3fn, torch.float8_e4m3fn), (torch.float8_e4m3fn, torch.float8_e5m2),
              (torch.float8_e5m2, torch.float8_e4m3fn)]
 
