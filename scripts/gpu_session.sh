@@ -5,8 +5,6 @@ set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export CUTLASS_DIR="${CUTLASS_DIR:-$PWD/.cutlass}" GTEST_SOURCE_DIR="${GTEST_SOURCE_DIR:-$PWD/.googletest}" DISTGEMM_CUDA_ARCHS=90a CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)"
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
-# The device gets a copy without .git: results name the carried wheel's commit.
-[ -z "${DISTGEMM_COMMIT:-}" ] && [ -f .whl/COMMIT ] && export DISTGEMM_COMMIT="$(cat .whl/COMMIT)"
 t0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - t0 )) s] $*" | tee -a "$OUT/steps.log" /tmp/steps.log >/dev/null; echo "[$(( $(date +%s) - t0 )) s] $*"; }
 if python3 -c "import distgemm" 2>/dev/null && [ -z "${REBUILD:-}" ]; then

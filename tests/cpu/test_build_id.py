@@ -25,3 +25,20 @@ def test_a_stale_library_is_a_clear_import_error(monkeypatch, ids):
     with pytest.raises(ImportError, match="stale compiled library.*reinstall"):
         _library._check_build()
     assert distgemm.gemm  # the real module is untouched
+
+
+def test_results_name_the_commit_the_build_was_made_from(monkeypatch):
+    # An installed package has no .git: benchmark results take the commit the build recorded
+    # (the README's install builds from a checkout), and the setting overrides it.
+    import subprocess
+
+    from distgemm import _build_info
+    from distgemm.bench import common
+
+    monkeypatch.setattr(_build_info, "COMMIT", "abc1234+", raising=False)
+    monkeypatch.setattr(subprocess, "check_output", lambda *a, **k: (_ for _ in ()).throw(OSError("no git")))
+    assert common.commit() == "abc1234+"
+    with distgemm.settings(commit="def5678"):
+        assert common.commit() == "def5678"
+    monkeypatch.setattr(_build_info, "COMMIT", "", raising=False)
+    assert common.commit() == "unknown"

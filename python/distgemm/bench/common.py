@@ -15,8 +15,17 @@ from distgemm import _settings
 
 
 def commit() -> str:
+    """The commit results name: the setting, else the one the installed build was made from,
+    else git's HEAD where the package runs from a checkout."""
     if _settings.current().commit:
         return _settings.current().commit
+    try:
+        from distgemm._build_info import COMMIT  # noqa: PLC0415 (written by the build)
+
+        if COMMIT:
+            return COMMIT
+    except ImportError:  # a build from before the commit was recorded, or none
+        pass
     try:
         here = os.path.dirname(os.path.abspath(__file__))
         return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=here, text=True,
