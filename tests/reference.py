@@ -61,3 +61,22 @@ def random_counts(groups: int, tokens: int, zero_groups=()) -> list:
     live = [g for g in range(groups) if g not in zero_groups]
     c[live[0]] += tokens - int(c.sum())
     return c.tolist()
+
+
+def grouped_loop(x, w, offs, trans_w=True):
+    """Per expert g in float64: x[rows_g] @ w[g].T (trans_w) or @ w[g]; rows past offs[-1] zero."""
+    out, start = torch.zeros(x.shape[0], w.shape[1] if trans_w else w.shape[2], dtype=torch.float64), 0
+    for g, end in enumerate(offs.tolist()):
+        wg = w[g].double()
+        out[start:end] = x[start:end].double() @ (wg.T if trans_w else wg)
+        start = end
+    return out
+
+
+def grouped_wgrad_loop(dy, x, offs):
+    """Per expert g in float64: dy[rows_g].T @ x[rows_g] (zeros for an expert without rows)."""
+    out, start = torch.zeros(offs.numel(), dy.shape[1], x.shape[1], dtype=torch.float64), 0
+    for g, end in enumerate(offs.tolist()):
+        out[g] = dy[start:end].double().T @ x[start:end].double()
+        start = end
+    return out

@@ -6,7 +6,7 @@ import torch
 
 import distgemm
 from distgemm.nn import GroupedLinear
-from tests.reference import assert_close
+from tests.reference import assert_close, grouped_loop, grouped_wgrad_loop
 
 
 def split(tokens, groups, zero_groups=()):
@@ -19,23 +19,6 @@ def split(tokens, groups, zero_groups=()):
     return counts.cumsum(0).to(torch.int32)
 
 
-def loop_forward(x, w, offs, trans_w=True):
-    out, start = torch.zeros(x.shape[0], w.shape[1] if trans_w else w.shape[2], dtype=torch.float64), 0
-    for g, end in enumerate(offs.tolist()):
-        wg = w[g].double()
-        out[start:end] = x[start:end].double() @ (wg.T if trans_w else wg)
-        start = end
-    return out
-
-
-def loop_wgrad(dy, x, offs):
-    out, start = torch.zeros(offs.numel(), dy.shape[1], x.shape[1], dtype=torch.float64), 0
-    for g, end in enumerate(offs.tolist()):
-        out[g] = dy[start:end].double().T @ x[start:end].double()
-        start = end
-    return out
-
-
 @pytest.mark.parametrize("trans_w", [True, False])
 @pytest.mark.parametrize("out_dtype", [None, torch.float32])
 def test_forward_and_dgrad_reference(trans_w, out_dtype):
@@ -45,7 +28,7 @@ def test_forward_and_dgrad_reference(trans_w, out_dtype):
     w = torch.randn(g, n, k).bfloat16() if trans_w else torch.randn(g, k, n).bfloat16()
     out = distgemm.grouped_mm(x, w, offs, trans_w=trans_w, out_dtype=out_dtype)
     assert out.shape == (t, n) and out.dtype == (out_dtype or torch.bfloat16)
-    assert_close(out, loop_forward(x, w, offs, trans_w))
+    assert_close(out, grouped_loop(x, w, offs, trans_w))
 
 
 def test_wgrad_reference_zero_groups_and_accumulate():
@@ -55,9 +38,9 @@ def test_wgrad_reference_zero_groups_and_accumulate():
     out = distgemm.grouped_mm_wgrad(dy, x, offs)
     assert out.dtype == torch.float32 and out.shape == (g, n, k)
     assert torch.all(out[0] == 0) and torch.all(out[3] == 0)
-    assert_close(out, loop_wgrad(dy, x, offs))
+    assert_close(out, grouped_wgrad_loop(dy, x, offs))
     main_grad = torch.randn(g, n, k)
-    expected = main_grad.double() + loop_wgrad(dy, x, offs)
+    expected = main_grad.double() + grouped_wgrad_loop(dy, x, offs)
     distgemm.grouped_mm_wgrad(dy, x, offs, out=main_grad, accumulate=True)
     assert_close(main_grad, expected)
 
@@ -69,7 +52,7 @@ def test_out_and_accumulate_leave_tail_rows_untouched():
     out = torch.full((t, n), 7.0)
     distgemm.grouped_mm(x, w, offs, out=out, accumulate=True)
     assert torch.all(out[30:] == 7.0)
-    assert_close(out[:30], 7.0 + loop_forward(x, w, offs)[:30])
+    assert_close(out[:30], 7.0 + grouped_loop(x, w, offs)[:30])
 
 
 @pytest.mark.parametrize(
@@ -133,7 +116,7 @@ def test_offsets_that_end_early_are_valid():
     x, w = torch.randn(20, 16).bfloat16(), torch.randn(3, 8, 16).bfloat16()
     offs = torch.tensor([5, 5, 12], dtype=torch.int32)  # an empty group, rows 12.. unused
     out = distgemm.grouped_mm(x, w, offs)
-    assert_close(out[:12], loop_forward(x, w, offs)[:12])
+    assert_close(out[:12], grouped_loop(x, w, offs)[:12])
 
 
 def test_backend_env(monkeypatch):
@@ -150,7 +133,7 @@ def test_backend_env(monkeypatch):
         distgemm._library.warn_once.cache_clear()
         with pytest.warns(RuntimeWarning, match="backend 'cutlass' unavailable"):
             out = distgemm.grouped_mm(x, w, offs)
-        assert_close(out, loop_forward(x, w, offs))
+        assert_close(out, grouped_loop(x, w, offs))
     finally:
         monkeypatch.undo()
         distgemm.reload_settings()
@@ -165,7 +148,7 @@ def test_autograd_through_the_op():
     dy = torch.randn(t, n).bfloat16()
     y.backward(dy)
     x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
-    loop_forward(x64, w64, offs).backward(dy.double())
+    grouped_loop(x64, w64, offs).backward(dy.double())
     assert_close(x.grad, x64.grad)
     assert_close(w.grad, w64.grad)
 
@@ -216,7 +199,7 @@ def test_grouped_linear_fused_wgrad_accumulation():
     x, dy = torch.randn(t, din).bfloat16(), torch.randn(t, dout).bfloat16()
     layer(x, offs).backward(dy)
     assert layer.weight.grad_added_to_main_grad is True
-    assert_close(layer.weight.main_grad, 1.0 + loop_wgrad(dy, x, offs))
+    assert_close(layer.weight.main_grad, 1.0 + grouped_wgrad_loop(dy, x, offs))
 
 
 def test_torch_compile_traces_grouped_mm():

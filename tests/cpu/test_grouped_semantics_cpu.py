@@ -9,6 +9,7 @@ import distgemm
 from distgemm import grouped, quantize_fp8
 from distgemm._dispatch import GroupedPass
 from distgemm.quantize import dequantize_fp8
+from tests.reference import grouped_loop, grouped_wgrad_loop
 from test_dispatch_paths_cpu import gpu, grouped_gpu  # noqa: F401  (fixtures)
 
 BF16 = torch.bfloat16
@@ -18,25 +19,6 @@ _GROUPED_MM_OP = grouped.ops.grouped_mm  # the op, with its autograd (the fixtur
 
 def i32(values):
     return torch.tensor(values, dtype=torch.int32)
-
-
-def loop(x, w, offs, trans_w=True):
-    """Per-expert float64 loop; rows past offs[-1] zero."""
-    out = torch.zeros(x.shape[0], w.shape[1] if trans_w else w.shape[2], dtype=torch.float64)
-    start = 0
-    for g, end in enumerate(offs.tolist()):
-        wg = w[g].double()
-        out[start:end] = x[start:end].double() @ (wg.T if trans_w else wg)
-        start = end
-    return out
-
-
-def loop_wgrad(dy, x, offs):
-    out, start = [], 0
-    for end in offs.tolist():
-        out.append(dy[start:end].double().T @ x[start:end].double())
-        start = end
-    return torch.stack(out)
 
 
 def close(actual, expected, tol=2e-2):
@@ -58,12 +40,12 @@ def test_forward_and_wgrad_match_the_loop(t, ends, k, n):
     x, w, dy = torch.randn(t, k).to(BF16), torch.randn(g, n, k).to(BF16), torch.randn(t, n).to(BF16)
     for out_dtype in (None, torch.float32):
         y = distgemm.grouped_mm(x, w, offs, out_dtype=out_dtype)
-        close(y[:ends[-1]], loop(x, w, offs)[:ends[-1]])
+        close(y[:ends[-1]], grouped_loop(x, w, offs)[:ends[-1]])
     close(distgemm.grouped_mm(x, w.transpose(1, 2).contiguous(), offs, trans_w=False)[:ends[-1]],
-          loop(x, w, offs)[:ends[-1]])
+          grouped_loop(x, w, offs)[:ends[-1]])
     dw = distgemm.grouped_mm_wgrad(dy, x, offs)  # rows past offs[-1] ignored, empty experts zero
     assert dw.dtype == torch.float32
-    close(dw, loop_wgrad(dy, x, offs), 1e-5)
+    close(dw, grouped_wgrad_loop(dy, x, offs), 1e-5)
 
 
 def test_strided_views_and_float16():
@@ -71,12 +53,12 @@ def test_strided_views_and_float16():
     base = torch.randn(40, 48).to(BF16)
     x = base[:21, ::2]  # (21, 24), strided
     w_kn = torch.randn(3, 24, 16).to(BF16)
-    close(distgemm.grouped_mm(x, w_kn.transpose(1, 2), offs)[:19], loop(x, w_kn.transpose(1, 2), offs)[:19])
-    close(distgemm.grouped_mm(x.T.contiguous().T, w_kn, offs, trans_w=False)[:19], loop(x, w_kn, offs, False)[:19])
+    close(distgemm.grouped_mm(x, w_kn.transpose(1, 2), offs)[:19], grouped_loop(x, w_kn.transpose(1, 2), offs)[:19])
+    close(distgemm.grouped_mm(x.T.contiguous().T, w_kn, offs, trans_w=False)[:19], grouped_loop(x, w_kn, offs, False)[:19])
     x16, w16 = x.half(), w_kn.transpose(1, 2).half()
     y = distgemm.grouped_mm(x16, w16, offs)
     assert y.dtype == torch.float16
-    close(y[:19], loop(x16, w16, offs)[:19], 5e-3)
+    close(y[:19], grouped_loop(x16, w16, offs)[:19], 5e-3)
     with pytest.raises(ValueError, match="out_dtype must be torch.bfloat16 or torch.float32"):
         distgemm.grouped_mm(x, w_kn.transpose(1, 2), offs, out_dtype=torch.float16)
 
@@ -85,7 +67,7 @@ def test_strided_views_and_float16():
 def test_out_accumulate_and_overwrite_leave_the_tail(dtype):
     offs = i32([0, 10, 10, 25, 30])
     x, w = torch.randn(37, 24).to(BF16), torch.randn(5, 16, 24).to(BF16)
-    expected = loop(x, w, offs)
+    expected = grouped_loop(x, w, offs)
     for accumulate in (False, True):
         out = torch.randn(37, 16).to(dtype)
         before = out.clone()
@@ -96,7 +78,7 @@ def test_out_accumulate_and_overwrite_leave_the_tail(dtype):
     before = main_grad.clone()
     dy = torch.randn(37, 16).to(BF16)
     distgemm.grouped_mm_wgrad(dy, x, offs, out=main_grad, accumulate=True)
-    close(main_grad, before.double() + loop_wgrad(dy, x, offs), 1e-5)
+    close(main_grad, before.double() + grouped_wgrad_loop(dy, x, offs), 1e-5)
     assert torch.equal(main_grad[0], before[0]) and torch.equal(main_grad[2], before[2])  # empty: untouched
 
 
@@ -122,7 +104,7 @@ def test_out_with_autograd_is_refused():
         distgemm.grouped_mm(x, w, offs, out=out)
     with torch.no_grad():
         distgemm.grouped_mm(x, w, offs, out=out)
-    close(out, loop(x, w, offs))
+    close(out, grouped_loop(x, w, offs))
 
 
 @pytest.mark.parametrize("trans_w", [True, False])
@@ -136,7 +118,7 @@ def test_gradients_match_the_float64_loop(trans_w, out_dtype, grads):
     dy = torch.randn(37, 16).to(y.dtype)
     y.backward(dy)
     x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
-    loop(x64, w64, offs, trans_w).backward(dy.to(BF16).double())  # the backward reads dy in x's dtype
+    grouped_loop(x64, w64, offs, trans_w).backward(dy.to(BF16).double())  # the backward reads dy in x's dtype
     close(w.grad, w64.grad)
     if grads == "both":
         close(x.grad, x64.grad)
@@ -161,7 +143,7 @@ def test_gpu_backward_on_the_routed_rows(grouped_gpu, monkeypatch):  # noqa: F81
     assert ("cutlass", -1) in grouped_gpu["ran"]  # the dgrad, through the dispatch
     assert torch.isfinite(x.grad[:30]).all() and torch.isfinite(w.grad).all()
     x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
-    loop(x64, w64, offs)[:30].sum().backward()
+    grouped_loop(x64, w64, offs)[:30].sum().backward()
     close(x.grad[:30], x64.grad[:30])
     close(w.grad, w64.grad)
 
@@ -181,14 +163,14 @@ def test_gpu_unaligned_sizes_and_strided_views_never_reach_torch_grouped_mm_unch
     offs = i32([5, 5, 19])
     for k, n in ((20, 24), (24, 20), (12, 12)):  # cutlass and cuBLAS need 16-byte rows: the loop runs
         x, w, dy = torch.randn(21, k).to(BF16), torch.randn(3, n, k).to(BF16), torch.randn(21, n).to(BF16)
-        close(distgemm.grouped_mm(x, w, offs)[:19], loop(x, w, offs)[:19])
-        close(distgemm.grouped_mm(dy, w, offs, trans_w=False)[:19], loop(dy, w, offs, False)[:19])
-        close(distgemm.grouped_mm_wgrad(dy, x, offs), loop_wgrad(dy, x, offs), 1e-5)
+        close(distgemm.grouped_mm(x, w, offs)[:19], grouped_loop(x, w, offs)[:19])
+        close(distgemm.grouped_mm(dy, w, offs, trans_w=False)[:19], grouped_loop(dy, w, offs, False)[:19])
+        close(distgemm.grouped_mm_wgrad(dy, x, offs), grouped_wgrad_loop(dy, x, offs), 1e-5)
     x, w = torch.randn(21, 48).to(BF16)[:, ::2], torch.randn(3, 16, 48).to(BF16)[:, :, ::2]
     with distgemm.settings(grouped_backend="torch"):
-        close(distgemm.grouped_mm(x, w, offs)[:19], loop(x, w, offs)[:19])
+        close(distgemm.grouped_mm(x, w, offs)[:19], grouped_loop(x, w, offs)[:19])
         dy = torch.randn(21, 32).to(BF16)[:, ::2]
-        close(distgemm.grouped_mm_wgrad(dy, x, offs, out_dtype=BF16), loop_wgrad(dy, x, offs))
+        close(distgemm.grouped_mm_wgrad(dy, x, offs, out_dtype=BF16), grouped_wgrad_loop(dy, x, offs))
     assert "torch._grouped_mm" in grouped_gpu["ran"]
 
 
@@ -204,11 +186,11 @@ def test_fp8_forward_dgrad_and_wgrad_match_the_dequantized_loop(t, ends, k, n, x
     w8, sw = quantize_fp8(w, (128, 128))
     xd, wd = dequantize_fp8(x8, sx, (1, 128)), dequantize_fp8(w8, sw, (128, 128))
     end = ends[-1]
-    expected = loop(xd, wd, offs)[:end]
+    expected = grouped_loop(xd, wd, offs)[:end]
     close(distgemm.grouped_mm(x8, w8, offs, scale_x=sx, scale_w=sw)[:end], expected)
     # the dgrad form: w stored (G, K, N) with its own block scales, and its (G, N, K) view
     wt8, swt = quantize_fp8(w.transpose(1, 2).contiguous(), (128, 128))
-    expected_t = loop(xd, dequantize_fp8(wt8, swt, (128, 128)), offs, False)[:end]
+    expected_t = grouped_loop(xd, dequantize_fp8(wt8, swt, (128, 128)), offs, False)[:end]
     close(distgemm.grouped_mm(x8, wt8, offs, scale_x=sx, scale_w=swt, trans_w=False)[:end], expected_t)
     close(distgemm.grouped_mm(x8, wt8.transpose(1, 2), offs, scale_x=sx, scale_w=swt.transpose(1, 2))[:end],
           expected_t)
@@ -217,7 +199,7 @@ def test_fp8_forward_dgrad_and_wgrad_match_the_dequantized_loop(t, ends, k, n, x
     w8r, swr = quantize_fp8(w.reshape(g * n, k), "row")
     w8r, swr = w8r.reshape(g, n, k), swr.reshape(g, n)
     close(distgemm.grouped_mm(x8r, w8r, offs, scale_x=sxr, scale_w=swr)[:end],
-          loop(x8r.float() * sxr[:, None], w8r.float() * swr[..., None], offs)[:end])
+          grouped_loop(x8r.float() * sxr[:, None], w8r.float() * swr[..., None], offs)[:end])
     # wgrad on the padded transposed operands: each expert's tokens quantized on their own
     dy_t, sdy = quantize_fp8(dy, (1, 128), transpose=True, offs=offs, dtype=x_dtype)
     x_t, sxt = quantize_fp8(x, (1, 128), transpose=True, offs=offs)
