@@ -49,6 +49,23 @@ def needs_autograd(*tensors) -> bool:
     return False
 
 
+def check_no_overlap(op: str, out, inputs) -> None:
+    """A ValueError when out's bytes overlap any of ``inputs`` ((name, tensor) pairs): the kernels
+    read the operands while they write out (conservative: byte ranges, not elements)."""
+    if out is None or out.numel() == 0 or out.device.type == "meta" or torch.compiler.is_compiling():
+        return
+    start = out.data_ptr()
+    end = start + out.numel() * out.element_size()  # out is contiguous
+    for name, t in inputs:
+        if not isinstance(t, torch.Tensor) or t.numel() == 0 or t.device != out.device:
+            continue
+        first = t.data_ptr()
+        last = first + (sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride())) + 1) * t.element_size()
+        if first < end and start < last:
+            raise ValueError(f"{op}: out must not overlap {name} (the kernel reads {name} while it writes out); "
+                             "pass a separate tensor")
+
+
 def _shape(t: torch.Tensor) -> tuple:
     return tuple(t.shape)
 

@@ -17,10 +17,10 @@ import torch
 from . import autotune
 from ._dispatch import Candidate, Dispatcher, GroupedPass, configs
 from ._settings import current as _current_settings
-from ._checks import check_flags, needs_autograd
+from ._checks import check_flags, check_no_overlap, needs_autograd
 from ._library import aligned16, device_arch, is_aligned16, has_kernels, ops, warn_once
 from ._routing import check_offs_tensor, check_offs_values, group_bounds
-from .grouped_fp8 import FLOAT8, check_no_overlap, grouped_mm_fp8, grouped_mm_wgrad_fp8
+from .grouped_fp8 import FLOAT8, grouped_mm_fp8, grouped_mm_wgrad_fp8
 
 _CUTLASS, _CUBLAS = 0, 1
 FLOAT16 = (torch.bfloat16, torch.float16)

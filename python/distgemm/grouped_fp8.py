@@ -25,6 +25,7 @@ import functools
 
 import torch
 
+from ._checks import check_no_overlap
 from ._dispatch import Dispatcher, GroupedPass, configs
 from ._library import aligned16, device_arch, has_kernels, ops
 from ._routing import check_offs_tensor, check_offs_values, group_bounds
@@ -65,23 +66,6 @@ def _check_common(op, x, offs, pairs):
     check_offs_tensor(op, offs)
     if offs.device != x.device:
         raise ValueError(f"{op}: offs is on {offs.device} but the inputs are on {x.device}")
-
-
-def check_no_overlap(op: str, out, inputs) -> None:
-    """A ValueError when out's bytes overlap any of ``inputs`` ((name, tensor) pairs): the kernels
-    read the operands while they write out (conservative: byte ranges, not elements)."""
-    if out is None or out.numel() == 0 or out.device.type == "meta" or torch.compiler.is_compiling():
-        return
-    start = out.data_ptr()
-    end = start + out.numel() * out.element_size()  # out is contiguous
-    for name, t in inputs:
-        if not isinstance(t, torch.Tensor) or t.numel() == 0 or t.device != out.device:
-            continue
-        first = t.data_ptr()
-        last = first + (sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride())) + 1) * t.element_size()
-        if first < end and start < last:
-            raise ValueError(f"{op}: out must not overlap {name} (the kernel reads {name} while it writes out); "
-                             "pass a separate tensor")
 
 
 def _use_kernel(device) -> bool:
