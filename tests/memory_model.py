@@ -127,3 +127,49 @@ def expert_mlp_peak(layer: str, experts: int, hidden: int, ffn: int, tokens: int
         offs = torch.empty(experts, device=dev, dtype=torch.int32)
         before = [x, dy, offs, *params] + [getattr(p, "main_grad", None) for p in params]
         return step_peak(lambda: module(x, offs).backward(dy), before)
+
+
+def moe_layer_peak(layer: str, experts: int, k: int, hidden: int, ffn: int, tokens: int,
+                   **kwargs) -> Tuple[int, List[Tuple[int, str]]]:
+    """One training step of the moe_layer suite's whole expert path from the router's top-k
+    (permute -> SwiGLU experts -> unpermute): "ours" (MoEExperts, wgrads into FP32 main_grad;
+    kwargs go to it) or "torch" (the suite's torch-ops layer, its bf16 gradients made in the
+    step). x requires its gradient, as in a model."""
+    from distgemm.bench.moe_layer_suite import _TorchMoE
+    from distgemm.nn import MoEExperts
+
+    with sm90_on_meta() as dev, _bincount_on_meta():
+        if layer == "ours":
+            module = MoEExperts(experts, hidden, ffn, activation="swiglu", device=dev, fuse_wgrad_accumulation=True,
+                                **kwargs)
+            params = [module.experts.fc1_weight, module.experts.fc2_weight]
+            for w in params:
+                w.main_grad = torch.zeros(w.shape, device=dev)
+        else:
+            module = _TorchMoE(torch.empty(experts, 2 * ffn, hidden, device=dev, dtype=torch.bfloat16),
+                               torch.empty(experts, hidden, ffn, device=dev, dtype=torch.bfloat16))
+            params = list(module.parameters())
+        x = torch.empty(tokens, hidden, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        dy = torch.empty(tokens, hidden, device=dev, dtype=torch.bfloat16)
+        topk_ids = torch.empty(tokens, k, device=dev, dtype=torch.int32)
+        topk_weights = torch.empty(tokens, k, device=dev, dtype=torch.float32)
+        before = [x, dy, topk_ids, topk_weights, *params] + [getattr(p, "main_grad", None) for p in params]
+        return step_peak(lambda: module(x, topk_ids, topk_weights).backward(dy), before)
+
+
+@contextlib.contextmanager
+def _bincount_on_meta():
+    """torch.bincount has no meta kernel (its length depends on the data); the torch-ops layer
+    calls it with minlength = the expert count, which is its length for in-range ids."""
+    bincount = torch.bincount
+
+    def meta_aware(t, weights=None, minlength=0):
+        if t.device.type == "meta":
+            return torch.empty(minlength, dtype=torch.int64, device=t.device)
+        return bincount(t, weights, minlength)
+
+    torch.bincount = meta_aware
+    try:
+        yield
+    finally:
+        torch.bincount = bincount

@@ -577,6 +577,10 @@ def test_moe_kernel_classes_file_each_kernel_by_what_it_does():
             "permute / unpermute (gather, scatter-add, sort)",
         "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>": "memset / fill (main_grad zeroed)",
         "void at::native::elementwise_kernel<128, 2, direct_copy_kernel_cuda>": "copy / cast",
+        "void distgemm::moe::(anonymous namespace)::combine_kernel<__nv_bfloat16>(distgemm::moe::CombineProblem, bool)":
+            "permute / unpermute (gather, scatter-add, sort)",
+        "void distgemm::moe::(anonymous namespace)::combine_backward_kernel<__nv_bfloat16>":
+            "permute / unpermute (gather, scatter-add, sort)",
         "some_unknown_kernel": "other",
     }
     kernels = {name: [1.0 + i, 2.0] for i, name in enumerate(names)}
@@ -587,6 +591,16 @@ def test_moe_kernel_classes_file_each_kernel_by_what_it_does():
     for i, cls in enumerate(names.values()):
         want[cls] = want.get(cls, 0.0) + 3.0 + i
     assert classes == pytest.approx(want)
+
+
+def test_gpu_span_counts_the_time_no_kernel_runs():
+    from distgemm.bench.moe_suite import gpu_span
+
+    assert gpu_span([]) == {"span_us": 0.0, "idle_us": 0.0}
+    # back to back, a gap of 5, then two overlapping kernels (other streams) counted once
+    assert gpu_span([(0.0, 10.0), (10.0, 20.0), (25.0, 30.0), (28.0, 40.0)]) == {"span_us": 40.0, "idle_us": 5.0}
+    # one kernel inside another's interval; order of the events does not matter
+    assert gpu_span([(50.0, 60.0), (0.0, 100.0), (120.0, 130.0)]) == {"span_us": 130.0, "idle_us": 20.0}
 
 
 def test_moe_peak_counts_the_gradients_a_step_allocates(monkeypatch):

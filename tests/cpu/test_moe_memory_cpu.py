@@ -27,3 +27,19 @@ def test_fp8_step_memory_against_torch_bf16(experts, hidden, ffn, activation):
     bound = 1.0 if activation == "swiglu" else 1.06
     assert kept <= bound * torch_peak, (f"FP8 step with save_original_input holds {kept / torch_peak:.2f}x torch's "
                                         f"bf16 layer; at its peak: {live[:6]}")
+
+
+@pytest.mark.parametrize("fp8", [None, "block"])
+def test_moe_layer_step_memory_against_the_torch_ops_layer(fp8):
+    """The whole layer from the router's top-k (permute -> experts -> unpermute, x's gradient
+    too) holds less than the same layer from torch ops, on SonicMoE's layer and the fine-grained
+    one: the gather in the quantization pass, the FP32 combine without (T, k, H) copies, the
+    activations freed after their last use."""
+    from distgemm.bench.moe_layer_suite import CASES
+    from tests.memory_model import moe_layer_peak
+
+    for case in (CASES[0], CASES[3]):
+        torch_peak, _ = moe_layer_peak("torch", *case)
+        ours, live = moe_layer_peak("ours", *case, fp8=fp8)
+        assert ours <= 0.8 * torch_peak, (f"{case}: MoEExperts ({fp8}) holds {ours / torch_peak:.2f}x the torch-ops "
+                                          f"layer; at its peak: {live[:6]}")

@@ -121,16 +121,18 @@ def _peak_mb(fn: Callable[[], None]) -> float:
 # The first class whose keys a kernel's name holds ("distgemm::moe::act_kernel" holds "gemm" too).
 KERNEL_CLASSES = (("quantize / activation", ("act_kernel", "act_pipelined", "quantize", "weight_kernel", "weight_pipelined",
                                              "group_ends", "amax")),
-                  ("permute / unpermute (gather, scatter-add, sort)", ("indexfunc", "index_select", "gather", "scatter",
-                                                                       "sort", "radix", "bincount")),
+                  ("permute / unpermute (gather, scatter-add, sort)", ("combine", "indexfunc", "index_select", "gather",
+                                                                       "scatter", "sort", "radix", "bincount")),
                   ("gemm", ("gemm", "gmm", "cutlass", "nvjet", "sm90", "device_kernel", "xmma")),
                   ("copy / cast", ("copy", "cast", "transpose", "convert")),
                   ("memset / fill (main_grad zeroed)", ("fill", "memset", "zero")),
                   ("optimizer update (p *= 1 - 1e-4)", ("aunaryfunctor", "mul")))
 
 
-def kernel_table(fn: Callable[[], None]) -> Tuple[List[dict], Dict[str, float]]:
-    """One step under torch.profiler: each kernel's GPU time (us), and the time per class."""
+def kernel_table(fn: Callable[[], None]) -> Tuple[List[dict], Dict[str, float], Dict[str, float]]:
+    """One step under torch.profiler: each kernel's GPU time (us), the time per class, and the
+    step's span on the GPU (first kernel's start to last kernel's end) with the part of it no
+    kernel ran (waiting on the host, a sync, or launch gaps)."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -139,10 +141,27 @@ def kernel_table(fn: Callable[[], None]) -> Tuple[List[dict], Dict[str, float]]:
         fn()
         torch.cuda.synchronize()
     kernels: Dict[str, List[float]] = {}
+    intervals: List[Tuple[float, float]] = []
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time_total > 0:
             kernels.setdefault(ev.name, []).append(ev.device_time_total)
-    return tabulate_kernels(kernels)
+            intervals.append((ev.time_range.start, ev.time_range.end))
+    rows, classes = tabulate_kernels(kernels)
+    return rows, classes, gpu_span(intervals)
+
+
+def gpu_span(intervals: List[Tuple[float, float]]) -> Dict[str, float]:
+    """The span of a step's kernels (us, start of the first to end of the last) and the part of
+    it covered by none (kernels on other streams may overlap: their union counts once)."""
+    if not intervals:
+        return {"span_us": 0.0, "idle_us": 0.0}
+    busy, end = 0.0, float("-inf")
+    for s, e in sorted(intervals):
+        if e > end:
+            busy += e - max(s, end)
+            end = e
+    span = max(e for _, e in intervals) - min(s for s, _ in intervals)
+    return {"span_us": round(span, 1), "idle_us": round(span - busy, 1)}
 
 
 def tabulate_kernels(kernels: Dict[str, List[float]]) -> Tuple[List[dict], Dict[str, float]]:
@@ -159,14 +178,16 @@ def tabulate_kernels(kernels: Dict[str, List[float]]) -> Tuple[List[dict], Dict[
 
 
 def record_kernels(entry: dict, name: str, fn: Callable[[], None]) -> None:
-    """Profiles one step of `fn`, keeps its longest kernels and its time per class in `entry`,
-    and prints them."""
-    table, classes = kernel_table(fn)
+    """Profiles one step of `fn`, keeps its longest kernels, its time per class and its GPU span
+    and idle time in `entry`, and prints them."""
+    table, classes, span = kernel_table(fn)
     entry["kernels"] = table[:25]
     entry["kernel_classes_us"] = classes
+    entry["gpu_span"] = span
     total = sum(classes.values())
     print(f"    {name} GPU time by class ({total / 1e3:.2f} ms): " + ", ".join(
         f"{c} {us / 1e3:.2f} ms ({100 * us / total:.0f}%)" for c, us in classes.items()))
+    print(f"      span {span['span_us'] / 1e3:.2f} ms, of it no kernel running {span['idle_us'] / 1e3:.2f} ms")
     for k in table[:8]:
         print(f"      {k['us'] / 1e3:8.3f} ms  {k['calls']:3d}x  {k['kernel'][:90]}")
 
