@@ -223,9 +223,14 @@ def _bias_grad(grad: torch.Tensor, experts: torch.Tensor, bias: torch.Tensor) ->
 
 def _weight_grad(weight, fuse_wgrad, dy, x, offs, **fp8_scales):
     """dy^T x per expert: into weight.main_grad with fused accumulation (Megatron-LM's
-    convention for what is returned then), else as the weight's gradient."""
+    convention for what is returned then), else as the weight's gradient. A weight with
+    ``overwrite_main_grad = True`` (TransformerEngine's flag, which Megatron-FSDP sets) has
+    main_grad written rather than added to: the kernel does not read it (half the FP32 traffic
+    of the wgrad's epilogue) and the framework need not zero it first; experts without tokens
+    get zeros."""
     if fuse_wgrad:
-        grouped_mm_wgrad(dy, x, offs, out=weight.main_grad, accumulate=True, **fp8_scales)
+        accumulate = not getattr(weight, "overwrite_main_grad", False)
+        grouped_mm_wgrad(dy, x, offs, out=weight.main_grad, accumulate=accumulate, **fp8_scales)
         if hasattr(weight, "grad_added_to_main_grad"):
             weight.grad_added_to_main_grad = True
             make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty

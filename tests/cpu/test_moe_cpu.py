@@ -155,6 +155,48 @@ def test_grouped_mlp_fused_wgrad_accumulates_into_main_grad():
     assert rel(layer.fc1_weight.main_grad - 1, w1.grad) < 0.03 and rel(layer.fc2_weight.main_grad - 1, w2.grad) < 0.03
 
 
+@pytest.mark.parametrize("fp8", [None, "block", "row"])
+@pytest.mark.parametrize("module", ["GroupedMLP", "GroupedLinear"])
+def test_overwrite_main_grad_writes_it_without_reading(fp8, module):
+    """A weight with overwrite_main_grad = True (TransformerEngine's flag, set by Megatron-FSDP)
+    gets its gradient written into main_grad, not added: NaN there beforehand is gone, an expert
+    without tokens reads zeros; the flag off still accumulates."""
+    from distgemm.nn import GroupedLinear
+
+    torch.manual_seed(3)
+    counts = [70, 0, 131]
+    offs = _offs(counts)
+    if module == "GroupedMLP":
+        layer = GroupedMLP(3, 128, 144, fp8=fp8, fuse_wgrad_accumulation=True)
+        weights = (layer.fc1_weight, layer.fc2_weight)
+    else:
+        layer = GroupedLinear(3, 128, 256, fp8=fp8, fuse_wgrad_accumulation=True)
+        weights = (layer.weight,)
+    x = torch.randn(sum(counts), 128).bfloat16()
+    dy = torch.randn(sum(counts), 128 if module == "GroupedMLP" else 256).bfloat16()
+    for w in weights:
+        w.main_grad = torch.full(w.shape, float("nan"))
+        w.overwrite_main_grad = True
+    layer(x, offs).backward(dy)
+    first = [w.main_grad.clone() for w in weights]
+    for w in weights:
+        assert torch.isfinite(w.main_grad).all()
+        assert torch.all(w.main_grad[1] == 0)
+    if module == "GroupedMLP":
+        ws = [w.detach().clone().requires_grad_() for w in weights]
+        expert_mlp_reference(x, counts, *ws, "swiglu").backward(dy.float())
+        for w, r in zip(weights, ws):
+            assert rel(w.main_grad, r.grad) < GRAD_BAND[fp8]
+    layer(x, offs).backward(dy)  # overwritten again: the same gradient, not twice it
+    for w, f in zip(weights, first):
+        assert torch.equal(w.main_grad, f)
+    for w in weights:
+        w.overwrite_main_grad = False
+    layer(x, offs).backward(dy)
+    for w, f in zip(weights, first):
+        assert torch.allclose(w.main_grad, 2 * f, rtol=1e-5, atol=1e-6)
+
+
 def test_grouped_mlp_refuses_bad_arguments():
     with pytest.raises(ValueError, match="activation"):
         GroupedMLP(2, 64, 64, activation="relu")

@@ -127,15 +127,16 @@ def test_activation_refuses_bad_arguments():
 # ---------------------------------------------------------------- the layer
 
 
-def _layer_case(counts, hidden, ffn, kind, fp8, bias=False, fuse=False, grad_dtype=E4M3, seed=0):
+def _layer_case(counts, hidden, ffn, kind, fp8, bias=False, fuse=False, grad_dtype=E4M3, seed=0, overwrite=False):
     torch.manual_seed(seed)
     offs = make_offs(counts)
     g, t = len(counts), sum(counts)
     layer = GroupedMLP(g, hidden, ffn, activation=kind, bias=bias, device=DEV, fp8=fp8,
                        fuse_wgrad_accumulation=fuse, fp8_grad_dtype=grad_dtype)
     if fuse:
-        for w in (layer.fc1_weight, layer.fc2_weight):
-            w.main_grad = torch.zeros(w.shape, device=DEV)
+        for w in (layer.fc1_weight, layer.fc2_weight):  # overwrite_main_grad: written, never read
+            w.main_grad = torch.full(w.shape, float("nan") if overwrite else 0.0, device=DEV)
+            w.overwrite_main_grad = overwrite
     x = torch.randn(t, hidden, device=DEV).bfloat16().requires_grad_()
     dy = torch.randn(t, hidden, device=DEV).bfloat16()
     y = layer(x, offs)
@@ -167,6 +168,19 @@ def test_grouped_mlp_matches_fp32_reference(fp8, kind, counts, hidden, ffn):
     for g, n in enumerate(counts):
         if n == 0:
             assert torch.all(grads[0][g] == 0) and torch.all(grads[1][g] == 0), "an expert without tokens got a gradient"
+
+
+@pytest.mark.parametrize("fp8", [None, "block", "row"])
+def test_overwrite_main_grad_writes_every_expert(fp8):
+    """overwrite_main_grad (TransformerEngine's flag): main_grad, NaN before the step, holds the
+    weight gradients after it; the expert without tokens holds zeros."""
+    counts = [300, 0, 129, 1000]
+    _, _, _, _, grads, ref_grads = _layer_case(counts, 256, 384, "swiglu", fp8, fuse=True, overwrite=True)
+    for name, a, b in [("fc1", grads[0], ref_grads[0]), ("fc2", grads[1], ref_grads[1])]:
+        assert torch.isfinite(a).all(), f"{name}: main_grad kept values from before the step"
+        e = rel(a, b)
+        assert e < GRAD_BAND[fp8], f"{name}: relative error {e:.4f}"
+        assert torch.all(a[1] == 0), f"{name}: the expert without tokens"
 
 
 @pytest.mark.parametrize("fp8", [None, "block"])

@@ -10,6 +10,10 @@ Layers (ratio = peer step time / ours, > 1: ours faster):
   framework does once per optimizer step).
 - ``distgemm block, save_original_input``: the block layer keeping x for the backward instead
   of its FP8 transposed copy (time and memory; not in the geomean).
+- ``distgemm bf16, overwrite`` / ``distgemm block, overwrite``: the weights flagged
+  ``overwrite_main_grad`` (TransformerEngine's flag, Megatron-FSDP's mode): the wgrads write
+  ``main_grad`` instead of adding to it, so it is neither zeroed nor read; the counterpart of
+  torch's gradients set to None (not in the geomean).
 - ``torch bf16``: the same layer written with ``torch._grouped_mm`` and autograd, its grads set
   to None every step (the issue's peer). ``loop bf16``: a per-expert loop of ``torch.matmul``
   (host-known group sizes), forward only figures and the step.
@@ -32,6 +36,10 @@ from .common import entry, geomean, gpu_slug, plot_ratios, print_row, round_robi
 TOKENS = 32768
 # The block layer keeping x for its backward instead of x's FP8 transposed copy: time and memory.
 SAVE_INPUT = "distgemm block, save_original_input"
+# Layers beside the three of the geomean: (name, fp8, save_original_input, overwrite_main_grad).
+VARIANTS = (("distgemm bf16", None, False, False), ("distgemm block", "block", False, False),
+            ("distgemm row", "row", False, False), (SAVE_INPUT, "block", True, False),
+            ("distgemm bf16, overwrite", None, False, True), ("distgemm block, overwrite", "block", False, True))
 # (experts, hidden, ffn): DeepSeek-V3-like, Qwen3-like, fine-grained, Mixtral-like.
 LAYERS = ((8, 7168, 2048), (32, 4096, 1536), (64, 2048, 768), (16, 5120, 1408))
 QUICK_LAYERS = ((8, 7168, 2048), (64, 2048, 768))
@@ -207,14 +215,15 @@ def run(out_dir: str, quick: bool, activations=("swiglu", "gelu")) -> Dict[str, 
                 x = torch.randn(TOKENS, hidden, device=dev).bfloat16()
                 dy = torch.randn(TOKENS, hidden, device=dev).bfloat16()
                 layers, steps = {}, {}
-                for name, fp8, save in (("distgemm bf16", None, False), ("distgemm block", "block", False),
-                                        ("distgemm row", "row", False), (SAVE_INPUT, "block", True)):
+                for name, fp8, save, overwrite in VARIANTS:
                     m = GroupedMLP(experts, hidden, ffn, activation=activation, device=dev, fp8=fp8,
                                    fuse_wgrad_accumulation=True, save_original_input=save)
                     grads = []
                     for w in (m.fc1_weight, m.fc2_weight):
                         w.main_grad = torch.zeros(w.shape, device=dev)
-                        grads.append(w.main_grad)
+                        w.overwrite_main_grad = overwrite
+                        if not overwrite:  # zeroed in the step; overwritten ones need not be
+                            grads.append(w.main_grad)
                     layers[name] = m
                     steps[name] = _step(m, x, offs, dy, list(m.parameters()), grads)
                 ref = layers["distgemm bf16"]
@@ -242,13 +251,16 @@ def run(out_dir: str, quick: bool, activations=("swiglu", "gelu")) -> Dict[str, 
                 cols.update({f"{n.split()[-1]}/torch": f"{row[n]['vs_torch_bf16']:.2f}x"
                              for n in ("distgemm bf16", "distgemm block", "distgemm row")})
                 cols["mem block/torch"] = f"{row['distgemm block']['peak_mb'] / max(row['torch bf16']['peak_mb'], 1):.2f}x"
-                row[SAVE_INPUT]["vs_torch_bf16"] = round(times["torch bf16"] / times[SAVE_INPUT], 3)
+                for name in (SAVE_INPUT, "distgemm bf16, overwrite", "distgemm block, overwrite"):
+                    row[name]["vs_torch_bf16"] = round(times["torch bf16"] / times[name], 3)
                 cols["save_input: time, mem /torch"] = (
                     f"{row[SAVE_INPUT]['vs_torch_bf16']:.2f}x, "
                     f"{row[SAVE_INPUT]['peak_mb'] / max(row['torch bf16']['peak_mb'], 1):.2f}x")
+                cols["overwrite bf16, block /torch"] = (f"{row['distgemm bf16, overwrite']['vs_torch_bf16']:.2f}x, "
+                                                        f"{row['distgemm block, overwrite']['vs_torch_bf16']:.2f}x")
                 print_row(label, cols)
                 if not skewed:
-                    for name in ("distgemm block", "distgemm bf16"):
+                    for name in ("distgemm block", "distgemm bf16", "distgemm block, overwrite"):
                         record_kernels(row[name], name, steps[name])
                 rows.append(row)
                 del layers, steps
