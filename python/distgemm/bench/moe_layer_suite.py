@@ -6,6 +6,8 @@ Layers (ratio = peer time / ours, > 1: ours faster):
 
 - ``distgemm bf16`` / ``distgemm block``: :class:`distgemm.nn.MoEExperts` in bf16 / with
   ``fp8="block"``, weight gradients into FP32 ``main_grad``.
+- ``distgemm block, overwrite``: the block layer with its weights flagged
+  ``overwrite_main_grad`` (wgrads written into ``main_grad``, not zeroed and added to).
 - ``torch bf16``: the same layer from torch ops: a stable ``argsort`` of the expert ids,
   ``index_select`` of the rows, ``torch._grouped_mm`` for both GEMMs, ``index_add_`` of the
   weighted outputs in FP32 (autograd, grads set to None every step).
@@ -117,6 +119,14 @@ def run(out_dir: str, quick: bool) -> Dict[str, object]:
                 call = _adapt(m, topk_ids, topk_weights)
                 steps[name] = _step(call, x, None, dy, list(m.parameters()), grads)
                 forwards[name] = (lambda c: lambda: c(x, None))(call)
+            # The block layer with overwrite_main_grad (Megatron-FSDP's mode): main_grad written, not
+            # zeroed and added to, as torch's gradients are set to None and written.
+            m = MoEExperts(experts, hidden, ffn, activation="swiglu", device=dev, fp8="block",
+                           fuse_wgrad_accumulation=True)
+            for w in (m.experts.fc1_weight, m.experts.fc2_weight):
+                w.main_grad, w.overwrite_main_grad = torch.zeros(w.shape, device=dev), True
+            steps["distgemm block, overwrite"] = _step(_adapt(m, topk_ids, topk_weights), x, None, dy,
+                                                       list(m.parameters()), [])
             unfused = _PermutedMoE(layers["distgemm block"])
             steps["distgemm block, permuted"] = _step(_adapt(unfused, topk_ids, topk_weights), x, None, dy,
                                                       list(unfused.parameters()), grads)
@@ -148,6 +158,9 @@ def run(out_dir: str, quick: bool) -> Dict[str, object]:
             # The gather in the FP8 quantization pass against permute-then-quantize, same layer.
             row["distgemm block"]["permuted_step_ms"] = round(step_ms["distgemm block, permuted"], 4)
             row["distgemm block"]["vs_permuted"] = round(step_ms["distgemm block, permuted"] / step_ms["distgemm block"], 3)
+            row["distgemm block"]["overwrite_step_ms"] = round(step_ms["distgemm block, overwrite"], 4)
+            row["distgemm block"]["overwrite_vs_torch_bf16"] = round(step_ms["torch bf16"] /
+                                                                     step_ms["distgemm block, overwrite"], 3)
             label = f"{experts}e top{k} H{hidden} F{ffn} T{tokens} {routed}"
             cols = {}
             for name in names:
@@ -156,6 +169,7 @@ def run(out_dir: str, quick: bool) -> Dict[str, object]:
                                                        f"bwd {r['bwd_tflops']:.0f} TF/s)")
             cols.update({f"{n.split()[-1]}/torch": f"{row[n]['vs_torch_bf16']:.2f}x" for n in names[:2]})
             cols["block/permuted"] = f"{row['distgemm block']['vs_permuted']:.2f}x"
+            cols["block overwrite/torch"] = f"{row['distgemm block']['overwrite_vs_torch_bf16']:.2f}x"
             cols["mem block/torch"] = f"{row['distgemm block']['peak_mb'] / max(row['torch bf16']['peak_mb'], 1):.2f}x"
             print_row(label, cols)
             if not skewed:
