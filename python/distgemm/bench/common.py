@@ -34,6 +34,12 @@ def commit() -> str:
         return "unknown"
 
 
+def bench_device() -> torch.device:
+    """Where the suites run: the current GPU (a CPU smoke test runs the MoE suites' control flow
+    on the host by replacing this)."""
+    return torch.device("cuda")
+
+
 def gpu_slug(gpus: int) -> str:
     """'h200' for one NVIDIA H200, 'h200x2' for two."""
     name = torch.cuda.get_device_name(0).lower().replace("nvidia", "").strip()

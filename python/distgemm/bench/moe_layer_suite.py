@@ -24,7 +24,7 @@ from typing import Dict, Tuple
 
 import torch
 
-from .common import geomean, gpu_slug, plot_ratios, print_row, round_robin_ms, write_results
+from .common import bench_device, geomean, gpu_slug, plot_ratios, print_row, round_robin_ms, write_results
 from .moe_suite import _peak_mb, _step, record_kernels
 
 # (experts, top-k, hidden, ffn, tokens): SonicMoE's H100 layer; Qwen3-30B-A3B-like; Mixtral-like;
@@ -97,7 +97,7 @@ def _adapt(layer, topk_ids, topk_weights):
 def run(out_dir: str, quick: bool) -> Dict[str, object]:
     from distgemm.nn import MoEExperts
 
-    dev = torch.device("cuda")
+    dev = bench_device()
     rows = []
     names = ("distgemm bf16", "distgemm block", "torch bf16")
     print("\n== moe_layer suite: permute -> SwiGLU experts -> unpermute, training step (fwd + bwd + update)")

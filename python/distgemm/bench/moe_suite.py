@@ -31,7 +31,7 @@ from typing import Callable, Dict, List, Tuple
 
 import torch
 
-from .common import entry, geomean, gpu_slug, plot_ratios, print_row, round_robin_ms, write_results
+from .common import bench_device, entry, geomean, gpu_slug, plot_ratios, print_row, round_robin_ms, write_results
 
 TOKENS = 32768
 # The block layer keeping x for its backward instead of x's FP8 transposed copy: time and memory.
@@ -203,7 +203,7 @@ def record_kernels(entry: dict, name: str, fn: Callable[[], None]) -> None:
 def run(out_dir: str, quick: bool, activations=("swiglu", "gelu")) -> Dict[str, object]:
     from distgemm.nn import GroupedMLP
 
-    dev = torch.device("cuda")
+    dev = bench_device()
     rows = []
     print("\n== moe suite: expert MLP training step (fwd + bwd + in-place update), 32768 tokens")
     for activation in activations:
