@@ -291,6 +291,28 @@ def test_grouped_mlp_under_torch_compile():
     assert x.grad is not None and layer.fc1_weight.grad is not None and torch.isfinite(layer.fc1_weight.grad).all()
 
 
+@pytest.mark.parametrize("fp8", [None, "block"])
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_compiled_grouped_mlp_writes_main_grad_as_eager_does(fp8, overwrite):
+    """fullgraph=True with fused wgrads into main_grad (added to, or written with
+    overwrite_main_grad): the compiled step leaves main_grad as the eager step does."""
+    torch.manual_seed(7)
+    offs = make_offs([130, 0, 250])
+    layer = GroupedMLP(3, 256, 256, device=DEV, fp8=fp8, fuse_wgrad_accumulation=True)
+    weights = (layer.fc1_weight, layer.fc2_weight)
+    for w in weights:
+        w.main_grad, w.overwrite_main_grad = torch.ones(w.shape, device=DEV), overwrite
+    x = torch.randn(380, 256, device=DEV).bfloat16()
+    layer(x, offs).float().square().sum().backward()
+    want = [w.main_grad.clone() for w in weights]
+    for w in weights:
+        w.main_grad.fill_(1.0)
+    torch.compile(layer, fullgraph=True)(x, offs).float().square().sum().backward()
+    for w, ref in zip(weights, want):
+        assert torch.equal(w.main_grad, ref)
+    torch._dynamo.reset()
+
+
 def test_grouped_mlp_training_tracks_bf16():
     """A toy regression trained 40 steps: the FP8 layer's loss stays within 2% of bf16's start."""
     counts = random_counts(8, 4096, zero_groups=(3,))
