@@ -187,10 +187,30 @@ def quantize_weight(w: torch.Tensor, recipe: str = "block", *, copies: str = "bo
     if fwd:
         w8, sw = quantize_fp8(w.reshape(g * n, k), "row", dtype=dtype)
         out[0], out[1] = w8.view(g, n, k), sw.view(g, n)
-    if dgrad:
-        wt8, swt = quantize_fp8(w.transpose(1, 2).reshape(g * k, n), "row", dtype=dtype)
-        out[2], out[3] = wt8.view(g, k, n), swt.view(g, k)
+    if dgrad:  # per output channel of the transpose: a (K, N) row-major copy of each expert first
+        out[2], out[3] = _row_quantized_transpose(w, dtype)
     return tuple(out)
+
+
+# Experts whose transposed bf16 copies the row recipe's dgrad copy makes at once: 1/8 of the
+# weight at most (one expert at least), so that the copy's transient is not a second weight.
+_TRANSPOSE_CHUNKS = 8
+
+
+def _row_quantized_transpose(w: torch.Tensor, dtype: torch.dtype):
+    g, n, k = w.shape
+    step = max(1, -(-g // _TRANSPOSE_CHUNKS))
+    if step >= g:
+        wt8, swt = quantize_fp8(w.transpose(1, 2).reshape(g * k, n), "row", dtype=dtype)
+        return wt8.view(g, k, n), swt.view(g, k)
+    wt8 = torch.empty((g, k, n), dtype=dtype, device=w.device)
+    swt = torch.empty((g, k), dtype=torch.float32, device=w.device)
+    for s in range(0, g, step):
+        e = min(g, s + step)
+        q, sq = quantize_fp8(w[s:e].transpose(1, 2).reshape((e - s) * k, n), "row", dtype=dtype)
+        wt8[s:e].copy_(q.view(e - s, k, n))
+        swt[s:e].copy_(sq.view(e - s, k))
+    return wt8, swt
 
 
 # ---------------------------------------------------------------- the layer

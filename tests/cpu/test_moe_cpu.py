@@ -329,3 +329,19 @@ def test_bias_gradients_leave_out_rows_past_the_last_expert(monkeypatch, fp8):
     for name, a, b in zip(("fc1_weight", "fc2_weight", "fc1_bias", "fc2_bias", "x"), *grads):
         assert torch.isfinite(a).all(), name
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("experts", [1, 3, 8, 9, 17])
+def test_row_dgrad_copy_in_chunks_is_the_whole_transpose_quantized(experts):
+    """quantize_weight(recipe="row")'s dgrad copy, made a few experts at a time (so its bf16
+    transposed transient is not a second weight), is bit for bit quantize_fp8 of the whole
+    transposed weight with one scale per output channel of the transpose."""
+    from distgemm.quantize import quantize_fp8
+
+    torch.manual_seed(experts)
+    w = (torch.randn(experts, 48, 80) * torch.rand(experts, 1, 80) * 10).bfloat16()
+    _, _, wt8, swt = moe.quantize_weight(w, "row", copies="dgrad")
+    want8, want_s = quantize_fp8(w.transpose(1, 2).reshape(experts * 80, 48), "row")
+    assert wt8.shape == (experts, 80, 48) and swt.shape == (experts, 80)
+    assert torch.equal(wt8.view(torch.uint8), want8.view(experts, 80, 48).view(torch.uint8))
+    assert torch.equal(swt, want_s.view(experts, 80))

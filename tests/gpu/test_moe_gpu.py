@@ -112,6 +112,19 @@ def test_weight_kernel_matches_quantize_fp8():
         assert torch.equal(_bits(wt8), _bits(r8.transpose(1, 2).contiguous()))
 
 
+@pytest.mark.parametrize("experts", [1, 9, 17])
+def test_row_weight_copies_match_quantize_fp8(experts):
+    """The row recipe's copies: the forward's per output channel, the dgrad's per output channel
+    of the transpose (made a few experts at a time), bit for bit quantize_fp8's."""
+    torch.manual_seed(experts)
+    w = (torch.randn(experts, 144, 272, device=DEV) * torch.rand(experts, 1, 272, device=DEV) * 10).bfloat16()
+    w8, sw, wt8, swt = moe.quantize_weight(w, "row")
+    r8, rs = distgemm.quantize_fp8(w.reshape(-1, 272), "row")
+    t8, ts = distgemm.quantize_fp8(w.transpose(1, 2).reshape(-1, 144), "row")
+    assert torch.equal(_bits(w8), _bits(r8.view(experts, 144, 272))) and torch.equal(sw, rs.view(experts, 144))
+    assert torch.equal(_bits(wt8), _bits(t8.view(experts, 272, 144))) and torch.equal(swt, ts.view(experts, 272))
+
+
 def test_activation_refuses_bad_arguments():
     x = torch.randn(4, 6, device=DEV).bfloat16()
     with pytest.raises(ValueError, match="activation must be"):
