@@ -18,22 +18,7 @@
 #include <tuple>
 #include <vector>
 
-#define CHECK_CUDA(expr)                                                 \
-  do {                                                                   \
-    cudaError_t err_ = (expr);                                           \
-    if (err_ != cudaSuccess) {                                           \
-      std::fprintf(stderr, "%s: %s\n", #expr, cudaGetErrorString(err_)); \
-      return 1;                                                          \
-    }                                                                    \
-  } while (0)
-#define CHECK_DG(expr)                                                                    \
-  do {                                                                                    \
-    dg_status st_ = (expr);                                                               \
-    if (st_ != DG_SUCCESS) {                                                              \
-      std::fprintf(stderr, "%s: %s (%s)\n", #expr, dg_last_error(), dg_status_name(st_)); \
-      return 1;                                                                           \
-    }                                                                                     \
-  } while (0)
+#include "example_checks.h"
 
 namespace {
 
@@ -76,13 +61,7 @@ float silu(float v) { return v / (1.f + std::exp(-v)); }
 }  // namespace
 
 int main() {
-  std::printf("distgemm %s (headers %s)\n", dg_get_version(), DG_VERSION_STRING);
-  int devices = 0, major = 0;
-  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0 ||
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0) != cudaSuccess || major != 9) {
-    std::printf("no sm_90 GPU: nothing to run\n");
-    return 0;
-  }
+  if (!has_sm90_gpu()) return 0;
   const int groups = 8;
   const int64_t hidden = 1024, ffn = 512;
   const std::vector<int32_t> counts = {700, 0, 1300, 511, 1024, 257, 2048, 349};  // one expert idle
