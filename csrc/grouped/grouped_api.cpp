@@ -345,6 +345,7 @@ dg_status lower(const dg_grouped_desc* desc, GroupedProblem* p) {
     DG_REQUIRE(out == in || out == DG_F32, "out dtype must be ", dtype_str(in), " or float32, got ", dtype_str(out));
     DG_REQUIRE(raw_enum(d.scale_mode) == DG_SCALE_NONE, "scale_mode must be NONE for bfloat16/float16 inputs");
   }
+  DG_REQUIRE(d.config >= -1, "config must be -1 (the heuristic's choice) or a kernel index, got ", d.config);
   const int64_t groups = d.num_groups;
   DG_REQUIRE(groups >= 1 && groups < kInt32Limit, "offs must hold between 1 and 2^31 - 1 group ends (num_groups), got ",
              groups);

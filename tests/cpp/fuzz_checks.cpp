@@ -161,8 +161,9 @@ dg_gemm_desc random_valid_gemm() {
     d.scale_b_len = coin(2) ? 1 : n;
   }
   d.fast_accum = static_cast<int>(below(2));
-  d.config = coin(4) ? any_int() : -1;
-  d.swizzle = coin(4) ? any_int() : 0;
+  d.config = -1;  // an index is valid below dg_gemm_config_count (none in a build without kernels)
+  static const int swizzles[] = {0, 1, 2, 4, 8};
+  d.swizzle = coin(4) ? swizzles[below(std::size(swizzles))] : 0;
   return d;
 }
 
@@ -253,7 +254,7 @@ bool in_bounds(const dg_matrix& m, int64_t rows, int64_t cols, std::string* why)
   return true;
 }
 
-void check_gemm_oracle(const dg_gemm_desc& d) {
+void check_gemm_oracle(const dg_gemm_desc& d, int arch) {
   std::string why;
   const int64_t m = d.a.rows, k = d.a.cols, n = d.b.rows;
   const int64_t lim = int64_t(1) << 31;
@@ -269,6 +270,11 @@ void check_gemm_oracle(const dg_gemm_desc& d) {
   if (d.c.data && !in_bounds(d.c, d.c.rows == 1 ? 1 : m, n, &why)) return report("gemm oracle c", why);
   if (d.scale_a && d.scale_a_len != 1 && d.scale_a_len != m) return report("gemm oracle", "scale_a_len");
   if (d.scale_b && d.scale_b_len != 1 && d.scale_b_len != n) return report("gemm oracle", "scale_b_len");
+  if (d.swizzle != 0 && d.swizzle != 1 && d.swizzle != 2 && d.swizzle != 4 && d.swizzle != 8)
+    return report("gemm oracle", "swizzle");
+  // The config's upper bound is known only where kernels exist (else NOT_SUPPORTED comes first).
+  const int count = dg_gemm_config_count(&d, arch);
+  if (d.config < -1 || (count > 0 && d.config >= count)) return report("gemm oracle", "config");
 }
 
 void fuzz_gemm(bool launch) {
@@ -281,7 +287,7 @@ void fuzz_gemm(bool launch) {
   expect_status(s, "dg_gemm_check");
   ++gemm_calls;
   gemm_passed += s != DG_ERROR_INVALID_ARGUMENT;
-  if (s != DG_ERROR_INVALID_ARGUMENT) check_gemm_oracle(d);
+  if (s != DG_ERROR_INVALID_ARGUMENT) check_gemm_oracle(d, arch);
   if (!mutated && !passes_checks(s)) report("dg_gemm_check", std::string("refused a valid desc: ") + dg_last_error());
 
   const int sm = coin(2) ? 132 : any_int();
@@ -309,7 +315,7 @@ dg_grouped_desc random_valid_grouped() {
   const int64_t k = 8 * (1 + static_cast<int64_t>(below(512)));
   dg_grouped_desc d = grouped_desc(kind, g, t, n, k, in, out);
   d.accumulate = static_cast<int>(below(2));
-  d.config = coin(4) ? any_int() : -1;
+  d.config = -1;
   return d;
 }
 
@@ -325,7 +331,10 @@ void mutate_shape(dg_grouped_shape* s) {
 void mutate_grouped(dg_grouped_desc* d) {
   const int count = 1 + static_cast<int>(below(3));
   for (int i = 0; i < count; ++i) {
-    switch (below(11)) {
+    switch (below(12)) {
+      case 11:
+        d->config = any_int();
+        break;
       case 0:
         mutate_enum(&d->kind);
         break;
@@ -391,6 +400,7 @@ bool extent_ok(const void* p, std::initializer_list<int64_t> sizes, int bytes, u
 void check_grouped_oracle(const dg_grouped_desc& d) {
   const int kind = raw(d.kind), in = raw(d.in_dtype), out = raw(d.out_dtype);
   if (kind < 0 || kind > 2) return report("grouped oracle", "kind");
+  if (d.config < -1) return report("grouped oracle", "config");
   if (!(in == DG_BF16 || in == DG_F16) || !(out == in || out == DG_F32)) return report("grouped oracle", "dtypes");
   const int64_t lim = int64_t(1) << 31, g = d.num_groups;
   if (g < 1 || g >= lim) return report("grouped oracle", "groups");

@@ -286,6 +286,33 @@ TEST(GemmCheck, PointersAndAlignment) {
   EXPECT_TRUE(refused(gemm_check(d), "multiple of 16 elements"));
 }
 
+TEST(GemmCheck, LaunchSettings) {
+  // dg_gemm_check refuses the swizzle and config values dg_gemm refuses, before it looks for a
+  // kernel; a negative value is not taken for the heuristic's choice (0 and -1 are).
+  for (int swizzle : {0, 1, 2, 4, 8}) {
+    dg_gemm_desc d = gemm_desc(64, 64, 64);
+    d.swizzle = swizzle;
+    EXPECT_TRUE(accepted(gemm_check(d))) << swizzle;
+  }
+  for (int swizzle : {-1, 3, 5, 16, INT_MAX, INT_MIN}) {
+    dg_gemm_desc d = gemm_desc(64, 64, 64);
+    d.swizzle = swizzle;
+    EXPECT_TRUE(refused(gemm_check(d),
+                        "swizzle must be 0 (the heuristic's choice), 1, 2, 4 or 8, got " + std::to_string(swizzle)));
+    EXPECT_TRUE(refused(dg_gemm(&d, nullptr, 0, nullptr), "swizzle must be"));
+  }
+  for (int config : {-2, -100, INT_MIN}) {
+    dg_gemm_desc d = gemm_desc(64, 64, 64);
+    d.config = config;
+    EXPECT_TRUE(refused(gemm_check(d),
+                        "config must be -1 (the heuristic's choice) or a kernel index, got " + std::to_string(config)));
+    dg_grouped_desc g = grouped_desc(DG_GROUPED_FORWARD, 4, 64, 64, 64);
+    g.config = config;
+    size_t bytes = 0;
+    EXPECT_TRUE(refused(dg_grouped_gemm_workspace_size(&g, &bytes), "config must be -1"));
+  }
+}
+
 TEST(GemmQueries, UnsupportedArchsAndBadDescsGiveMinusOne) {
   const dg_gemm_desc d = gemm_desc(256, 256, 256);
   for (int arch : {0, -1, 70, 80, 89, 120, INT_MAX, INT_MIN}) {
