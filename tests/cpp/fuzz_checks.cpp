@@ -333,7 +333,12 @@ void mutate_grouped(dg_grouped_desc* d) {
   for (int i = 0; i < count; ++i) {
     switch (below(12)) {
       case 11:
-        d->config = any_int();
+        if (coin(2)) {
+          d->config = any_int();
+        } else {  // out at or near an input
+          const void* in = coin(3) ? d->a : coin(2) ? d->b : static_cast<const void*>(d->offs);
+          d->out = reinterpret_cast<void*>(reinterpret_cast<uintptr_t>(in) + 16 * (below(64) - 32));
+        }
         break;
       case 0:
         mutate_enum(&d->kind);
@@ -421,7 +426,16 @@ void check_grouped_oracle(const dg_grouped_desc& d) {
     ok = ok && same(d.b_shape, {g, fwd ? n : k, fwd ? k : n}) && same(d.out_shape, {t, n}) &&
          extent_ok(d.a, {t, k}, ib, 16) && extent_ok(d.b, {g, n, k}, ib, 16) && extent_ok(d.out, {t, n}, ob, 16);
   }
-  if (!ok) report("grouped oracle", "shapes, pointers or extents");
+  if (!ok) return report("grouped oracle", "shapes, pointers or extents");
+  // out shares no byte with the buffers the kernels read.
+  const i128 out_bytes = wgrad ? (i128)g * n * k * ob : (i128)t * n * ob;
+  const i128 a_bytes = (i128)t * (wgrad ? n : k) * ib, b_bytes = wgrad ? (i128)t * k * ib : (i128)g * n * k * ib;
+  auto apart = [&](const void* p, i128 bytes) {
+    const i128 o = reinterpret_cast<uintptr_t>(d.out), q = reinterpret_cast<uintptr_t>(p);
+    return out_bytes == 0 || bytes == 0 || o + out_bytes <= q || q + bytes <= o;
+  };
+  if (!apart(d.a, a_bytes) || !apart(d.b, b_bytes) || !apart(d.offs, 4 * (i128)g))
+    report("grouped oracle", "out overlaps an input");
 }
 
 void fuzz_grouped(bool launch) {

@@ -558,6 +558,46 @@ TEST(GroupedCheck, Fp8ModesAndScales) {
   EXPECT_TRUE(refused(grouped_check(bad), "FP8 wgrad takes BLOCK scales"));
 }
 
+TEST(GroupedCheck, OutMustNotOverlapAnotherBuffer) {
+  // The kernels read x, w, offs and the scales while they write out: out sharing a byte with any
+  // of them is refused (distgemm.grouped_mm's out= refuses it too), by every entry point.
+  char* const x = static_cast<char*>(fake_ptr(5));  // grouped_desc's x: (100, 32) bf16, 6400 bytes
+  dg_grouped_desc d = grouped_desc(DG_GROUPED_FORWARD, 8, 100, 64, 32);
+  EXPECT_TRUE(accepted(grouped_check(d)));
+  for (char* out : {x, x + 6400 - 16, x - 12800 + 16}) {  // out (100, 64) bf16: 12800 bytes
+    d.out = out;
+    EXPECT_TRUE(refused(grouped_check(d), "out must not overlap x")) << static_cast<void*>(out);
+    EXPECT_TRUE(refused(dg_grouped_gemm(&d, nullptr, 0, nullptr), "out must not overlap x"));
+    const int32_t host_offs[8] = {};
+    EXPECT_TRUE(refused(dg_grouped_gemm_cublas(&d, host_offs, nullptr), "out must not overlap x"));
+  }
+  for (char* out : {x + 6400, x - 12800}) {  // adjacent: no byte shared
+    d.out = out;
+    EXPECT_TRUE(accepted(grouped_check(d))) << static_cast<void*>(out);
+  }
+  d = grouped_desc(DG_GROUPED_FORWARD, 8, 100, 64, 32);
+  d.out = const_cast<void*>(d.b);
+  EXPECT_TRUE(refused(grouped_check(d), "out must not overlap w"));
+  d = grouped_desc(DG_GROUPED_FORWARD, 8, 100, 64, 32);
+  d.offs = static_cast<const int32_t*>(d.out) + 100;
+  EXPECT_TRUE(refused(grouped_check(d), "out must not overlap offs"));
+  d = grouped_desc(DG_GROUPED_WGRAD, 8, 100, 64, 32, DG_BF16, DG_F32);
+  d.out = static_cast<char*>(const_cast<void*>(d.a)) + 64;
+  EXPECT_TRUE(refused(grouped_check(d), "out must not overlap dy"));
+  d.out = const_cast<void*>(d.b);
+  EXPECT_TRUE(refused(grouped_check(d), "out must not overlap x"));
+  d = fp8_forward(8, 1000, 256, 384);
+  d.out = const_cast<float*>(d.scale_a) + 4;
+  EXPECT_TRUE(refused(grouped_check(d), "out must not overlap scale_a"));
+  d = fp8_forward(8, 1000, 256, 384);
+  d.scale_b = static_cast<const float*>(d.out) + 1000;
+  EXPECT_TRUE(refused(grouped_check(d), "out must not overlap scale_b"));
+  // Inputs may share bytes (w read as both operands, say): only writes conflict.
+  d = grouped_desc(DG_GROUPED_WGRAD, 8, 100, 64, 64);
+  d.b = d.a;
+  EXPECT_TRUE(accepted(grouped_check(d)));
+}
+
 TEST(GroupedQueries, EntryPointsCheckFirst) {
   size_t bytes = 0;
   const dg_grouped_desc good = grouped_desc(DG_GROUPED_FORWARD, 8, 100, 64, 32);

@@ -92,7 +92,8 @@ DG_API int dg_gemm_select_config(const dg_gemm_desc* desc, int device_arch, int 
  * off the shapes (T and K from a for FORWARD/DGRAD; T and N from a, K from b for WGRAD), and
  * every other size must agree with them. Errors name the tensors as above (x, w, dy, offs, out).
  * Limits: 1 <= G < 2^31, 0 <= T < 2^31 (int32 offsets), 1 <= N, K < 2^31, N and K (and out's
- * rows) multiples of 16 bytes, every tensor's bytes within int64 and the address space. */
+ * rows) multiples of 16 bytes, every tensor's bytes within int64 and the address space; out shares
+ * no byte with a, b, offs or the scales (refused: the kernels read them while they write out). */
 
 /* A tensor's sizes: ndim of them in size[0..ndim-1] (row-major and contiguous). A caller with a
  * tensor of more than 3 dimensions passes its ndim (and its first 3 sizes): it is refused. */
