@@ -83,7 +83,9 @@ int any_int() {
 }
 
 const void* any_ptr(const void* valid) {
-  switch (below(6)) {
+  switch (below(7)) {
+    case 6:  // at or near another buffer of the test's descriptors
+      return static_cast<const char*>(fake_ptr(below(60))) + 16 * below(4);
     case 0:
       return nullptr;
     case 1:
@@ -625,6 +627,26 @@ bool quant_buffer(const void* p, i128 bytes, unsigned align) {
   return (bytes == 0 || p != nullptr) && a % align == 0 && a + bytes <= (i128)UINTPTR_MAX;
 }
 
+// A buffer of a call, for the oracle: `bytes` from p, and whether the call writes it.
+struct Buf {
+  const void* p;
+  i128 bytes;
+  bool written;
+};
+
+// No written buffer shares a byte with another one (empty buffers share none).
+bool apart(std::initializer_list<Buf> bufs) {
+  for (const Buf& w : bufs) {
+    if (!w.written || w.bytes <= 0) continue;
+    const i128 w0 = reinterpret_cast<uintptr_t>(w.p);
+    for (const Buf& o : bufs) {
+      const i128 o0 = reinterpret_cast<uintptr_t>(o.p);
+      if (&o != &w && o.bytes > 0 && w0 < o0 + o.bytes && o0 < w0 + w.bytes) return false;
+    }
+  }
+  return true;
+}
+
 void fuzz_quant(bool launch) {
   dg_quantize_desc d = random_valid_quantize();
   const bool mutated = !coin(8);
@@ -661,6 +683,12 @@ void fuzz_quant(bool launch) {
       report("dg_quantize_fp8 oracle", "offs");
     else if ((i128)d.workspace_bytes < l.workspace || (l.workspace > 0 && !quant_buffer(d.workspace, l.workspace, 4)))
       report("dg_quantize_fp8 oracle", "workspace");
+    else if (!apart({{d.out, l.data, true},
+                     {d.scale, 4 * l.scale, true},
+                     {d.workspace, l.workspace, true},
+                     {d.x, l.x_bytes, false},
+                     {d.offs, 4 * (i128)d.num_groups, false}}))
+      report("dg_quantize_fp8 oracle", "an output overlaps another buffer");
   }
   if (!mutated && !passes_checks(st))
     report("dg_quantize_fp8", std::string("refused a valid desc: ") + dg_last_error());
@@ -773,6 +801,16 @@ void fuzz_moe(bool launch) {
              (d.num_groups < 1 || !quant_buffer(d.yt_scale, 4 * y_cols * (tp / 128), 4) ||
               !quant_buffer(d.offs, 4 * (i128)d.num_groups, 4) || (i128)d.workspace_bytes < 4 * (i128)d.num_groups))
       report("dg_moe_activation oracle", "transposed copy, offs or workspace");
+    else if (!apart({{d.y, d.y ? 2 * t * y_cols : 0, true},
+                     {d.y_fp8, d.y_fp8 ? t * y_cols : 0, true},
+                     {d.y_scale, d.y_fp8 ? 4 * t * ((y_cols + 127) / 128) : 0, true},
+                     {d.yt_fp8, d.yt_fp8 ? y_cols * tp : 0, true},
+                     {d.yt_scale, d.yt_fp8 ? 4 * y_cols * (tp / 128) : 0, true},
+                     {d.workspace, d.yt_fp8 ? 4 * (i128)d.num_groups : 0, true},
+                     {d.x, 2 * t * (swiglu ? 2 * c : c), false},
+                     {d.dy, act == DG_MOE_SWIGLU_BACKWARD || act == DG_MOE_GELU_BACKWARD ? 2 * t * c : 0, false},
+                     {d.offs, d.yt_fp8 ? 4 * (i128)d.num_groups : 0, false}}))
+      report("dg_moe_activation oracle", "an output overlaps another buffer");
     else if (ss != DG_SUCCESS)
       report("dg_moe_activation", "accepted a desc its workspace query refused");
   }
@@ -846,6 +884,16 @@ void fuzz_permute(bool launch) {
               !quant_buffer(d.yt_scale, 4 * c * (tp / 128), 4) || !quant_buffer(d.offs, 4 * (i128)d.num_groups, 4) ||
               (i128)d.workspace_bytes < 4 * (i128)d.num_groups))
       report("dg_moe_permute oracle", "transposed copy, offs or workspace");
+    else if (!apart({{d.y, d.y ? 2 * r * c : 0, true},
+                     {d.y_fp8, d.y_fp8 ? r * c : 0, true},
+                     {d.y_scale, d.y_fp8 ? 4 * r * ((c + 127) / 128) : 0, true},
+                     {d.yt_fp8, d.yt_fp8 ? c * tp : 0, true},
+                     {d.yt_scale, d.yt_fp8 ? 4 * c * (tp / 128) : 0, true},
+                     {d.workspace, d.yt_fp8 ? 4 * (i128)d.num_groups : 0, true},
+                     {d.x, 2 * (i128)d.x_rows * c, false},
+                     {d.rows, 8 * r, false},
+                     {d.offs, d.yt_fp8 ? 4 * (i128)d.num_groups : 0, false}}))
+      report("dg_moe_permute oracle", "an output overlaps another buffer");
     else if (ss != DG_SUCCESS)
       report("dg_moe_permute", "accepted a desc its workspace query refused");
   }
@@ -945,12 +993,24 @@ void fuzz_routing(bool launch) {
       (!common_ok || !quant_buffer(f.y, (i128)f.num_rows * f.hidden * eb, (unsigned)eb) ||
        !quant_buffer(f.out, (i128)f.tokens * f.hidden * eb, (unsigned)eb)))
     report("dg_moe_combine oracle", "sizes, rows, weights, y or out");
+  else if (sf != DG_ERROR_INVALID_ARGUMENT && !apart({{f.out, (i128)f.tokens * f.hidden * eb, true},
+                                                      {f.y, (i128)f.num_rows * f.hidden * eb, false},
+                                                      {f.rows, 8 * slots, false},
+                                                      {f.weights, f.weights ? 4 * slots : 0, false}}))
+    report("dg_moe_combine oracle", "out overlaps another buffer");
   if (sb != DG_ERROR_INVALID_ARGUMENT &&
       (!common_ok || !quant_buffer(b.dy, (i128)b.tokens * b.hidden * eb, (unsigned)eb) ||
        !quant_buffer(b.dy_rows, (i128)b.num_rows * b.hidden * eb, (unsigned)eb) ||
        (b.dweights != nullptr && (!quant_buffer(b.dweights, 4 * slots, 4) ||
                                   !quant_buffer(b.y, (i128)b.num_rows * b.hidden * eb, (unsigned)eb)))))
     report("dg_moe_combine_backward oracle", "sizes, rows, weights, dy, dy_rows, dweights or y");
+  else if (sb != DG_ERROR_INVALID_ARGUMENT && !apart({{b.dy_rows, (i128)b.num_rows * b.hidden * eb, true},
+                                                      {b.dweights, b.dweights ? 4 * slots : 0, true},
+                                                      {b.dy, (i128)b.tokens * b.hidden * eb, false},
+                                                      {b.y, b.dweights ? (i128)b.num_rows * b.hidden * eb : 0, false},
+                                                      {b.rows, 8 * slots, false},
+                                                      {b.weights, b.weights ? 4 * slots : 0, false}}))
+    report("dg_moe_combine_backward oracle", "an output overlaps another buffer");
   if (!mutated && !passes_checks(sb))
     report("dg_moe_combine_backward", std::string("refused a valid desc: ") + dg_last_error());
 }

@@ -1162,6 +1162,92 @@ TEST(MoeCombineCheck, RefusesBadArguments) {
   EXPECT_TRUE(refused(dg_moe_combine_backward(&b, nullptr), "dweights must be a 4-byte aligned"));
 }
 
+// `p` moved by `bytes` (negative: back), as an address only.
+template <class T>
+T* moved(T* p, int64_t bytes) {
+  return reinterpret_cast<T*>(reinterpret_cast<uintptr_t>(p) + static_cast<uintptr_t>(bytes));
+}
+
+TEST(OutputsApart, EveryEntryPointRefusesAnOutputOverAnotherBuffer) {
+  // The kernels read their inputs while they write their outputs: an output sharing a byte with
+  // any other buffer of the call is refused, naming both; adjacent buffers are fine.
+  dg_quantize_desc q = quantize_desc(DG_QUANT_TENSOR, 64, 256);  // x: 32768 bytes of bf16
+  EXPECT_TRUE(accepted(dg_quantize_fp8(&q, nullptr)));
+  q.out = moved(const_cast<void*>(q.x), 32768 - 1);
+  EXPECT_TRUE(refused(dg_quantize_fp8(&q, nullptr), "out must not overlap x"));
+  q.out = moved(const_cast<void*>(q.x), 32768);
+  EXPECT_TRUE(accepted(dg_quantize_fp8(&q, nullptr)));
+  q = quantize_desc(DG_QUANT_TENSOR, 64, 256);
+  q.scale = static_cast<float*>(q.workspace);
+  EXPECT_TRUE(refused(dg_quantize_fp8(&q, nullptr), "scale must not overlap workspace"));
+  q = quantize_desc(DG_QUANT_1X128, 300, 256);
+  q.transpose = 1;
+  q.num_groups = 4;
+  q.offs = static_cast<const int32_t*>(fake_ptr(12));
+  q.scale = moved(static_cast<float*>(fake_ptr(12)), 12);
+  EXPECT_TRUE(refused(dg_quantize_fp8(&q, nullptr), "scale must not overlap offs"));
+
+  dg_moe_act_desc a = moe_desc(DG_MOE_SWIGLU_BACKWARD, 64, 256);  // x (64, 512), y (64, 512) bf16
+  EXPECT_TRUE(accepted(dg_moe_activation(&a, nullptr)));
+  a.y = const_cast<void*>(a.x);  // in place
+  EXPECT_TRUE(refused(dg_moe_activation(&a, nullptr), "y must not overlap x"));
+  a = moe_desc(DG_MOE_SWIGLU_BACKWARD, 64, 256);
+  a.y_fp8 = moved(const_cast<void*>(a.dy), 64 * 256 * 2 - 16);
+  EXPECT_TRUE(refused(dg_moe_activation(&a, nullptr), "y_fp8 must not overlap dy"));
+  a = moe_desc(DG_MOE_GELU, 64, 256);
+  a.yt_scale = static_cast<float*>(moved(a.y, 64));
+  EXPECT_TRUE(refused(dg_moe_activation(&a, nullptr), "y must not overlap yt_scale"));
+  a = moe_desc(DG_MOE_GELU, 64, 256);
+  a.workspace = moved(a.yt_fp8, 128);
+  EXPECT_TRUE(refused(dg_moe_activation(&a, nullptr), "yt_fp8 must not overlap workspace"));
+
+  dg_moe_permute_desc m = permute_desc(100, 64, 256);
+  EXPECT_TRUE(accepted(dg_moe_permute(&m, nullptr)));
+  m.y_scale = static_cast<float*>(const_cast<void*>(static_cast<const void*>(m.rows)));
+  EXPECT_TRUE(refused(dg_moe_permute(&m, nullptr), "y_scale must not overlap rows"));
+  m = permute_desc(100, 64, 256);
+  m.yt_fp8 = moved(const_cast<void*>(m.x), 100 * 256 * 2 - 1);
+  EXPECT_TRUE(refused(dg_moe_permute(&m, nullptr), "yt_fp8 must not overlap x"));
+
+  dg_quantize_weight_desc w{};
+  w.w = fake_ptr(30);
+  w.w_dtype = DG_F32;
+  w.groups = 2;
+  w.rows = 128;
+  w.cols = 128;
+  w.out = fake_ptr(31);
+  w.out_t = moved(fake_ptr(31), 2 * 128 * 128 - 1);
+  w.scale = static_cast<float*>(fake_ptr(33));
+  w.out_dtype = DG_E4M3;
+  EXPECT_TRUE(refused(dg_quantize_fp8_weight(&w, nullptr), "out must not overlap out_t"));
+  w.out_t = const_cast<void*>(w.w);
+  EXPECT_TRUE(refused(dg_quantize_fp8_weight(&w, nullptr), "out_t must not overlap w"));
+  w.out_t = moved(fake_ptr(31), 2 * 128 * 128);
+  w.scale_t = w.scale;
+  EXPECT_TRUE(refused(dg_quantize_fp8_weight(&w, nullptr), "scale must not overlap scale_t"));
+
+  dg_moe_combine_desc c = combine_desc(64, 2, 256);
+  EXPECT_TRUE(accepted(dg_moe_combine(&c, nullptr)));
+  c.out = const_cast<void*>(c.y);
+  EXPECT_TRUE(refused(dg_moe_combine(&c, nullptr), "out must not overlap y"));
+  c = combine_desc(64, 2, 256);
+  c.out = moved(const_cast<float*>(c.weights), 4 * 128 - 2);
+  EXPECT_TRUE(refused(dg_moe_combine(&c, nullptr), "out must not overlap weights"));
+
+  dg_moe_combine_backward_desc b = combine_backward_desc(64, 2, 256);
+  EXPECT_TRUE(accepted(dg_moe_combine_backward(&b, nullptr)));
+  b.dy_rows = const_cast<void*>(b.y);
+  EXPECT_TRUE(refused(dg_moe_combine_backward(&b, nullptr), "dy_rows must not overlap y"));
+  b.dweights = nullptr;  // y is not read without dweights
+  EXPECT_TRUE(accepted(dg_moe_combine_backward(&b, nullptr)));
+  b = combine_backward_desc(64, 2, 256);
+  b.dweights = reinterpret_cast<float*>(moved(const_cast<int64_t*>(b.rows), 8));
+  EXPECT_TRUE(refused(dg_moe_combine_backward(&b, nullptr), "dweights must not overlap rows"));
+  b = combine_backward_desc(64, 2, 256);
+  b.dweights = static_cast<float*>(moved(b.dy_rows, 128 * 256 * 2 - 4));
+  EXPECT_TRUE(refused(dg_moe_combine_backward(&b, nullptr), "dy_rows must not overlap dweights"));
+}
+
 TEST(MoeCombineRun, NothingRunsWithoutADevice) {
   int devices = 0;
   const bool none = cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0;

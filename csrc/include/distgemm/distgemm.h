@@ -7,6 +7,9 @@
  * stays valid for the thread's lifetime (the next failure on the thread rewrites the text).
  * Nothing here allocates device memory or synchronizes with the host: callers pass
  * workspaces, so every call can be captured in a CUDA graph.
+ * Buffers a call writes (outputs, workspaces) share no byte with any other buffer of the call:
+ * the grouped GEMM, quantization, MoE activation, permute and combine calls refuse an overlap
+ * (the kernels read their inputs while they write, in no order in-place use could rely on).
  */
 #ifndef DISTGEMM_DISTGEMM_H_
 #define DISTGEMM_DISTGEMM_H_
