@@ -11,6 +11,7 @@
 //   distgemm_fuzz_checks [iterations=200000] [seed=1] [families=gemm,grouped,tp,quant,moe,routing]
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <climits>
 #include <cstdint>
 #include <cstdio>
@@ -114,7 +115,8 @@ int raw(const Enum& e) {
 }
 
 long failures = 0;
-long gemm_calls = 0, gemm_passed = 0, grouped_calls = 0, grouped_passed = 0, tp_calls = 0, tp_passed = 0;
+long gemm_calls = 0, gemm_passed = 0, grouped_calls = 0, grouped_passed = 0, grouped_fp8_passed = 0, tp_calls = 0,
+     tp_passed = 0;
 
 void report(const char* what, const std::string& detail) {
   if (++failures <= 20) std::fprintf(stderr, "FAIL: %s: %s\n", what, detail.c_str());
@@ -307,7 +309,43 @@ void fuzz_gemm(bool launch) {
 
 // ---------------------------------------------------------------- grouped GEMM
 
+// An FP8 grouped desc: a forward with row or block scales, or a wgrad on the padded layout.
+dg_grouped_desc random_valid_grouped_fp8() {
+  const bool wgrad = coin(3);
+  const dg_dtype in = pick({DG_E4M3, DG_E5M2});
+  const int64_t g = coin(8) ? 1 + static_cast<int64_t>(below(1 << 16)) : 1 + static_cast<int64_t>(below(64));
+  const int64_t t = coin(8) ? 0 : static_cast<int64_t>(below(1 << 16));
+  const int64_t n = (wgrad ? 1 : 8) * (1 + static_cast<int64_t>(below(512)));
+  const int64_t k = (wgrad ? 4 : 16) * (1 + static_cast<int64_t>(below(512)));
+  const int64_t kb = (k + 127) / 128, nb = (n + 127) / 128;
+  dg_grouped_desc d =
+      grouped_desc(wgrad ? DG_GROUPED_WGRAD : DG_GROUPED_FORWARD, g, t, n, k, in, wgrad ? DG_F32 : DG_BF16);
+  d.scale_a = static_cast<const float*>(fake_ptr(8));
+  d.scale_b = static_cast<const float*>(fake_ptr(9));
+  if (wgrad) {
+    const int64_t tp = 128 * ((t + 127) / 128 + g);
+    d.scale_mode = DG_SCALE_BLOCK;
+    d.a_shape = shape2(n, tp);
+    d.b_shape = shape2(k, tp);
+    d.scale_a_shape = shape2(tp / 128, n);
+    d.scale_b_shape = shape2(tp / 128, k);
+  } else if (coin(2)) {
+    d.scale_mode = DG_SCALE_ROW;
+    d.scale_a_shape = {1, {t, 0, 0}};
+    d.scale_b_shape = shape2(g, n);
+  } else {
+    d.scale_mode = DG_SCALE_BLOCK;
+    d.scale_a_shape = shape2(t, kb);
+    d.scale_a_ld = std::max<int64_t>(t, 1) + (coin(2) ? 0 : static_cast<int64_t>(below(64)));
+    d.scale_b_shape = shape3(g, kb, nb);
+  }
+  d.accumulate = static_cast<int>(below(2));
+  d.config = -1;
+  return d;
+}
+
 dg_grouped_desc random_valid_grouped() {
+  if (coin(3)) return random_valid_grouped_fp8();
   const dg_grouped_kind kind = static_cast<dg_grouped_kind>(below(3));
   const dg_dtype in = pick({DG_BF16, DG_F16});
   const dg_dtype out = pick({in, DG_F32});
@@ -333,7 +371,29 @@ void mutate_shape(dg_grouped_shape* s) {
 void mutate_grouped(dg_grouped_desc* d) {
   const int count = 1 + static_cast<int>(below(3));
   for (int i = 0; i < count; ++i) {
-    switch (below(12)) {
+    switch (below(13)) {
+      case 12:  // the FP8 fields
+        switch (below(6)) {
+          case 0:
+            mutate_enum(&d->scale_mode);
+            break;
+          case 1:
+            d->scale_a = static_cast<const float*>(any_ptr(fake_ptr(8)));
+            break;
+          case 2:
+            d->scale_b = static_cast<const float*>(any_ptr(fake_ptr(9)));
+            break;
+          case 3:
+            mutate_shape(&d->scale_a_shape);
+            break;
+          case 4:
+            mutate_shape(&d->scale_b_shape);
+            break;
+          default:
+            d->scale_a_ld = coin(2) ? d->scale_a_ld + static_cast<int64_t>(below(5)) - 2 : any_int64();
+            break;
+        }
+        break;
       case 11:
         if (coin(2)) {
           d->config = any_int();
@@ -404,10 +464,67 @@ bool extent_ok(const void* p, std::initializer_list<int64_t> sizes, int bytes, u
   return (u != 0 || e == 0) && u % align == 0 && (i128)u + e <= (i128)UINTPTR_MAX;
 }
 
+// Whether [p, p + bytes) and [q, q + q_bytes) share a byte (empty ranges share none).
+bool overlap(const void* p, i128 bytes, const void* q, i128 q_bytes) {
+  const i128 a = reinterpret_cast<uintptr_t>(p), b = reinterpret_cast<uintptr_t>(q);
+  return bytes > 0 && q_bytes > 0 && a < b + q_bytes && b < a + bytes;
+}
+
+// An FP8 desc that passed: the modes, shapes, extents and scales dg_grouped_desc lays out.
+void check_grouped_fp8_oracle(const dg_grouped_desc& d, int kind, int out) {
+  const int mode = raw(d.scale_mode);
+  const int64_t lim = int64_t(1) << 31, g = d.num_groups;
+  if (kind == DG_GROUPED_DGRAD || (mode != DG_SCALE_ROW && mode != DG_SCALE_BLOCK))
+    return report("grouped fp8 oracle", "kind or scale mode");
+  if (g < 1 || g >= lim) return report("grouped fp8 oracle", "groups");
+  if (d.a_shape.ndim != 2 || d.b_shape.ndim != (kind == DG_GROUPED_WGRAD ? 2 : 3))
+    return report("grouped fp8 oracle", "ndim");
+  i128 a_bytes = 0, b_bytes = 0, out_bytes = 0, sa = 0, sb = 0;
+  bool ok = extent_ok(d.offs, {g}, 4, 4);
+  if (kind == DG_GROUPED_WGRAD) {
+    const int64_t n = d.a_shape.size[0], tp = d.a_shape.size[1], k = d.b_shape.size[0], t = tp - 128 * g;
+    if (mode != DG_SCALE_BLOCK || out != DG_F32) return report("grouped fp8 oracle", "wgrad mode or out dtype");
+    if (tp % 128 || t < 0 || tp >= lim || n < 1 || n >= lim || k < 1 || k >= lim || k % 4)
+      return report("grouped fp8 oracle", "wgrad N, K or Tp");
+    ok = ok && same(d.b_shape, {k, tp}) && same(d.out_shape, {g, n, k}) && same(d.scale_a_shape, {tp / 128, n}) &&
+         same(d.scale_b_shape, {tp / 128, k}) && extent_ok(d.a, {n, tp}, 1, 16) && extent_ok(d.b, {k, tp}, 1, 16) &&
+         extent_ok(d.out, {g, n, k}, 4, 16) && extent_ok(d.scale_a, {tp / 128, n}, 4, 4) &&
+         extent_ok(d.scale_b, {tp / 128, k}, 4, 4);
+    a_bytes = (i128)n * tp, b_bytes = (i128)k * tp, out_bytes = (i128)g * n * k * 4;
+    sa = (i128)(tp / 128) * n * 4, sb = (i128)(tp / 128) * k * 4;
+  } else {
+    const int64_t t = d.a_shape.size[0], k = d.a_shape.size[1], n = d.b_shape.size[1];
+    if (out != DG_BF16) return report("grouped fp8 oracle", "forward out dtype");
+    if (t < 0 || t >= lim || n < 1 || n >= lim || k < 1 || k >= lim || k % 16 || n % 8)
+      return report("grouped fp8 oracle", "forward T, N or K");
+    const int64_t kb = (k + 127) / 128, nb = (n + 127) / 128;
+    ok = ok && same(d.b_shape, {g, n, k}) && same(d.out_shape, {t, n}) && extent_ok(d.a, {t, k}, 1, 16) &&
+         extent_ok(d.b, {g, n, k}, 1, 16) && extent_ok(d.out, {t, n}, 2, 16);
+    a_bytes = (i128)t * k, b_bytes = (i128)g * n * k, out_bytes = (i128)t * n * 2;
+    if (mode == DG_SCALE_ROW) {
+      ok = ok && same(d.scale_a_shape, {t}) && same(d.scale_b_shape, {g, n}) && extent_ok(d.scale_a, {t}, 4, 4) &&
+           extent_ok(d.scale_b, {g, n}, 4, 4);
+      sa = (i128)t * 4, sb = (i128)g * n * 4;
+    } else {
+      const i128 span = (i128)(kb - 1) * d.scale_a_ld + t;
+      ok = ok && same(d.scale_a_shape, {t, kb}) && same(d.scale_b_shape, {g, kb, nb}) &&
+           d.scale_a_ld >= std::max<int64_t>(t, 1) && span <= INT64_MAX / 4 &&
+           extent_ok(d.scale_a, {static_cast<int64_t>(span)}, 4, 4) && extent_ok(d.scale_b, {g, kb, nb}, 4, 4);
+      sa = span * 4, sb = (i128)g * kb * nb * 4;
+    }
+  }
+  if (!ok) return report("grouped fp8 oracle", "shapes, pointers or extents");
+  if (overlap(d.out, out_bytes, d.a, a_bytes) || overlap(d.out, out_bytes, d.b, b_bytes) ||
+      overlap(d.out, out_bytes, d.offs, 4 * (i128)g) || overlap(d.out, out_bytes, d.scale_a, sa) ||
+      overlap(d.out, out_bytes, d.scale_b, sb))
+    report("grouped fp8 oracle", "out overlaps an input");
+}
+
 void check_grouped_oracle(const dg_grouped_desc& d) {
   const int kind = raw(d.kind), in = raw(d.in_dtype), out = raw(d.out_dtype);
   if (kind < 0 || kind > 2) return report("grouped oracle", "kind");
   if (d.config < -1) return report("grouped oracle", "config");
+  if (in == DG_E4M3 || in == DG_E5M2) return check_grouped_fp8_oracle(d, kind, out);
   if (!(in == DG_BF16 || in == DG_F16) || !(out == in || out == DG_F32)) return report("grouped oracle", "dtypes");
   const int64_t lim = int64_t(1) << 31, g = d.num_groups;
   if (g < 1 || g >= lim) return report("grouped oracle", "groups");
@@ -452,6 +569,7 @@ void fuzz_grouped(bool launch) {
   if (dump) std::fprintf(dump, "%d %s\n", raw(s), s == DG_SUCCESS ? "" : dg_last_error());
   ++grouped_calls;
   grouped_passed += s != DG_ERROR_INVALID_ARGUMENT;
+  grouped_fp8_passed += s != DG_ERROR_INVALID_ARGUMENT && (raw(d.in_dtype) == DG_E4M3 || raw(d.in_dtype) == DG_E5M2);
   if (s != DG_ERROR_INVALID_ARGUMENT) check_grouped_oracle(d);
   if (!mutated && !passes_checks(s))
     report("dg_grouped_gemm_workspace_size", std::string("refused a valid desc: ") + dg_last_error());
@@ -1056,11 +1174,12 @@ int main(int argc, char** argv) {
   }
   std::printf(
       "%ld iterations over %s (seed %llu, launching entry points %s)\n"
-      "passed the checks: gemm %ld of %ld, grouped %ld of %ld, tp %ld of %ld, quant %ld of %ld, moe %ld of %ld, "
+      "passed the checks: gemm %ld of %ld, grouped %ld of %ld (FP8 %ld), tp %ld of %ld, quant %ld of %ld, moe %ld of "
+      "%ld, "
       "permute %ld of %ld, routing %ld of %ld\n"
       "%ld failures\n",
       iterations, families.c_str(), seed, launch ? "included" : "skipped: a GPU is present", gemm_passed, gemm_calls,
-      grouped_passed, grouped_calls, tp_passed, tp_calls, quant_passed, quant_calls, moe_passed, moe_calls,
-      permute_passed, permute_calls, routing_passed, routing_calls, failures);
+      grouped_passed, grouped_calls, grouped_fp8_passed, tp_passed, tp_calls, quant_passed, quant_calls, moe_passed,
+      moe_calls, permute_passed, permute_calls, routing_passed, routing_calls, failures);
   return failures == 0 ? 0 : 1;
 }
