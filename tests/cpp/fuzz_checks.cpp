@@ -8,7 +8,7 @@
 // check that lets an out-of-bounds descriptor through fails here, a crash or an overflow trips
 // the sanitizers.
 //
-//   distgemm_fuzz_checks [iterations=200000] [seed=1] [families=gemm,grouped,tp,quant,moe,routing]
+//   distgemm_fuzz_checks [iterations=200000] [seed=1] [families=gemm,grouped,tp,quant,moe,routing,weight]
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -390,7 +390,8 @@ void mutate_grouped(dg_grouped_desc* d) {
             mutate_shape(&d->scale_b_shape);
             break;
           default:
-            d->scale_a_ld = coin(2) ? d->scale_a_ld + static_cast<int64_t>(below(5)) - 2 : any_int64();
+            d->scale_a_ld =
+                coin(2) ? static_cast<int64_t>(static_cast<uint64_t>(d->scale_a_ld) + below(5) - 2) : any_int64();
             break;
         }
         break;
@@ -1018,6 +1019,89 @@ void fuzz_permute(bool launch) {
   if (!mutated && !passes_checks(st)) report("dg_moe_permute", std::string("refused a valid desc: ") + dg_last_error());
 }
 
+// ---------------------------------------------------------------- FP8 weight quantization
+
+long weight_calls = 0, weight_passed = 0;
+
+// dg_quantize_fp8_weight: w (groups, rows, cols) into out and / or out_t, scale and scale_t.
+void fuzz_weight(bool launch) {
+  dg_quantize_weight_desc d{};
+  d.w = fake_ptr(30);
+  d.w_dtype = pick({DG_BF16, DG_F16, DG_F32});
+  d.groups = coin(8) ? 0 : static_cast<int64_t>(below(64));
+  d.rows = coin(8) ? 0 : static_cast<int64_t>(below(1 << 13));
+  d.cols = coin(8) ? 0 : static_cast<int64_t>(below(1 << 13));
+  do {
+    d.out = coin(2) ? fake_ptr(31) : nullptr;
+    d.out_t = coin(2) ? fake_ptr(32) : nullptr;
+  } while (!d.out && !d.out_t);
+  d.scale = static_cast<float*>(fake_ptr(33));
+  d.scale_t = coin(2) ? static_cast<float*>(fake_ptr(34)) : nullptr;
+  d.out_dtype = pick({DG_E4M3, DG_E5M2});
+  const bool mutated = !coin(8);
+  const int count = mutated ? 1 + static_cast<int>(below(3)) : 0;
+  for (int i = 0; i < count; ++i) {
+    switch (below(10)) {
+      case 0:
+        mutate_enum(&d.w_dtype);
+        break;
+      case 1:
+        mutate_enum(&d.out_dtype);
+        break;
+      case 2:
+        d.groups = any_int64();
+        break;
+      case 3:
+        d.rows = any_int64();
+        break;
+      case 4:
+        d.cols = any_int64();
+        break;
+      case 5:
+        d.w = any_ptr(fake_ptr(30));
+        break;
+      case 6:
+        d.out = const_cast<void*>(any_ptr(fake_ptr(31)));
+        break;
+      case 7:
+        d.out_t = const_cast<void*>(any_ptr(fake_ptr(32)));
+        break;
+      case 8:
+        d.scale = static_cast<float*>(const_cast<void*>(any_ptr(fake_ptr(33))));
+        break;
+      default:
+        d.scale_t = static_cast<float*>(const_cast<void*>(any_ptr(fake_ptr(34))));
+        break;
+    }
+  }
+  if (!launch) return;
+  const dg_status st = dg_quantize_fp8_weight(&d, nullptr);
+  expect_status(st, "dg_quantize_fp8_weight");
+  ++weight_calls;
+  weight_passed += st != DG_ERROR_INVALID_ARGUMENT;
+  if (st != DG_ERROR_INVALID_ARGUMENT) {
+    const int in = raw(d.w_dtype), out = raw(d.out_dtype);
+    const i128 g = d.groups, r = d.rows, c = d.cols, elems = g * r * c;
+    const i128 scales = g * ((r + 127) / 128) * ((c + 127) / 128), eb = in == DG_F32 ? 4 : 2;
+    if ((in != DG_BF16 && in != DG_F16 && in != DG_F32) || (out != DG_E4M3 && out != DG_E5M2))
+      report("dg_quantize_fp8_weight oracle", "dtypes");
+    else if (g < 0 || r < 0 || c < 0 || elems * eb > INT64_MAX || scales * 4 > INT64_MAX)
+      report("dg_quantize_fp8_weight oracle", "sizes");
+    else if ((!d.out && !d.out_t) || !quant_buffer(d.w, elems * eb, (unsigned)eb) ||
+             (d.out && !quant_buffer(d.out, elems, 1)) || (d.out_t && !quant_buffer(d.out_t, elems, 1)) ||
+             !quant_buffer(d.scale, 4 * scales, 4) || (d.scale_t && !quant_buffer(d.scale_t, 4 * scales, 4)))
+      report("dg_quantize_fp8_weight oracle", "w, out, out_t, scale or scale_t");
+    else if (!apart({{d.out, d.out ? elems : 0, true},
+                     {d.out_t, d.out_t ? elems : 0, true},
+                     {d.scale, 4 * scales, true},
+                     {d.scale_t, d.scale_t ? 4 * scales : 0, true},
+                     {d.w, elems * eb, false}}))
+      report("dg_quantize_fp8_weight oracle", "an output overlaps another buffer");
+  }
+  if (!mutated && !passes_checks(st))
+    report("dg_quantize_fp8_weight", std::string("refused a valid desc: ") + dg_last_error());
+}
+
 // ---------------------------------------------------------------- MoE routing (combine)
 
 long routing_calls = 0, routing_passed = 0;
@@ -1138,13 +1222,14 @@ void fuzz_routing(bool launch) {
 int main(int argc, char** argv) {
   const long iterations = argc > 1 ? std::strtol(argv[1], nullptr, 10) : 200000;
   const unsigned long long seed = argc > 2 ? std::strtoull(argv[2], nullptr, 10) : 1;
-  const std::string families = argc > 3 ? argv[3] : "gemm,grouped,tp,quant,moe,routing";
+  const std::string families = argc > 3 ? argv[3] : "gemm,grouped,tp,quant,moe,routing,weight";
   const bool gemm = families.find("gemm") != std::string::npos;
   const bool grouped = families.find("grouped") != std::string::npos;
   const bool tp = families.find("tp") != std::string::npos;
   const bool quant = families.find("quant") != std::string::npos;
   const bool moe = families.find("moe") != std::string::npos;
   const bool routing = families.find("routing") != std::string::npos;
+  const bool weight = families.find("weight") != std::string::npos;
   rng.seed(seed);
   // The launching entry points stop at their checks only where no GPU can run a descriptor
   // that passed them (its pointers are fake).
@@ -1168,6 +1253,7 @@ int main(int argc, char** argv) {
     if (moe && i % 4 == 1) fuzz_moe(launch);
     if (moe && i % 4 == 2) fuzz_permute(launch);
     if (routing && i % 4 == 3) fuzz_routing(launch);
+    if (weight && i % 4 == 0) fuzz_weight(launch);
     dg_status s;
     set_raw(&s, static_cast<int>(below(8)));  // within the enum's range (C++)
     if (dg_status_name(s) == nullptr) report("dg_status_name", "NULL");
@@ -1176,10 +1262,10 @@ int main(int argc, char** argv) {
       "%ld iterations over %s (seed %llu, launching entry points %s)\n"
       "passed the checks: gemm %ld of %ld, grouped %ld of %ld (FP8 %ld), tp %ld of %ld, quant %ld of %ld, moe %ld of "
       "%ld, "
-      "permute %ld of %ld, routing %ld of %ld\n"
+      "permute %ld of %ld, routing %ld of %ld, weight %ld of %ld\n"
       "%ld failures\n",
       iterations, families.c_str(), seed, launch ? "included" : "skipped: a GPU is present", gemm_passed, gemm_calls,
       grouped_passed, grouped_calls, grouped_fp8_passed, tp_passed, tp_calls, quant_passed, quant_calls, moe_passed,
-      moe_calls, permute_passed, permute_calls, routing_passed, routing_calls, failures);
+      moe_calls, permute_passed, permute_calls, routing_passed, routing_calls, weight_passed, weight_calls, failures);
   return failures == 0 ? 0 : 1;
 }
