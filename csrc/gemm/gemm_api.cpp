@@ -288,18 +288,22 @@ dg_status plan(const dg_gemm_desc* desc, int device_arch, int sm_count, GemmProb
                bool cooperative_only = false) {
   std::vector<const GemmInstance*> list;
   DG_RETURN_IF_ERROR(lower_and_list(desc, device_arch, p, &list));
-  if (cooperative_only) {
-    std::vector<const GemmInstance*> coop;
-    for (const GemmInstance* inst : list)
-      if (inst->schedule == kCooperative || inst->schedule == kCooperativeFastAccum) coop.push_back(inst);
-    if (coop.empty()) return fail(DG_ERROR_NOT_SUPPORTED, "no cooperative kernel for this GEMM + reduce-scatter step");
-    list.swap(coop);
-  }
-  if (desc->config >= 0) {
-    DG_REQUIRE(desc->config < static_cast<int>(list.size()), "config ", desc->config, " out of range: ", list.size(),
-               " configs for these dtypes");
+  auto cooperative = [](const GemmInstance* inst) {
+    return inst->schedule == kCooperative || inst->schedule == kCooperativeFastAccum;
+  };
+  if (desc->config >= 0) {  // an index into dg_gemm_config_name's list, with or without the waits
     *chosen = list[desc->config];
+    DG_REQUIRE(!cooperative_only || cooperative(*chosen), "config ", desc->config, " (", (*chosen)->name,
+               ") cannot run a reduce-scatter ring step, which needs a cooperative kernel (a coop_ config)");
   } else {
+    if (cooperative_only) {
+      std::vector<const GemmInstance*> coop;
+      for (const GemmInstance* inst : list)
+        if (cooperative(inst)) coop.push_back(inst);
+      if (coop.empty())
+        return fail(DG_ERROR_NOT_SUPPORTED, "no cooperative kernel for this GEMM + reduce-scatter step");
+      list.swap(coop);
+    }
     const double k_16bit = is_fp8(desc->a.dtype) ? p->k / 2.0 : p->k;
     *chosen = select_cheapest(list, p->m, p->n, k_16bit, 1, sm_count);
   }
