@@ -40,7 +40,9 @@ typedef struct dg_matrix {
 /* D = alpha * (scale_a[:, None] * scale_b[None, :] * (A @ B^T)) + beta * C
  *   A (M, K), B (N, K), D (M, N) row-major.
  *   C: NULL data, (M, N), or a bias row (1, N) broadcast over the rows.
- *   scale_a: NULL (1.0), 1 value, or M values; scale_b: NULL, 1 value or N values (FP32). */
+ *   scale_a: NULL (1.0), 1 value, or M values; scale_b: NULL, 1 value or N values (FP32).
+ *   D must share no element with A, B or the scales; this is not checked (strided views of one
+ *   buffer may interleave without sharing elements, which byte ranges cannot tell). */
 typedef struct dg_gemm_desc {
   dg_matrix a;
   dg_matrix b;
