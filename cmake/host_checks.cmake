@@ -59,8 +59,8 @@ add_test(NAME tile_heuristics COMMAND distgemm_heuristic_tests)
 add_test(NAME cublaslt_checks COMMAND distgemm_cublaslt_check_tests)
 add_test(NAME exact_quotient COMMAND distgemm_quotient_tests)
 set(DISTGEMM_FUZZ_ITERATIONS 200000 CACHE STRING "Random descriptors per run of the C API fuzzer")
-set(DISTGEMM_FUZZ_FAMILIES "gemm,grouped,tp,quant,moe,routing" CACHE STRING
-    "What the C API fuzzer calls: gemm,grouped,tp,quant,moe (with the permute),routing")
+set(DISTGEMM_FUZZ_FAMILIES "gemm,grouped,tp,quant,moe,routing,weight" CACHE STRING
+    "What the C API fuzzer calls: gemm,grouped,tp,quant,moe (with the permute),routing,weight")
 add_test(NAME c_api_fuzz
          COMMAND distgemm_fuzz_checks ${DISTGEMM_FUZZ_ITERATIONS} 20260101 ${DISTGEMM_FUZZ_FAMILIES})
 set_tests_properties(c_api_checks tp_plans tile_heuristics cublaslt_checks exact_quotient c_api_fuzz PROPERTIES ENVIRONMENT "${DISTGEMM_SANITIZER_ENV}")

@@ -18,4 +18,19 @@ dg_status check_extent(const void* p, const char* name, std::initializer_list<in
   return DG_SUCCESS;
 }
 
+dg_status check_no_overlap(std::initializer_list<Span> spans) {
+  for (const Span* w = spans.begin(); w != spans.end(); ++w) {
+    if (!w->written || w->bytes <= 0) continue;
+    const uintptr_t w_first = reinterpret_cast<uintptr_t>(w->p), w_end = w_first + static_cast<uint64_t>(w->bytes);
+    for (const Span* o = spans.begin(); o != spans.end(); ++o) {
+      if (o == w || o->bytes <= 0 || (o->written && o < w)) continue;  // a pair of outputs once
+      const uintptr_t o_first = reinterpret_cast<uintptr_t>(o->p), o_end = o_first + static_cast<uint64_t>(o->bytes);
+      DG_REQUIRE(w_end <= o_first || o_end <= w_first, w->name, " must not overlap ", o->name, " (", w->bytes,
+                 " bytes from ", w->p, " and ", o->bytes, " bytes from ", o->p, "): the kernels ",
+                 o->written ? "write both" : cat("read ", o->name, " while they write ", w->name));
+    }
+  }
+  return DG_SUCCESS;
+}
+
 }  // namespace distgemm

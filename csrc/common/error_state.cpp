@@ -57,6 +57,8 @@ extern "C" int dg_tp_error(int device) {
 }
 
 extern "C" dg_status dg_tp_clear_error(int device) {
+  DG_REQUIRE(device >= 0 && device < kMaxDevices, "the error word: device ", device, " is out of range [0, ",
+             kMaxDevices, ")");
   ErrorState* s = error_state(device);
   if (!s) return DG_ERROR_CUDA;
   // On `device`, whichever device this thread had selected (restored afterwards).

@@ -193,6 +193,11 @@ dg_status lower(const dg_gemm_desc* desc, GemmProblem* p) {
   DG_REQUIRE(desc != nullptr, "desc must not be NULL");
   const dg_gemm_desc& d = *desc;
   DG_RETURN_IF_ERROR(check_dtypes(d));
+  // The launch settings, here rather than where they are used, so that dg_gemm_check refuses
+  // what dg_gemm would (config's upper bound needs the kernel list: lower_and_list).
+  DG_REQUIRE(d.config >= -1, "config must be -1 (the heuristic's choice) or a kernel index, got ", d.config);
+  DG_REQUIRE(d.swizzle == 0 || d.swizzle == 1 || d.swizzle == 2 || d.swizzle == 4 || d.swizzle == 8,
+             "swizzle must be 0 (the heuristic's choice), 1, 2, 4 or 8, got ", d.swizzle);
   const int64_t m = d.a.rows, k = d.a.cols, n = d.b.rows;
   DG_REQUIRE(m >= 1 && n >= 1 && k >= 1, "M, N and K must be positive, got M=", m, " N=", n, " K=", k);
   DG_REQUIRE(m < (int64_t(1) << 31) && n < (int64_t(1) << 31) && k < (int64_t(1) << 31),
@@ -271,6 +276,8 @@ dg_status lower_and_list(const dg_gemm_desc* desc, int device_arch, GemmProblem*
                     p->b_k_major ? " (b K-major" : " (b N-major",
                     desc->fast_accum && is_fp8(desc->a.dtype) ? ", fast accumulation)" : ")",
                     "; DISTGEMM_CUDA_ARCHS may exclude this arch"));
+  DG_REQUIRE(desc->config < static_cast<int>(list->size()), "config ", desc->config, " out of range: ", list->size(),
+             " configs for these dtypes");
   return DG_SUCCESS;
 }
 
@@ -281,25 +288,27 @@ dg_status plan(const dg_gemm_desc* desc, int device_arch, int sm_count, GemmProb
                bool cooperative_only = false) {
   std::vector<const GemmInstance*> list;
   DG_RETURN_IF_ERROR(lower_and_list(desc, device_arch, p, &list));
-  if (cooperative_only) {
-    std::vector<const GemmInstance*> coop;
-    for (const GemmInstance* inst : list)
-      if (inst->schedule == kCooperative || inst->schedule == kCooperativeFastAccum) coop.push_back(inst);
-    if (coop.empty()) return fail(DG_ERROR_NOT_SUPPORTED, "no cooperative kernel for this GEMM + reduce-scatter step");
-    list.swap(coop);
-  }
-  if (desc->config >= 0) {
-    DG_REQUIRE(desc->config < static_cast<int>(list.size()), "config ", desc->config, " out of range: ", list.size(),
-               " configs for these dtypes");
+  auto cooperative = [](const GemmInstance* inst) {
+    return inst->schedule == kCooperative || inst->schedule == kCooperativeFastAccum;
+  };
+  if (desc->config >= 0) {  // an index into dg_gemm_config_name's list, with or without the waits
     *chosen = list[desc->config];
+    DG_REQUIRE(!cooperative_only || cooperative(*chosen), "config ", desc->config, " (", (*chosen)->name,
+               ") cannot run a reduce-scatter ring step, which needs a cooperative kernel (a coop_ config)");
   } else {
+    if (cooperative_only) {
+      std::vector<const GemmInstance*> coop;
+      for (const GemmInstance* inst : list)
+        if (cooperative(inst)) coop.push_back(inst);
+      if (coop.empty())
+        return fail(DG_ERROR_NOT_SUPPORTED, "no cooperative kernel for this GEMM + reduce-scatter step");
+      list.swap(coop);
+    }
     const double k_16bit = is_fp8(desc->a.dtype) ? p->k / 2.0 : p->k;
     *chosen = select_cheapest(list, p->m, p->n, k_16bit, 1, sm_count);
   }
   p->sm_count = sm_count;
   p->swizzle = desc->swizzle > 0 ? desc->swizzle : select_swizzle(**chosen, p->m, p->n, sm_count);
-  DG_REQUIRE(p->swizzle == 1 || p->swizzle == 2 || p->swizzle == 4 || p->swizzle == 8,
-             "swizzle must be 0, 1, 2, 4 or 8, got ", desc->swizzle);
   return DG_SUCCESS;
 }
 

@@ -328,6 +328,38 @@ dg_status lower_padded_wgrad_shapes(const dg_grouped_desc& d, int64_t groups, Ex
   return check_extent(d.out, "out", {groups, n, k}, out_bytes);
 }
 
+// out shares no byte with the operands, offs or the scales (each checked in bounds before).
+dg_status check_buffers_apart(const dg_grouped_desc& d, int kind, bool fp8, int64_t groups, const Extents& e) {
+  const int64_t in = dtype_bytes(d.in_dtype), out = dtype_bytes(d.out_dtype);
+  const int64_t t = e.tokens, n = e.n, k = e.k, tp = e.token_pitch;
+  const bool wgrad = kind == DG_GROUPED_WGRAD;
+  const char* a_name = wgrad ? "dy" : "x";
+  const char* b_name = wgrad ? "x" : "w";
+  const int64_t a_bytes = wgrad ? (fp8 ? n * tp : t * n * in) : t * k * in;
+  const int64_t b_bytes = wgrad ? (fp8 ? k * tp : t * k * in) : groups * n * k * in;
+  const int64_t out_bytes = wgrad ? groups * n * k * out : t * n * out;
+  int64_t sa = 0, sb = 0;  // the scales' bytes
+  if (fp8) {
+    const int64_t kb = (k + 127) / 128, nb = (n + 127) / 128;
+    if (wgrad) {
+      sa = 4 * (tp / 128) * n;
+      sb = 4 * (tp / 128) * k;
+    } else if (d.scale_mode == DG_SCALE_ROW) {
+      sa = 4 * t;
+      sb = 4 * groups * n;
+    } else {
+      sa = 4 * ((kb - 1) * d.scale_a_ld + t);
+      sb = 4 * groups * kb * nb;
+    }
+  }
+  return check_no_overlap({{"out", d.out, out_bytes, true},
+                           {a_name, d.a, a_bytes, false},
+                           {b_name, d.b, b_bytes, false},
+                           {"offs", d.offs, 4 * groups, false},
+                           {"scale_a", d.scale_a, sa, false},
+                           {"scale_b", d.scale_b, sb, false}});
+}
+
 }  // namespace
 
 dg_status lower(const dg_grouped_desc* desc, GroupedProblem* p) {
@@ -345,6 +377,7 @@ dg_status lower(const dg_grouped_desc* desc, GroupedProblem* p) {
     DG_REQUIRE(out == in || out == DG_F32, "out dtype must be ", dtype_str(in), " or float32, got ", dtype_str(out));
     DG_REQUIRE(raw_enum(d.scale_mode) == DG_SCALE_NONE, "scale_mode must be NONE for bfloat16/float16 inputs");
   }
+  DG_REQUIRE(d.config >= -1, "config must be -1 (the heuristic's choice) or a kernel index, got ", d.config);
   const int64_t groups = d.num_groups;
   DG_REQUIRE(groups >= 1 && groups < kInt32Limit, "offs must hold between 1 and 2^31 - 1 group ends (num_groups), got ",
              groups);
@@ -361,6 +394,7 @@ dg_status lower(const dg_grouped_desc* desc, GroupedProblem* p) {
   }
   const int64_t tokens = e.tokens, n = e.n, k = e.k, token_pitch = e.token_pitch;
   if (fp8) DG_RETURN_IF_ERROR(check_fp8_scales(d, groups, tokens, n, k, token_pitch));
+  DG_RETURN_IF_ERROR(check_buffers_apart(d, kind, fp8, groups, e));
   p->kind = d.kind;
   p->groups = static_cast<int>(groups);
   p->offs = d.offs;

@@ -86,8 +86,10 @@ dg_status check_act_shape(const dg_moe_act_desc& d, ActProblem* p) {
   return DG_SUCCESS;
 }
 
-// Every check of d but x's extent, which x_rows rows of x make (d.tokens without a gather).
-dg_status lower_act_reading(const dg_moe_act_desc& d, int64_t x_rows, ActProblem* p) {
+// Every check of d, with x_rows rows of x (d.tokens without a gather); with a gather (rows not
+// NULL), *rows holds its num_rows row indices, checked last.
+dg_status lower_act_reading(const dg_moe_act_desc& d, int64_t x_rows, const int64_t* const* rows, int64_t num_rows,
+                            ActProblem* p) {
   DG_RETURN_IF_ERROR(check_act_shape(d, p));
   DG_RETURN_IF_ERROR(check_extent(d.x, "x", {x_rows, p->x_cols}, 2, 2));
   if (is_backward(p->act)) DG_RETURN_IF_ERROR(check_extent(d.dy, "dy", {d.tokens, d.inner}, 2, 2));
@@ -105,6 +107,19 @@ dg_status lower_act_reading(const dg_moe_act_desc& d, int64_t x_rows, ActProblem
                " needed");
     DG_RETURN_IF_ERROR(check_extent(d.workspace, "workspace", {static_cast<int64_t>(need)}, 1, 4));
   }
+  if (rows != nullptr) DG_RETURN_IF_ERROR(check_extent(*rows, "rows", {num_rows}, 8, 8));
+  // Every size below was checked within int64 by check_extent.
+  const int64_t t = d.tokens, y = p->y_cols, fp8 = d.y_fp8 != nullptr, yt = d.yt_fp8 != nullptr;
+  DG_RETURN_IF_ERROR(check_no_overlap({{"y", d.y, d.y != nullptr ? 2 * t * y : 0, true},
+                                       {"y_fp8", d.y_fp8, fp8 * t * y, true},
+                                       {"y_scale", d.y_scale, fp8 * 4 * blocks_of(y) * t, true},
+                                       {"yt_fp8", d.yt_fp8, yt * y * p->yt_ld, true},
+                                       {"yt_scale", d.yt_scale, yt * 4 * p->row_blocks * y, true},
+                                       {"workspace", d.workspace, static_cast<int64_t>(need), true},
+                                       {"x", d.x, 2 * x_rows * p->x_cols, false},
+                                       {"dy", d.dy, is_backward(p->act) ? 2 * t * d.inner : 0, false},
+                                       {"offs", d.offs, yt * 4 * d.num_groups, false},
+                                       {"rows", rows != nullptr ? *rows : nullptr, 8 * num_rows, false}}));
   p->x = d.x;
   p->dy = d.dy;
   p->y = d.y;
@@ -120,7 +135,7 @@ dg_status lower_act_reading(const dg_moe_act_desc& d, int64_t x_rows, ActProblem
 
 dg_status lower_act(const dg_moe_act_desc* desc, ActProblem* p) {
   DG_REQUIRE(desc != nullptr, "desc must not be NULL");
-  return lower_act_reading(*desc, desc->tokens, p);
+  return lower_act_reading(*desc, desc->tokens, nullptr, 0, p);
 }
 
 // dg_moe_permute is the identity activation with its rows gathered: its own fields are checked
@@ -156,8 +171,7 @@ dg_status lower_permute(const dg_moe_permute_desc* desc, ActProblem* p) {
   DG_REQUIRE(desc != nullptr, "desc must not be NULL");
   const dg_moe_permute_desc& d = *desc;
   DG_RETURN_IF_ERROR(check_permute_shape(d));
-  DG_RETURN_IF_ERROR(lower_act_reading(identity_of(d), d.x_rows, p));
-  DG_RETURN_IF_ERROR(check_extent(d.rows, "rows", {d.num_rows}, 8, 8));
+  DG_RETURN_IF_ERROR(lower_act_reading(identity_of(d), d.x_rows, &d.rows, d.num_rows, p));
   p->x_rows = d.rows;
   p->x_tokens = d.x_rows;
   return DG_SUCCESS;
@@ -182,6 +196,11 @@ dg_status lower_weight(const dg_quantize_weight_desc* desc, WeightProblem* p) {
   if (d.out_t != nullptr) DG_RETURN_IF_ERROR(check_extent(d.out_t, "out_t", {elems}, 1, 1));
   DG_RETURN_IF_ERROR(check_extent(d.scale, "scale", {scales}, 4, 4));
   if (d.scale_t != nullptr) DG_RETURN_IF_ERROR(check_extent(d.scale_t, "scale_t", {scales}, 4, 4));
+  DG_RETURN_IF_ERROR(check_no_overlap({{"out", d.out, d.out != nullptr ? elems : 0, true},
+                                       {"out_t", d.out_t, d.out_t != nullptr ? elems : 0, true},
+                                       {"scale", d.scale, 4 * scales, true},
+                                       {"scale_t", d.scale_t, d.scale_t != nullptr ? 4 * scales : 0, true},
+                                       {"w", d.w, elems * bytes, false}}));
   p->w = d.w;
   p->w_dtype = d.w_dtype;
   p->groups = d.groups;
@@ -227,6 +246,11 @@ dg_status lower_combine(const dg_moe_combine_desc* desc, CombineProblem* p) {
   const int bytes = dtype_bytes(d.dtype);
   DG_RETURN_IF_ERROR(check_extent(d.y, "y", {d.num_rows, d.hidden}, bytes, static_cast<unsigned>(bytes)));
   DG_RETURN_IF_ERROR(check_extent(d.out, "out", {d.tokens, d.hidden}, bytes, static_cast<unsigned>(bytes)));
+  const int64_t slots = d.tokens * d.k;  // checked in int64
+  DG_RETURN_IF_ERROR(check_no_overlap({{"out", d.out, d.tokens * d.hidden * bytes, true},
+                                       {"y", d.y, d.num_rows * d.hidden * bytes, false},
+                                       {"rows", d.rows, 8 * slots, false},
+                                       {"weights", d.weights, d.weights != nullptr ? 4 * slots : 0, false}}));
   p->y = d.y;
   p->out = d.out;
   return DG_SUCCESS;
@@ -245,6 +269,13 @@ dg_status lower_combine_backward(const dg_moe_combine_backward_desc* desc, Combi
     DG_REQUIRE(d.y != nullptr || d.num_rows == 0 || d.hidden == 0, "dweights needs y (the forward's rows)");
     DG_RETURN_IF_ERROR(check_extent(d.y, "y", {d.num_rows, d.hidden}, bytes, align));
   }
+  const int64_t slots = d.tokens * d.k, with_dw = d.dweights != nullptr;  // checked in int64
+  DG_RETURN_IF_ERROR(check_no_overlap({{"dy_rows", d.dy_rows, d.num_rows * d.hidden * bytes, true},
+                                       {"dweights", d.dweights, with_dw * 4 * slots, true},
+                                       {"dy", d.dy, d.tokens * d.hidden * bytes, false},
+                                       {"y", d.y, with_dw * d.num_rows * d.hidden * bytes, false},
+                                       {"rows", d.rows, 8 * slots, false},
+                                       {"weights", d.weights, d.weights != nullptr ? 4 * slots : 0, false}}));
   p->dy = d.dy;
   p->y = d.dweights != nullptr ? d.y : nullptr;
   p->dy_rows = d.dy_rows;

@@ -123,6 +123,11 @@ dg_status lower(const dg_quantize_desc* desc, QuantizeProblem* p) {
   DG_REQUIRE(d.workspace_bytes >= needed, "workspace of ", d.workspace_bytes, " bytes is smaller than the ", needed,
              " needed");
   if (needed > 0) DG_RETURN_IF_ERROR(check_extent(d.workspace, "workspace", {static_cast<int64_t>(needed)}, 1, 4));
+  DG_RETURN_IF_ERROR(check_no_overlap({{"out", d.out, l.data_elems, true},
+                                       {"scale", d.scale, 4 * l.scale_elems, true},
+                                       {"workspace", d.workspace, static_cast<int64_t>(needed), true},
+                                       {"x", d.x, l.x_elems * in_bytes, false},
+                                       {"offs", d.offs, 4 * d.num_groups, false}}));
 
   p->x = d.x;
   p->x_dtype = d.x_dtype;

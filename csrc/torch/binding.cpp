@@ -1,6 +1,8 @@
 // The distgemm torch library: op schemas, and the marshalling helpers they share.
 #include <torch/library.h>
 
+#include <climits>
+
 #include "torch/marshal.h"
 #include "distgemm_build_id.h"
 
@@ -24,6 +26,11 @@ dg_dtype to_dg_dtype(at::ScalarType t, const char* arg) {
       break;
   }
   TORCH_CHECK_VALUE(false, arg, " has unsupported dtype ", t);
+}
+
+int to_int(int64_t value, const char* op, const char* arg) {
+  TORCH_CHECK_VALUE(value >= INT_MIN && value <= INT_MAX, op, ": ", arg, " must fit in a 32-bit int, got ", value);
+  return static_cast<int>(value);
 }
 
 dg_matrix to_matrix(const at::Tensor& t, const char* arg) {

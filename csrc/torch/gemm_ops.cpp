@@ -34,8 +34,8 @@ at::Tensor gemm_cuda(const at::Tensor& a, const at::Tensor& b, const c10::option
   dg_gemm_desc desc = gemm_desc("distgemm.gemm", aligned16(a), aligned16(b),
                                 c ? c10::optional<at::Tensor>(aligned16(*c)) : c10::nullopt, out, alpha, beta, scale_a,
                                 scale_b, fast_accum);
-  desc.config = static_cast<int>(config);
-  desc.swizzle = static_cast<int>(swizzle);
+  desc.config = to_int(config, "distgemm.gemm", "config");
+  desc.swizzle = to_int(swizzle, "distgemm.gemm", "swizzle");
 
   size_t bytes = 0;
   check(dg_gemm_workspace_size(&desc, &bytes), "distgemm.gemm");
@@ -48,8 +48,9 @@ std::vector<std::string> gemm_configs(at::ScalarType a, at::ScalarType b, at::Sc
                                       int64_t arch, bool fast_accum) {
   const dg_gemm_desc d = make_desc(a, b, out, b_k_major, fast_accum);
   std::vector<std::string> names;
-  const int count = dg_gemm_config_count(&d, static_cast<int>(arch));
-  for (int i = 0; i < count; ++i) names.emplace_back(dg_gemm_config_name(&d, static_cast<int>(arch), i));
+  const int device_arch = to_int(arch, "distgemm.gemm_configs", "arch");
+  const int count = dg_gemm_config_count(&d, device_arch);
+  for (int i = 0; i < count; ++i) names.emplace_back(dg_gemm_config_name(&d, device_arch, i));
   return names;
 }
 
@@ -61,7 +62,8 @@ int64_t gemm_select_config(int64_t m, int64_t n, int64_t k, at::ScalarType a, at
   d.a = {dummy, d.a.dtype, m, k, k, 1};
   d.b = b_k_major ? dg_matrix{dummy, d.b.dtype, n, k, k, 1} : dg_matrix{dummy, d.b.dtype, n, k, 1, n};
   d.d = {dummy, d.d.dtype, m, n, n, 1};
-  return dg_gemm_select_config(&d, static_cast<int>(arch), static_cast<int>(sm_count));
+  return dg_gemm_select_config(&d, to_int(arch, "distgemm.gemm_select_config", "arch"),
+                               to_int(sm_count, "distgemm.gemm_select_config", "sm_count"));
 }
 
 }  // namespace

@@ -91,7 +91,7 @@ void run_grouped(dg_grouped_kind kind, const at::Tensor& a, const at::Tensor& b,
   desc.in_dtype = to_dg_dtype(a.scalar_type(), a_name);
   desc.out_dtype = to_dg_dtype(out.scalar_type(), "out");
   desc.accumulate = accumulate;
-  desc.config = static_cast<int>(config);
+  desc.config = to_int(config, op, "config");
   marshal_scales(op, scales, a, &desc);
   if (backend == kCublas) {
     const at::Tensor host_offs = offs.to(at::kCPU);  // the baseline's host sync
@@ -141,7 +141,7 @@ void grouped_mm_fp8_out(const at::Tensor& x, const at::Tensor& w, const at::Tens
                         const at::Tensor& scale_w, int64_t scale_mode, const at::Tensor& out, bool accumulate,
                         int64_t config) {
   run_grouped(DG_GROUPED_FORWARD, x, w, offs, out, accumulate, kCutlass, config,
-              {static_cast<dg_scale_mode>(scale_mode), &scale_x, &scale_w});
+              {to_enum<dg_scale_mode>(scale_mode, "distgemm.grouped_mm", "scale_mode"), &scale_x, &scale_w});
 }
 
 at::Tensor grouped_mm_fp8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offs, const at::Tensor& scale_x,
@@ -165,13 +165,15 @@ void grouped_mm_wgrad_fp8_out(const at::Tensor& dy_t, const at::Tensor& x_t, con
 std::vector<std::string> grouped_configs(int64_t kind, at::ScalarType in, at::ScalarType out, int64_t arch,
                                          int64_t scale_mode) {
   dg_grouped_desc d{};
-  d.kind = static_cast<dg_grouped_kind>(kind);
-  d.scale_mode = static_cast<dg_scale_mode>(scale_mode);
+  constexpr const char* kOp = "distgemm.grouped_configs";
+  d.kind = to_enum<dg_grouped_kind>(kind, kOp, "kind");
+  d.scale_mode = to_enum<dg_scale_mode>(scale_mode, kOp, "scale_mode");
   d.in_dtype = to_dg_dtype(in, "in");
   d.out_dtype = to_dg_dtype(out, "out");
   std::vector<std::string> names;
-  const int count = dg_grouped_gemm_config_count(&d, static_cast<int>(arch));
-  for (int i = 0; i < count; ++i) names.emplace_back(dg_grouped_gemm_config_name(&d, static_cast<int>(arch), i));
+  const int device_arch = to_int(arch, kOp, "arch");
+  const int count = dg_grouped_gemm_config_count(&d, device_arch);
+  for (int i = 0; i < count; ++i) names.emplace_back(dg_grouped_gemm_config_name(&d, device_arch, i));
   return names;
 }
 

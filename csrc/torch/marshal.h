@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include <cstring>
 #include <string>
 
 #include "distgemm/distgemm.h"
@@ -11,6 +12,21 @@
 namespace distgemm::torch_binding {
 
 dg_dtype to_dg_dtype(at::ScalarType t, const char* arg);
+
+// An op's int64 argument `arg` as the C API's int: a ValueError naming it (and `op`) when it does
+// not fit, never a silent truncation (2^32 + 90 read as arch 90).
+int to_int(int64_t value, const char* op, const char* arg);
+
+// The same, stored into a C enum field as a C caller would store any int (the core names a value
+// outside the enumeration; a C++ cast to the enum type would be undefined for it).
+template <class Enum>
+Enum to_enum(int64_t value, const char* op, const char* arg) {
+  static_assert(sizeof(Enum) == sizeof(int), "C enums are int-sized");
+  const int raw = to_int(value, op, arg);
+  Enum e;
+  std::memcpy(&e, &raw, sizeof raw);
+  return e;
+}
 
 // A 2-D view of `t`; a 1-D tensor becomes one row. An undefined tensor gives a NULL matrix.
 dg_matrix to_matrix(const at::Tensor& t, const char* arg);

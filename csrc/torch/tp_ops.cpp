@@ -45,6 +45,7 @@ std::tuple<at::Tensor, at::Tensor> tp_all_gather_gemm(
     double timeout_s, bool return_gathered, const std::vector<double>& settings, bool agree_only) {
   const char* op = "distgemm.all_gather_matmul";
   TORCH_CHECK_VALUE(a.dim() == 2 && b.dim() == 2, op, ": a and b must be 2-D");
+  TORCH_CHECK_VALUE(world >= 1 && world <= INT_MAX, op, ": world must be a positive group size, got ", world);
   const c10::cuda::CUDAGuard guard(a.device());
   at::Tensor out = at::empty({a.size(0) * world, b.size(0)}, a.options().dtype(out_dtype));
   at::Tensor gathered =
@@ -65,6 +66,8 @@ at::Tensor tp_gemm_reduce_scatter(const at::Tensor& a, const at::Tensor& b, cons
                                   bool agree_only) {
   const char* op = "distgemm.matmul_reduce_scatter";
   TORCH_CHECK_VALUE(a.dim() == 2 && b.dim() == 2, op, ": a and b must be 2-D");
+  // Before the division below (world 0 would trap): tp_desc checks it again with the rank.
+  TORCH_CHECK_VALUE(world >= 1 && world <= INT_MAX, op, ": world must be a positive group size, got ", world);
   TORCH_CHECK_VALUE(a.size(0) % world == 0, op, ": a's ", a.size(0), " rows must divide by the world size ", world);
   const c10::cuda::CUDAGuard guard(a.device());
   at::Tensor out = at::empty({a.size(0) / world, b.size(0)}, a.options().dtype(out_dtype));
@@ -101,17 +104,21 @@ void tp_agree_elsewhere(int64_t kind, const at::Tensor& a, int64_t out_rows, int
 int64_t tp_workspace_size(int64_t kind, int64_t rows, int64_t k, int64_t n, at::ScalarType in_dtype,
                           at::ScalarType out_dtype, int64_t world) {
   dg_tp_desc d{};
-  d.world = static_cast<int>(world);
+  constexpr const char* kOp = "distgemm.tp_workspace_size";
+  d.world = to_int(world, kOp, "world");
   d.gemm.a = {nullptr, to_dg_dtype(in_dtype, "in_dtype"), rows, k, k, 1};
   d.gemm.d = {nullptr, to_dg_dtype(out_dtype, "out_dtype"), rows, n, n, 1};
   size_t bytes = 0;
-  check(dg_tp_workspace_size(static_cast<dg_tp_kind>(kind), &d, &bytes), "distgemm.tp_workspace_size");
+  check(dg_tp_workspace_size(to_enum<dg_tp_kind>(kind, kOp, "kind"), &d, &bytes), kOp);
   return static_cast<int64_t>(bytes);
 }
 
-int64_t tp_error(int64_t device) { return dg_tp_error(static_cast<int>(device)); }
+int64_t tp_error(int64_t device) { return dg_tp_error(to_int(device, "distgemm.tp_error", "device")); }
 
-void tp_clear_error(int64_t device) { check(dg_tp_clear_error(static_cast<int>(device)), "distgemm.tp_clear_error"); }
+void tp_clear_error(int64_t device) {
+  constexpr const char* kOp = "distgemm.tp_clear_error";
+  check(dg_tp_clear_error(to_int(device, kOp, "device")), kOp);
+}
 
 }  // namespace
 }  // namespace distgemm::torch_binding

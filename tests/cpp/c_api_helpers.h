@@ -10,9 +10,11 @@
 
 namespace dgtest {
 
-// A 16-byte aligned address that is never dereferenced, well inside the address space.
+// A 16-byte aligned address that is never dereferenced, well inside the address space; slots
+// (below 64) are 2^48 bytes apart, so the buffers of a desc never overlap (the checks refuse an
+// output that overlaps another buffer).
 inline void* fake_ptr(uint64_t slot) {
-  return reinterpret_cast<void*>(uintptr_t{0x7f0000000000} + slot * (uintptr_t{1} << 32));
+  return reinterpret_cast<void*>(uintptr_t{0x7f0000000000} + slot * (uintptr_t{1} << 48));
 }
 
 inline int dtype_bytes(dg_dtype t) {

@@ -8,9 +8,10 @@
 // check that lets an out-of-bounds descriptor through fails here, a crash or an overflow trips
 // the sanitizers.
 //
-//   distgemm_fuzz_checks [iterations=200000] [seed=1] [families=gemm,grouped,tp,quant,moe,routing]
+//   distgemm_fuzz_checks [iterations=200000] [seed=1] [families=gemm,grouped,tp,quant,moe,routing,weight]
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <climits>
 #include <cstdint>
 #include <cstdio>
@@ -83,7 +84,9 @@ int any_int() {
 }
 
 const void* any_ptr(const void* valid) {
-  switch (below(6)) {
+  switch (below(7)) {
+    case 6:  // at or near another buffer of the test's descriptors
+      return static_cast<const char*>(fake_ptr(below(60))) + 16 * below(4);
     case 0:
       return nullptr;
     case 1:
@@ -112,7 +115,8 @@ int raw(const Enum& e) {
 }
 
 long failures = 0;
-long gemm_calls = 0, gemm_passed = 0, grouped_calls = 0, grouped_passed = 0, tp_calls = 0, tp_passed = 0;
+long gemm_calls = 0, gemm_passed = 0, grouped_calls = 0, grouped_passed = 0, grouped_fp8_passed = 0, tp_calls = 0,
+     tp_passed = 0;
 
 void report(const char* what, const std::string& detail) {
   if (++failures <= 20) std::fprintf(stderr, "FAIL: %s: %s\n", what, detail.c_str());
@@ -161,8 +165,9 @@ dg_gemm_desc random_valid_gemm() {
     d.scale_b_len = coin(2) ? 1 : n;
   }
   d.fast_accum = static_cast<int>(below(2));
-  d.config = coin(4) ? any_int() : -1;
-  d.swizzle = coin(4) ? any_int() : 0;
+  d.config = -1;  // an index is valid below dg_gemm_config_count (none in a build without kernels)
+  static const int swizzles[] = {0, 1, 2, 4, 8};
+  d.swizzle = coin(4) ? swizzles[below(std::size(swizzles))] : 0;
   return d;
 }
 
@@ -253,7 +258,7 @@ bool in_bounds(const dg_matrix& m, int64_t rows, int64_t cols, std::string* why)
   return true;
 }
 
-void check_gemm_oracle(const dg_gemm_desc& d) {
+void check_gemm_oracle(const dg_gemm_desc& d, int arch) {
   std::string why;
   const int64_t m = d.a.rows, k = d.a.cols, n = d.b.rows;
   const int64_t lim = int64_t(1) << 31;
@@ -269,6 +274,11 @@ void check_gemm_oracle(const dg_gemm_desc& d) {
   if (d.c.data && !in_bounds(d.c, d.c.rows == 1 ? 1 : m, n, &why)) return report("gemm oracle c", why);
   if (d.scale_a && d.scale_a_len != 1 && d.scale_a_len != m) return report("gemm oracle", "scale_a_len");
   if (d.scale_b && d.scale_b_len != 1 && d.scale_b_len != n) return report("gemm oracle", "scale_b_len");
+  if (d.swizzle != 0 && d.swizzle != 1 && d.swizzle != 2 && d.swizzle != 4 && d.swizzle != 8)
+    return report("gemm oracle", "swizzle");
+  // The config's upper bound is known only where kernels exist (else NOT_SUPPORTED comes first).
+  const int count = dg_gemm_config_count(&d, arch);
+  if (d.config < -1 || (count > 0 && d.config >= count)) return report("gemm oracle", "config");
 }
 
 void fuzz_gemm(bool launch) {
@@ -281,7 +291,7 @@ void fuzz_gemm(bool launch) {
   expect_status(s, "dg_gemm_check");
   ++gemm_calls;
   gemm_passed += s != DG_ERROR_INVALID_ARGUMENT;
-  if (s != DG_ERROR_INVALID_ARGUMENT) check_gemm_oracle(d);
+  if (s != DG_ERROR_INVALID_ARGUMENT) check_gemm_oracle(d, arch);
   if (!mutated && !passes_checks(s)) report("dg_gemm_check", std::string("refused a valid desc: ") + dg_last_error());
 
   const int sm = coin(2) ? 132 : any_int();
@@ -299,7 +309,43 @@ void fuzz_gemm(bool launch) {
 
 // ---------------------------------------------------------------- grouped GEMM
 
+// An FP8 grouped desc: a forward with row or block scales, or a wgrad on the padded layout.
+dg_grouped_desc random_valid_grouped_fp8() {
+  const bool wgrad = coin(3);
+  const dg_dtype in = pick({DG_E4M3, DG_E5M2});
+  const int64_t g = coin(8) ? 1 + static_cast<int64_t>(below(1 << 16)) : 1 + static_cast<int64_t>(below(64));
+  const int64_t t = coin(8) ? 0 : static_cast<int64_t>(below(1 << 16));
+  const int64_t n = (wgrad ? 1 : 8) * (1 + static_cast<int64_t>(below(512)));
+  const int64_t k = (wgrad ? 4 : 16) * (1 + static_cast<int64_t>(below(512)));
+  const int64_t kb = (k + 127) / 128, nb = (n + 127) / 128;
+  dg_grouped_desc d =
+      grouped_desc(wgrad ? DG_GROUPED_WGRAD : DG_GROUPED_FORWARD, g, t, n, k, in, wgrad ? DG_F32 : DG_BF16);
+  d.scale_a = static_cast<const float*>(fake_ptr(8));
+  d.scale_b = static_cast<const float*>(fake_ptr(9));
+  if (wgrad) {
+    const int64_t tp = 128 * ((t + 127) / 128 + g);
+    d.scale_mode = DG_SCALE_BLOCK;
+    d.a_shape = shape2(n, tp);
+    d.b_shape = shape2(k, tp);
+    d.scale_a_shape = shape2(tp / 128, n);
+    d.scale_b_shape = shape2(tp / 128, k);
+  } else if (coin(2)) {
+    d.scale_mode = DG_SCALE_ROW;
+    d.scale_a_shape = {1, {t, 0, 0}};
+    d.scale_b_shape = shape2(g, n);
+  } else {
+    d.scale_mode = DG_SCALE_BLOCK;
+    d.scale_a_shape = shape2(t, kb);
+    d.scale_a_ld = std::max<int64_t>(t, 1) + (coin(2) ? 0 : static_cast<int64_t>(below(64)));
+    d.scale_b_shape = shape3(g, kb, nb);
+  }
+  d.accumulate = static_cast<int>(below(2));
+  d.config = -1;
+  return d;
+}
+
 dg_grouped_desc random_valid_grouped() {
+  if (coin(3)) return random_valid_grouped_fp8();
   const dg_grouped_kind kind = static_cast<dg_grouped_kind>(below(3));
   const dg_dtype in = pick({DG_BF16, DG_F16});
   const dg_dtype out = pick({in, DG_F32});
@@ -309,7 +355,7 @@ dg_grouped_desc random_valid_grouped() {
   const int64_t k = 8 * (1 + static_cast<int64_t>(below(512)));
   dg_grouped_desc d = grouped_desc(kind, g, t, n, k, in, out);
   d.accumulate = static_cast<int>(below(2));
-  d.config = coin(4) ? any_int() : -1;
+  d.config = -1;
   return d;
 }
 
@@ -325,7 +371,38 @@ void mutate_shape(dg_grouped_shape* s) {
 void mutate_grouped(dg_grouped_desc* d) {
   const int count = 1 + static_cast<int>(below(3));
   for (int i = 0; i < count; ++i) {
-    switch (below(11)) {
+    switch (below(13)) {
+      case 12:  // the FP8 fields
+        switch (below(6)) {
+          case 0:
+            mutate_enum(&d->scale_mode);
+            break;
+          case 1:
+            d->scale_a = static_cast<const float*>(any_ptr(fake_ptr(8)));
+            break;
+          case 2:
+            d->scale_b = static_cast<const float*>(any_ptr(fake_ptr(9)));
+            break;
+          case 3:
+            mutate_shape(&d->scale_a_shape);
+            break;
+          case 4:
+            mutate_shape(&d->scale_b_shape);
+            break;
+          default:
+            d->scale_a_ld =
+                coin(2) ? static_cast<int64_t>(static_cast<uint64_t>(d->scale_a_ld) + below(5) - 2) : any_int64();
+            break;
+        }
+        break;
+      case 11:
+        if (coin(2)) {
+          d->config = any_int();
+        } else {  // out at or near an input
+          const void* in = coin(3) ? d->a : coin(2) ? d->b : static_cast<const void*>(d->offs);
+          d->out = reinterpret_cast<void*>(reinterpret_cast<uintptr_t>(in) + 16 * (below(64) - 32));
+        }
+        break;
       case 0:
         mutate_enum(&d->kind);
         break;
@@ -388,9 +465,67 @@ bool extent_ok(const void* p, std::initializer_list<int64_t> sizes, int bytes, u
   return (u != 0 || e == 0) && u % align == 0 && (i128)u + e <= (i128)UINTPTR_MAX;
 }
 
+// Whether [p, p + bytes) and [q, q + q_bytes) share a byte (empty ranges share none).
+bool overlap(const void* p, i128 bytes, const void* q, i128 q_bytes) {
+  const i128 a = reinterpret_cast<uintptr_t>(p), b = reinterpret_cast<uintptr_t>(q);
+  return bytes > 0 && q_bytes > 0 && a < b + q_bytes && b < a + bytes;
+}
+
+// An FP8 desc that passed: the modes, shapes, extents and scales dg_grouped_desc lays out.
+void check_grouped_fp8_oracle(const dg_grouped_desc& d, int kind, int out) {
+  const int mode = raw(d.scale_mode);
+  const int64_t lim = int64_t(1) << 31, g = d.num_groups;
+  if (kind == DG_GROUPED_DGRAD || (mode != DG_SCALE_ROW && mode != DG_SCALE_BLOCK))
+    return report("grouped fp8 oracle", "kind or scale mode");
+  if (g < 1 || g >= lim) return report("grouped fp8 oracle", "groups");
+  if (d.a_shape.ndim != 2 || d.b_shape.ndim != (kind == DG_GROUPED_WGRAD ? 2 : 3))
+    return report("grouped fp8 oracle", "ndim");
+  i128 a_bytes = 0, b_bytes = 0, out_bytes = 0, sa = 0, sb = 0;
+  bool ok = extent_ok(d.offs, {g}, 4, 4);
+  if (kind == DG_GROUPED_WGRAD) {
+    const int64_t n = d.a_shape.size[0], tp = d.a_shape.size[1], k = d.b_shape.size[0], t = tp - 128 * g;
+    if (mode != DG_SCALE_BLOCK || out != DG_F32) return report("grouped fp8 oracle", "wgrad mode or out dtype");
+    if (tp % 128 || t < 0 || tp >= lim || n < 1 || n >= lim || k < 1 || k >= lim || k % 4)
+      return report("grouped fp8 oracle", "wgrad N, K or Tp");
+    ok = ok && same(d.b_shape, {k, tp}) && same(d.out_shape, {g, n, k}) && same(d.scale_a_shape, {tp / 128, n}) &&
+         same(d.scale_b_shape, {tp / 128, k}) && extent_ok(d.a, {n, tp}, 1, 16) && extent_ok(d.b, {k, tp}, 1, 16) &&
+         extent_ok(d.out, {g, n, k}, 4, 16) && extent_ok(d.scale_a, {tp / 128, n}, 4, 4) &&
+         extent_ok(d.scale_b, {tp / 128, k}, 4, 4);
+    a_bytes = (i128)n * tp, b_bytes = (i128)k * tp, out_bytes = (i128)g * n * k * 4;
+    sa = (i128)(tp / 128) * n * 4, sb = (i128)(tp / 128) * k * 4;
+  } else {
+    const int64_t t = d.a_shape.size[0], k = d.a_shape.size[1], n = d.b_shape.size[1];
+    if (out != DG_BF16) return report("grouped fp8 oracle", "forward out dtype");
+    if (t < 0 || t >= lim || n < 1 || n >= lim || k < 1 || k >= lim || k % 16 || n % 8)
+      return report("grouped fp8 oracle", "forward T, N or K");
+    const int64_t kb = (k + 127) / 128, nb = (n + 127) / 128;
+    ok = ok && same(d.b_shape, {g, n, k}) && same(d.out_shape, {t, n}) && extent_ok(d.a, {t, k}, 1, 16) &&
+         extent_ok(d.b, {g, n, k}, 1, 16) && extent_ok(d.out, {t, n}, 2, 16);
+    a_bytes = (i128)t * k, b_bytes = (i128)g * n * k, out_bytes = (i128)t * n * 2;
+    if (mode == DG_SCALE_ROW) {
+      ok = ok && same(d.scale_a_shape, {t}) && same(d.scale_b_shape, {g, n}) && extent_ok(d.scale_a, {t}, 4, 4) &&
+           extent_ok(d.scale_b, {g, n}, 4, 4);
+      sa = (i128)t * 4, sb = (i128)g * n * 4;
+    } else {
+      const i128 span = (i128)(kb - 1) * d.scale_a_ld + t;
+      ok = ok && same(d.scale_a_shape, {t, kb}) && same(d.scale_b_shape, {g, kb, nb}) &&
+           d.scale_a_ld >= std::max<int64_t>(t, 1) && span <= INT64_MAX / 4 &&
+           extent_ok(d.scale_a, {static_cast<int64_t>(span)}, 4, 4) && extent_ok(d.scale_b, {g, kb, nb}, 4, 4);
+      sa = span * 4, sb = (i128)g * kb * nb * 4;
+    }
+  }
+  if (!ok) return report("grouped fp8 oracle", "shapes, pointers or extents");
+  if (overlap(d.out, out_bytes, d.a, a_bytes) || overlap(d.out, out_bytes, d.b, b_bytes) ||
+      overlap(d.out, out_bytes, d.offs, 4 * (i128)g) || overlap(d.out, out_bytes, d.scale_a, sa) ||
+      overlap(d.out, out_bytes, d.scale_b, sb))
+    report("grouped fp8 oracle", "out overlaps an input");
+}
+
 void check_grouped_oracle(const dg_grouped_desc& d) {
   const int kind = raw(d.kind), in = raw(d.in_dtype), out = raw(d.out_dtype);
   if (kind < 0 || kind > 2) return report("grouped oracle", "kind");
+  if (d.config < -1) return report("grouped oracle", "config");
+  if (in == DG_E4M3 || in == DG_E5M2) return check_grouped_fp8_oracle(d, kind, out);
   if (!(in == DG_BF16 || in == DG_F16) || !(out == in || out == DG_F32)) return report("grouped oracle", "dtypes");
   const int64_t lim = int64_t(1) << 31, g = d.num_groups;
   if (g < 1 || g >= lim) return report("grouped oracle", "groups");
@@ -411,7 +546,16 @@ void check_grouped_oracle(const dg_grouped_desc& d) {
     ok = ok && same(d.b_shape, {g, fwd ? n : k, fwd ? k : n}) && same(d.out_shape, {t, n}) &&
          extent_ok(d.a, {t, k}, ib, 16) && extent_ok(d.b, {g, n, k}, ib, 16) && extent_ok(d.out, {t, n}, ob, 16);
   }
-  if (!ok) report("grouped oracle", "shapes, pointers or extents");
+  if (!ok) return report("grouped oracle", "shapes, pointers or extents");
+  // out shares no byte with the buffers the kernels read.
+  const i128 out_bytes = wgrad ? (i128)g * n * k * ob : (i128)t * n * ob;
+  const i128 a_bytes = (i128)t * (wgrad ? n : k) * ib, b_bytes = wgrad ? (i128)t * k * ib : (i128)g * n * k * ib;
+  auto apart = [&](const void* p, i128 bytes) {
+    const i128 o = reinterpret_cast<uintptr_t>(d.out), q = reinterpret_cast<uintptr_t>(p);
+    return out_bytes == 0 || bytes == 0 || o + out_bytes <= q || q + bytes <= o;
+  };
+  if (!apart(d.a, a_bytes) || !apart(d.b, b_bytes) || !apart(d.offs, 4 * (i128)g))
+    report("grouped oracle", "out overlaps an input");
 }
 
 void fuzz_grouped(bool launch) {
@@ -426,6 +570,7 @@ void fuzz_grouped(bool launch) {
   if (dump) std::fprintf(dump, "%d %s\n", raw(s), s == DG_SUCCESS ? "" : dg_last_error());
   ++grouped_calls;
   grouped_passed += s != DG_ERROR_INVALID_ARGUMENT;
+  grouped_fp8_passed += s != DG_ERROR_INVALID_ARGUMENT && (raw(d.in_dtype) == DG_E4M3 || raw(d.in_dtype) == DG_E5M2);
   if (s != DG_ERROR_INVALID_ARGUMENT) check_grouped_oracle(d);
   if (!mutated && !passes_checks(s))
     report("dg_grouped_gemm_workspace_size", std::string("refused a valid desc: ") + dg_last_error());
@@ -601,6 +746,26 @@ bool quant_buffer(const void* p, i128 bytes, unsigned align) {
   return (bytes == 0 || p != nullptr) && a % align == 0 && a + bytes <= (i128)UINTPTR_MAX;
 }
 
+// A buffer of a call, for the oracle: `bytes` from p, and whether the call writes it.
+struct Buf {
+  const void* p;
+  i128 bytes;
+  bool written;
+};
+
+// No written buffer shares a byte with another one (empty buffers share none).
+bool apart(std::initializer_list<Buf> bufs) {
+  for (const Buf& w : bufs) {
+    if (!w.written || w.bytes <= 0) continue;
+    const i128 w0 = reinterpret_cast<uintptr_t>(w.p);
+    for (const Buf& o : bufs) {
+      const i128 o0 = reinterpret_cast<uintptr_t>(o.p);
+      if (&o != &w && o.bytes > 0 && w0 < o0 + o.bytes && o0 < w0 + w.bytes) return false;
+    }
+  }
+  return true;
+}
+
 void fuzz_quant(bool launch) {
   dg_quantize_desc d = random_valid_quantize();
   const bool mutated = !coin(8);
@@ -637,6 +802,12 @@ void fuzz_quant(bool launch) {
       report("dg_quantize_fp8 oracle", "offs");
     else if ((i128)d.workspace_bytes < l.workspace || (l.workspace > 0 && !quant_buffer(d.workspace, l.workspace, 4)))
       report("dg_quantize_fp8 oracle", "workspace");
+    else if (!apart({{d.out, l.data, true},
+                     {d.scale, 4 * l.scale, true},
+                     {d.workspace, l.workspace, true},
+                     {d.x, l.x_bytes, false},
+                     {d.offs, 4 * (i128)d.num_groups, false}}))
+      report("dg_quantize_fp8 oracle", "an output overlaps another buffer");
   }
   if (!mutated && !passes_checks(st))
     report("dg_quantize_fp8", std::string("refused a valid desc: ") + dg_last_error());
@@ -749,6 +920,16 @@ void fuzz_moe(bool launch) {
              (d.num_groups < 1 || !quant_buffer(d.yt_scale, 4 * y_cols * (tp / 128), 4) ||
               !quant_buffer(d.offs, 4 * (i128)d.num_groups, 4) || (i128)d.workspace_bytes < 4 * (i128)d.num_groups))
       report("dg_moe_activation oracle", "transposed copy, offs or workspace");
+    else if (!apart({{d.y, d.y ? 2 * t * y_cols : 0, true},
+                     {d.y_fp8, d.y_fp8 ? t * y_cols : 0, true},
+                     {d.y_scale, d.y_fp8 ? 4 * t * ((y_cols + 127) / 128) : 0, true},
+                     {d.yt_fp8, d.yt_fp8 ? y_cols * tp : 0, true},
+                     {d.yt_scale, d.yt_fp8 ? 4 * y_cols * (tp / 128) : 0, true},
+                     {d.workspace, d.yt_fp8 ? 4 * (i128)d.num_groups : 0, true},
+                     {d.x, 2 * t * (swiglu ? 2 * c : c), false},
+                     {d.dy, act == DG_MOE_SWIGLU_BACKWARD || act == DG_MOE_GELU_BACKWARD ? 2 * t * c : 0, false},
+                     {d.offs, d.yt_fp8 ? 4 * (i128)d.num_groups : 0, false}}))
+      report("dg_moe_activation oracle", "an output overlaps another buffer");
     else if (ss != DG_SUCCESS)
       report("dg_moe_activation", "accepted a desc its workspace query refused");
   }
@@ -822,10 +1003,103 @@ void fuzz_permute(bool launch) {
               !quant_buffer(d.yt_scale, 4 * c * (tp / 128), 4) || !quant_buffer(d.offs, 4 * (i128)d.num_groups, 4) ||
               (i128)d.workspace_bytes < 4 * (i128)d.num_groups))
       report("dg_moe_permute oracle", "transposed copy, offs or workspace");
+    else if (!apart({{d.y, d.y ? 2 * r * c : 0, true},
+                     {d.y_fp8, d.y_fp8 ? r * c : 0, true},
+                     {d.y_scale, d.y_fp8 ? 4 * r * ((c + 127) / 128) : 0, true},
+                     {d.yt_fp8, d.yt_fp8 ? c * tp : 0, true},
+                     {d.yt_scale, d.yt_fp8 ? 4 * c * (tp / 128) : 0, true},
+                     {d.workspace, d.yt_fp8 ? 4 * (i128)d.num_groups : 0, true},
+                     {d.x, 2 * (i128)d.x_rows * c, false},
+                     {d.rows, 8 * r, false},
+                     {d.offs, d.yt_fp8 ? 4 * (i128)d.num_groups : 0, false}}))
+      report("dg_moe_permute oracle", "an output overlaps another buffer");
     else if (ss != DG_SUCCESS)
       report("dg_moe_permute", "accepted a desc its workspace query refused");
   }
   if (!mutated && !passes_checks(st)) report("dg_moe_permute", std::string("refused a valid desc: ") + dg_last_error());
+}
+
+// ---------------------------------------------------------------- FP8 weight quantization
+
+long weight_calls = 0, weight_passed = 0;
+
+// dg_quantize_fp8_weight: w (groups, rows, cols) into out and / or out_t, scale and scale_t.
+void fuzz_weight(bool launch) {
+  dg_quantize_weight_desc d{};
+  d.w = fake_ptr(30);
+  d.w_dtype = pick({DG_BF16, DG_F16, DG_F32});
+  d.groups = coin(8) ? 0 : static_cast<int64_t>(below(64));
+  d.rows = coin(8) ? 0 : static_cast<int64_t>(below(1 << 13));
+  d.cols = coin(8) ? 0 : static_cast<int64_t>(below(1 << 13));
+  do {
+    d.out = coin(2) ? fake_ptr(31) : nullptr;
+    d.out_t = coin(2) ? fake_ptr(32) : nullptr;
+  } while (!d.out && !d.out_t);
+  d.scale = static_cast<float*>(fake_ptr(33));
+  d.scale_t = coin(2) ? static_cast<float*>(fake_ptr(34)) : nullptr;
+  d.out_dtype = pick({DG_E4M3, DG_E5M2});
+  const bool mutated = !coin(8);
+  const int count = mutated ? 1 + static_cast<int>(below(3)) : 0;
+  for (int i = 0; i < count; ++i) {
+    switch (below(10)) {
+      case 0:
+        mutate_enum(&d.w_dtype);
+        break;
+      case 1:
+        mutate_enum(&d.out_dtype);
+        break;
+      case 2:
+        d.groups = any_int64();
+        break;
+      case 3:
+        d.rows = any_int64();
+        break;
+      case 4:
+        d.cols = any_int64();
+        break;
+      case 5:
+        d.w = any_ptr(fake_ptr(30));
+        break;
+      case 6:
+        d.out = const_cast<void*>(any_ptr(fake_ptr(31)));
+        break;
+      case 7:
+        d.out_t = const_cast<void*>(any_ptr(fake_ptr(32)));
+        break;
+      case 8:
+        d.scale = static_cast<float*>(const_cast<void*>(any_ptr(fake_ptr(33))));
+        break;
+      default:
+        d.scale_t = static_cast<float*>(const_cast<void*>(any_ptr(fake_ptr(34))));
+        break;
+    }
+  }
+  if (!launch) return;
+  const dg_status st = dg_quantize_fp8_weight(&d, nullptr);
+  expect_status(st, "dg_quantize_fp8_weight");
+  ++weight_calls;
+  weight_passed += st != DG_ERROR_INVALID_ARGUMENT;
+  if (st != DG_ERROR_INVALID_ARGUMENT) {
+    const int in = raw(d.w_dtype), out = raw(d.out_dtype);
+    const i128 g = d.groups, r = d.rows, c = d.cols, elems = g * r * c;
+    const i128 scales = g * ((r + 127) / 128) * ((c + 127) / 128), eb = in == DG_F32 ? 4 : 2;
+    if ((in != DG_BF16 && in != DG_F16 && in != DG_F32) || (out != DG_E4M3 && out != DG_E5M2))
+      report("dg_quantize_fp8_weight oracle", "dtypes");
+    else if (g < 0 || r < 0 || c < 0 || elems * eb > INT64_MAX || scales * 4 > INT64_MAX)
+      report("dg_quantize_fp8_weight oracle", "sizes");
+    else if ((!d.out && !d.out_t) || !quant_buffer(d.w, elems * eb, (unsigned)eb) ||
+             (d.out && !quant_buffer(d.out, elems, 1)) || (d.out_t && !quant_buffer(d.out_t, elems, 1)) ||
+             !quant_buffer(d.scale, 4 * scales, 4) || (d.scale_t && !quant_buffer(d.scale_t, 4 * scales, 4)))
+      report("dg_quantize_fp8_weight oracle", "w, out, out_t, scale or scale_t");
+    else if (!apart({{d.out, d.out ? elems : 0, true},
+                     {d.out_t, d.out_t ? elems : 0, true},
+                     {d.scale, 4 * scales, true},
+                     {d.scale_t, d.scale_t ? 4 * scales : 0, true},
+                     {d.w, elems * eb, false}}))
+      report("dg_quantize_fp8_weight oracle", "an output overlaps another buffer");
+  }
+  if (!mutated && !passes_checks(st))
+    report("dg_quantize_fp8_weight", std::string("refused a valid desc: ") + dg_last_error());
 }
 
 // ---------------------------------------------------------------- MoE routing (combine)
@@ -921,12 +1195,24 @@ void fuzz_routing(bool launch) {
       (!common_ok || !quant_buffer(f.y, (i128)f.num_rows * f.hidden * eb, (unsigned)eb) ||
        !quant_buffer(f.out, (i128)f.tokens * f.hidden * eb, (unsigned)eb)))
     report("dg_moe_combine oracle", "sizes, rows, weights, y or out");
+  else if (sf != DG_ERROR_INVALID_ARGUMENT && !apart({{f.out, (i128)f.tokens * f.hidden * eb, true},
+                                                      {f.y, (i128)f.num_rows * f.hidden * eb, false},
+                                                      {f.rows, 8 * slots, false},
+                                                      {f.weights, f.weights ? 4 * slots : 0, false}}))
+    report("dg_moe_combine oracle", "out overlaps another buffer");
   if (sb != DG_ERROR_INVALID_ARGUMENT &&
       (!common_ok || !quant_buffer(b.dy, (i128)b.tokens * b.hidden * eb, (unsigned)eb) ||
        !quant_buffer(b.dy_rows, (i128)b.num_rows * b.hidden * eb, (unsigned)eb) ||
        (b.dweights != nullptr && (!quant_buffer(b.dweights, 4 * slots, 4) ||
                                   !quant_buffer(b.y, (i128)b.num_rows * b.hidden * eb, (unsigned)eb)))))
     report("dg_moe_combine_backward oracle", "sizes, rows, weights, dy, dy_rows, dweights or y");
+  else if (sb != DG_ERROR_INVALID_ARGUMENT && !apart({{b.dy_rows, (i128)b.num_rows * b.hidden * eb, true},
+                                                      {b.dweights, b.dweights ? 4 * slots : 0, true},
+                                                      {b.dy, (i128)b.tokens * b.hidden * eb, false},
+                                                      {b.y, b.dweights ? (i128)b.num_rows * b.hidden * eb : 0, false},
+                                                      {b.rows, 8 * slots, false},
+                                                      {b.weights, b.weights ? 4 * slots : 0, false}}))
+    report("dg_moe_combine_backward oracle", "an output overlaps another buffer");
   if (!mutated && !passes_checks(sb))
     report("dg_moe_combine_backward", std::string("refused a valid desc: ") + dg_last_error());
 }
@@ -936,13 +1222,14 @@ void fuzz_routing(bool launch) {
 int main(int argc, char** argv) {
   const long iterations = argc > 1 ? std::strtol(argv[1], nullptr, 10) : 200000;
   const unsigned long long seed = argc > 2 ? std::strtoull(argv[2], nullptr, 10) : 1;
-  const std::string families = argc > 3 ? argv[3] : "gemm,grouped,tp,quant,moe,routing";
+  const std::string families = argc > 3 ? argv[3] : "gemm,grouped,tp,quant,moe,routing,weight";
   const bool gemm = families.find("gemm") != std::string::npos;
   const bool grouped = families.find("grouped") != std::string::npos;
   const bool tp = families.find("tp") != std::string::npos;
   const bool quant = families.find("quant") != std::string::npos;
   const bool moe = families.find("moe") != std::string::npos;
   const bool routing = families.find("routing") != std::string::npos;
+  const bool weight = families.find("weight") != std::string::npos;
   rng.seed(seed);
   // The launching entry points stop at their checks only where no GPU can run a descriptor
   // that passed them (its pointers are fake).
@@ -966,17 +1253,19 @@ int main(int argc, char** argv) {
     if (moe && i % 4 == 1) fuzz_moe(launch);
     if (moe && i % 4 == 2) fuzz_permute(launch);
     if (routing && i % 4 == 3) fuzz_routing(launch);
+    if (weight && i % 4 == 0) fuzz_weight(launch);
     dg_status s;
     set_raw(&s, static_cast<int>(below(8)));  // within the enum's range (C++)
     if (dg_status_name(s) == nullptr) report("dg_status_name", "NULL");
   }
   std::printf(
       "%ld iterations over %s (seed %llu, launching entry points %s)\n"
-      "passed the checks: gemm %ld of %ld, grouped %ld of %ld, tp %ld of %ld, quant %ld of %ld, moe %ld of %ld, "
-      "permute %ld of %ld, routing %ld of %ld\n"
+      "passed the checks: gemm %ld of %ld, grouped %ld of %ld (FP8 %ld), tp %ld of %ld, quant %ld of %ld, moe %ld of "
+      "%ld, "
+      "permute %ld of %ld, routing %ld of %ld, weight %ld of %ld\n"
       "%ld failures\n",
       iterations, families.c_str(), seed, launch ? "included" : "skipped: a GPU is present", gemm_passed, gemm_calls,
-      grouped_passed, grouped_calls, tp_passed, tp_calls, quant_passed, quant_calls, moe_passed, moe_calls,
-      permute_passed, permute_calls, routing_passed, routing_calls, failures);
+      grouped_passed, grouped_calls, grouped_fp8_passed, tp_passed, tp_calls, quant_passed, quant_calls, moe_passed,
+      moe_calls, permute_passed, permute_calls, routing_passed, routing_calls, weight_passed, weight_calls, failures);
   return failures == 0 ? 0 : 1;
 }

@@ -259,6 +259,54 @@ TEST(TpLoopback, GemmReduceScatterMatchesTheReference) {
   }
 }
 
+// gemm.config is an index into dg_gemm_config_name's list in every step of the ring: a chained
+// step (which waits for its C inside the kernel) refuses a non-cooperative config by name, and
+// takes a cooperative one as the index says (not the index into a list of cooperative kernels).
+TEST(TpLoopback, ReduceScatterConfigIndexesDgGemmConfigName) {
+  REQUIRE_SM90();
+  const int64_t m = 256, k = 256, n = 256;
+  Buffer a(kWorld * m * k * 2), b(n * k * 2), out(m * n * 2);
+  upload_bf16(a, random_values(kWorld * m * k, 40, 1.f));
+  upload_bf16(b, random_values(n * k, 41, 0.05f));
+  dg_gemm_desc g{};
+  g.a = matrix(a.ptr, DG_BF16, kWorld * m, k);
+  g.b = matrix(b.ptr, DG_BF16, n, k);
+  g.d = matrix(out.ptr, DG_BF16, m, n);
+  g.alpha = 1.f;
+  g.config = -1;
+  dg_tp_desc probe{};
+  probe.gemm = g;
+  probe.world = kWorld;
+  size_t need = 0;
+  ASSERT_EQ(dg_tp_workspace_size(DG_TP_GEMM_REDUCE_SCATTER, &probe, &need), DG_SUCCESS) << dg_last_error();
+  const dg_tp_settings fused{DG_TP_ALGO_FUSED, 0, 0, 0.0};
+  const int count = dg_gemm_config_count(&g, 90);
+  int cooperative = 0, other = 0;
+  for (int i = 0; i < count; ++i) {
+    const std::string name = dg_gemm_config_name(&g, 90, i);
+    SCOPED_TRACE(name);
+    g.config = i;
+    LoopbackGroup lone(need);
+    dg_tp_desc d = lone.desc(0, g, fused);
+    d.timeout_s = 1.0;  // no peer calls: a call that runs times out
+    const dg_status st = dg_gemm_reduce_scatter(&d, lone.streams[0]);
+    if (name.rfind("coop", 0) == 0) {
+      ++cooperative;
+      EXPECT_EQ(st, DG_SUCCESS) << dg_last_error();
+    } else {
+      ++other;
+      EXPECT_EQ(st, DG_ERROR_INVALID_ARGUMENT);
+      EXPECT_NE(std::string(dg_last_error()).find("config " + std::to_string(i) + " (" + name + ")"), std::string::npos)
+          << dg_last_error();
+      EXPECT_NE(std::string(dg_last_error()).find("cooperative"), std::string::npos) << dg_last_error();
+    }
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    EXPECT_EQ(dg_tp_clear_error(0), DG_SUCCESS) << dg_last_error();
+  }
+  EXPECT_GT(cooperative, 0);
+  EXPECT_GT(other, 0) << "the bf16 list has ping-pong configs";
+}
+
 // FP8 scales of each rank's operands: one value per tensor, or one per row of a and of b; they
 // differ by rank, so that a GEMM over a peer's gathered rows must use that peer's scales.
 struct Fp8Scales {

@@ -94,3 +94,18 @@ def test_the_ops_refuse_settings_that_do_not_convert_to_int(settings, match, cle
         ops.tp_all_gather_gemm(a, b, None, 1.0, 0.0, torch.bfloat16, None, None, False, 5, WORLD, ptrs, need,
                                30.0, False, [0, 0, 0, 0])
     assert ops.tp_error(clean_error_word) == 0
+
+
+@pytest.mark.parametrize("world", [0, -2, 2**32 + 2])
+def test_the_ops_refuse_a_world_that_is_not_a_group_size(world, clean_error_word):
+    # Checked first: the reduce-scatter divides a's rows by world (0 trapped the process), the
+    # all-gather multiplies by it to size out.
+    a = torch.randn(128, 64, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(256, 64, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(ValueError, match="world must be a positive group size"):
+        ops.tp_gemm_reduce_scatter(a, b, None, 1.0, 0.0, torch.bfloat16, None, None, False, 0, world, [], 0, 30.0,
+                                   [0, 0, 0, 0])
+    with pytest.raises(ValueError, match="world must be a positive group size"):
+        ops.tp_all_gather_gemm(a, b, None, 1.0, 0.0, torch.bfloat16, None, None, False, 0, world, [], 0, 30.0,
+                               False, [0, 0, 0, 0])
+    assert ops.tp_error(clean_error_word) == 0

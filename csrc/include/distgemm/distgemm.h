@@ -7,6 +7,9 @@
  * stays valid for the thread's lifetime (the next failure on the thread rewrites the text).
  * Nothing here allocates device memory or synchronizes with the host: callers pass
  * workspaces, so every call can be captured in a CUDA graph.
+ * Buffers a call writes (outputs, workspaces) share no byte with any other buffer of the call:
+ * the grouped GEMM, quantization, MoE activation, permute and combine calls refuse an overlap
+ * (the kernels read their inputs while they write, in no order in-place use could rely on).
  */
 #ifndef DISTGEMM_DISTGEMM_H_
 #define DISTGEMM_DISTGEMM_H_
@@ -37,7 +40,9 @@ typedef struct dg_matrix {
 /* D = alpha * (scale_a[:, None] * scale_b[None, :] * (A @ B^T)) + beta * C
  *   A (M, K), B (N, K), D (M, N) row-major.
  *   C: NULL data, (M, N), or a bias row (1, N) broadcast over the rows.
- *   scale_a: NULL (1.0), 1 value, or M values; scale_b: NULL, 1 value or N values (FP32). */
+ *   scale_a: NULL (1.0), 1 value, or M values; scale_b: NULL, 1 value or N values (FP32).
+ *   D must share no element with A, B or the scales; this is not checked (strided views of one
+ *   buffer may interleave without sharing elements, which byte ranges cannot tell). */
 typedef struct dg_gemm_desc {
   dg_matrix a;
   dg_matrix b;
@@ -92,7 +97,8 @@ DG_API int dg_gemm_select_config(const dg_gemm_desc* desc, int device_arch, int 
  * off the shapes (T and K from a for FORWARD/DGRAD; T and N from a, K from b for WGRAD), and
  * every other size must agree with them. Errors name the tensors as above (x, w, dy, offs, out).
  * Limits: 1 <= G < 2^31, 0 <= T < 2^31 (int32 offsets), 1 <= N, K < 2^31, N and K (and out's
- * rows) multiples of 16 bytes, every tensor's bytes within int64 and the address space. */
+ * rows) multiples of 16 bytes, every tensor's bytes within int64 and the address space; out shares
+ * no byte with a, b, offs or the scales (refused: the kernels read them while they write out). */
 
 /* A tensor's sizes: ndim of them in size[0..ndim-1] (row-major and contiguous). A caller with a
  * tensor of more than 3 dimensions passes its ndim (and its first 3 sizes): it is refused. */
