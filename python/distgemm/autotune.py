@@ -54,15 +54,16 @@ def _cache_file() -> Path:
 
 def _read_choices(path: Path, warn: bool = True) -> Dict[str, str]:
     """The choices stored in `path`: {} when there is no file; a file that is not a flat JSON
-    object of strings (corrupt, truncated, or nested past the parser's recursion limit) is
-    treated as empty, with a warning, and rewritten at the next save."""
+    object of strings (corrupt, truncated, not UTF-8, or nested past the parser's recursion
+    limit) is treated as empty, with a warning, and rewritten at the next save."""
     try:
-        text = path.read_text()
+        raw = path.read_bytes()
     except OSError:
         return {}
     try:
-        data = json.loads(text)
-    except (ValueError, RecursionError) as e:  # deep nesting raises RecursionError, not ValueError
+        # UnicodeDecodeError is a ValueError; deep nesting raises RecursionError, not ValueError
+        data = json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError) as e:
         data = e
     if not isinstance(data, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in data.items()):
         what = type(data).__name__ if not isinstance(data, Exception) else f"unreadable: {type(data).__name__}"

@@ -94,10 +94,14 @@ def test_two_processes_storing_at_once_keep_both_sides_choices(tmp_path):
     assert not list(tmp_path.glob("*.tmp")), "a temporary file was left behind"
 
 
-@pytest.mark.parametrize("content", ["[" * 200_000, '{"k": {"nested": "dict"}}', "{truncated", "[1, 2]"])
+@pytest.mark.parametrize("content", ["[" * 200_000, '{"k": {"nested": "dict"}}', "{truncated", "[1, 2]",
+                                     b"\xff\xfe{\x80 not UTF-8", b'{"k": "\xc3"}'])
 def test_a_corrupt_cache_file_is_treated_as_empty(monkeypatch, tmp_path, content):
     path = tmp_path / "cache.json"
-    path.write_text(content)
+    if isinstance(content, bytes):  # binary garbage (a truncated or clobbered write)
+        path.write_bytes(content)
+    else:
+        path.write_text(content)
     monkeypatch.setattr(autotune, "_LOADED", False)
     autotune.clear()
     try:
