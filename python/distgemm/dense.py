@@ -391,7 +391,7 @@ def gemm_unchecked(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum
     if not _is_compiling():
         signature = _call_signature(a, b, c, alpha, beta, out_dtype,
                                     (scale_a, scale_b, fast_accum) if scaled else None)
-    if scaled and block_scales(b, scale_b):
+    if scaled and block_scales(a, b, scale_a, scale_b):
         # Remembered for bfloat16 out without c only: gemm refuses others, but looks its table up
         # before its checks. The TP ops pass a c, which these kernels have no epilogue for.
         call = _Call(a, b, None, alpha, beta, torch.bfloat16, scale_a, scale_b, fast_accum, None, arch,
