@@ -297,8 +297,9 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *,
                               accumulate=accumulate, out_dtype=out_dtype, trans_w=trans_w,
                               use_fast_accum=use_fast_accum)
     if scale_x is not None or scale_w is not None:
-        raise ValueError(f"{op}: scale_x and scale_w apply to float8 inputs only (x is "
-                         f"{getattr(x, 'dtype', None)})")
+        if not isinstance(x, torch.Tensor):  # x itself is what is wrong
+            raise TypeError(f"{op}: x must be a torch.Tensor, got {type(x).__name__}")
+        raise ValueError(f"{op}: scale_x and scale_w apply to float8 inputs only (x is {x.dtype})")
     _check_inputs(op, [("x", x, 2), ("w", w, 3)])
     groups, k = w.shape[0], x.shape[1]
     n = w.shape[1] if trans_w else w.shape[2]
@@ -374,8 +375,9 @@ def grouped_mm_wgrad(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, *,
         return grouped_mm_wgrad_fp8(dy, x, offs, scale_dy=scale_dy, scale_x=scale_x, out=out,
                                     accumulate=accumulate, out_dtype=out_dtype)
     if scale_dy is not None or scale_x is not None:
-        raise ValueError(f"{op}: scale_dy and scale_x apply to float8 inputs only (dy is "
-                         f"{getattr(dy, 'dtype', None)})")
+        if not isinstance(dy, torch.Tensor):  # dy itself is what is wrong
+            raise TypeError(f"{op}: dy must be a torch.Tensor, got {type(dy).__name__}")
+        raise ValueError(f"{op}: scale_dy and scale_x apply to float8 inputs only (dy is {dy.dtype})")
     _check_inputs(op, [("dy", dy, 2), ("x", x, 2)])
     if dy.shape[0] != x.shape[0]:
         raise ValueError(f"{op}: dy and x must have the same number of rows, got {_shape(dy)} and {_shape(x)}")
