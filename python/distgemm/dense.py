@@ -103,10 +103,16 @@ def _repeat_call(a, b, c, alpha, beta, out_dtype, scales=None) -> Optional[Calla
         run = _REPEAT_CALLS.get(_call_signature(a, b, c, alpha, beta, out_dtype, scales))
     except TypeError:  # an unhashable argument: the checks name it
         return None
-    if run is None or (torch.is_grad_enabled()
-                       and (a.requires_grad or b.requires_grad or (c is not None and c.requires_grad))):
+    # bool (and NumPy's) hash and compare equal to 1 and 0, which the checks refuse: only the
+    # plain number types may stand for the checked floats a signature was stored with.
+    if (run is None or alpha.__class__ not in _PLAIN_REALS or beta.__class__ not in _PLAIN_REALS
+            or (torch.is_grad_enabled()
+                and (a.requires_grad or b.requires_grad or (c is not None and c.requires_grad)))):
         return None
     return run
+
+
+_PLAIN_REALS = frozenset((float, int))
 
 
 class _Call:

@@ -5,6 +5,7 @@ are the disk cache's: a change of them would drop every user's stored choices.""
 
 import contextlib
 
+import numpy as np
 import pytest
 import torch
 
@@ -410,3 +411,14 @@ def test_block_scaled_runner_never_hands_a_graph_tensor_to_eager_calls(gpu, monk
         distgemm.gemm(a, b, scale_a=sa, scale_b=sb)
     assert dense._REPEAT_CALLS and autotune.last_backend() == "cutlass:grouped"
     assert seen == [(True, True), (False, False), (False, False), (True, True)], seen
+
+
+@pytest.mark.parametrize("name, value", [("alpha", True), ("beta", False), ("alpha", np.True_), ("beta", np.False_)])
+def test_a_repeated_call_refuses_bool_alpha_and_beta_as_the_first_does(gpu, name, value):
+    """bool hashes and compares equal to 1 and 0: the table of repeat calls must not answer a
+    call whose checks refuse it."""
+    for a, b, scales in ((*bf16(), {}), (*fp8()[:2], dict(scale_a=fp8()[2], scale_b=fp8()[3]))):
+        distgemm.gemm(a, b, **scales, **{name: float(value)})  # settled and remembered
+        with pytest.raises(TypeError, match=f"{name} must be a real number"):
+            distgemm.gemm(a, b, **scales, **{name: value})
+        distgemm.gemm(a, b, **scales, **{name: int(value)})  # an int is a real number
