@@ -164,7 +164,8 @@ _KIND_NAMES = ("forward", "dgrad", "wgrad")
 def _call_signature(x, w, offs, out_dtype, trans_w) -> Optional[tuple]:
     try:
         return (x.shape, x.stride(), x.dtype, x.device, w.shape, w.stride(), w.dtype, w.device,
-                offs.shape, offs.stride(), offs.dtype, offs.device, out_dtype, trans_w,
+                offs.shape, offs.stride(), offs.dtype, offs.device, out_dtype,
+                trans_w, trans_w.__class__,  # 1.0 equals True as a key, and its check refuses it
                 (x.data_ptr() | w.data_ptr()) & 15 == 0,  # eager only: the lookup and put skip tracing
                 id(_current_settings()))  # equal settings are one object
     except AttributeError:  # not tensors: the checks name the argument
@@ -281,7 +282,8 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *,
     (``use_fast_accum`` is accepted and changes nothing). Not differentiable.
     """
     op = "distgemm.grouped_mm"
-    plain = out is None and accumulate is False and scale_x is None and scale_w is None
+    plain = (out is None and accumulate is False and scale_x is None and scale_w is None
+             and (use_fast_accum is False or use_fast_accum is True))  # checked below, not part of the call
     if plain and _REPEAT_CALLS and not torch.compiler.is_compiling() and not needs_autograd(x, w):
         try:
             run = _REPEAT_CALLS.get(_call_signature(x, w, offs, out_dtype, trans_w))

@@ -422,3 +422,14 @@ def test_a_repeated_call_refuses_bool_alpha_and_beta_as_the_first_does(gpu, name
         with pytest.raises(TypeError, match=f"{name} must be a real number"):
             distgemm.gemm(a, b, **scales, **{name: value})
         distgemm.gemm(a, b, **scales, **{name: int(value)})  # an int is a real number
+
+
+@pytest.mark.parametrize("flags", [dict(trans_w=1.0), dict(use_fast_accum="yes"), dict(use_fast_accum=None)])
+def test_a_repeated_grouped_call_refuses_the_flags_its_first_call_refuses(grouped_gpu, flags):
+    """1.0 hashes and compares equal to True; use_fast_accum is checked, not part of the call:
+    the table of repeat calls must not answer a call whose checks refuse it."""
+    x, w, offs = routed()
+    distgemm.grouped_mm(x, w, offs)
+    distgemm.grouped_mm(x, w, offs)  # remembered
+    with pytest.raises(TypeError, match="must be True or False"):
+        distgemm.grouped_mm(x, w, offs, **flags)
