@@ -339,6 +339,8 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *,
         ops.grouped_mm_out(x, w, offs, out, accumulate, trans_w, code)
         return out
     if backend == "torch":
+        if out is not None and offs.numel() == 0:  # no groups: no rows to write (and no offs[-1])
+            return out
         x, w = aligned16(x.contiguous()), aligned16(w.contiguous())  # its stride checks refuse other views
         y = torch._grouped_mm(x, w.transpose(-2, -1) if trans_w else w, offs=offs, out_dtype=out_dtype)
         if out is None:

@@ -433,3 +433,13 @@ def test_a_repeated_grouped_call_refuses_the_flags_its_first_call_refuses(groupe
     distgemm.grouped_mm(x, w, offs)  # remembered
     with pytest.raises(TypeError, match="must be True or False"):
         distgemm.grouped_mm(x, w, offs, **flags)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cutlass", "cublas", "auto"])
+def test_grouped_without_groups_leaves_out_as_it_was(grouped_gpu, backend):
+    """G = 0: no rows belong to a group, so out keeps every row (the torch backend read offs[-1])."""
+    x, w, offs = routed()
+    out = torch.full((100, 64), 7.0, dtype=BF16)
+    with distgemm.settings(grouped_backend=backend):
+        assert distgemm.grouped_mm(x, w[:0], offs[:0], out=out) is out
+    assert torch.all(out == 7)
