@@ -120,6 +120,9 @@ def check_operands(op: str, a, b, c, out_dtype, scale_a, scale_b) -> torch.dtype
     if block_scaled and (out_dtype != torch.bfloat16 or c is not None):
         raise ValueError(f"{op}: 128-block scales give bfloat16 out without c (got out_dtype "
                          f"{out_dtype}, c {'given' if c is not None else 'None'})")
+    if block_scaled and b.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"{op}: 128-block scales take a float8_e4m3fn b (a float8_e4m3fn or float8_e5m2), "
+                         f"got b {b.dtype}")
     for name, s, length, axis in (("scale_a", scale_a, m, "M"), ("scale_b", scale_b, n, "N")):
         if s is None:
             continue
@@ -130,9 +133,26 @@ def check_operands(op: str, a, b, c, out_dtype, scale_a, scale_b) -> torch.dtype
         if s.device != a.device:
             raise ValueError(f"{op}: {name} is on {s.device} but a is on {a.device}")
         if not block_scaled and s.numel() not in (1, length):
+            _refuse_block_shapes(op, a, b, scale_a, scale_b)
             raise ValueError(f"{op}: {name} must hold 1 value (per tensor) or {axis} = {length} "
                              f"values (row-wise), got shape {_shape(s)}")
     return out_dtype
+
+
+def _refuse_block_shapes(op, a, b, scale_a, scale_b) -> None:
+    """Scales that are neither per tensor nor row-wise, one of them of more than one dimension:
+    meant as 128-block scales, so the error names the one whose shape is not the block shape."""
+    if not (isinstance(scale_a, torch.Tensor) and isinstance(scale_b, torch.Tensor)
+            and max(scale_a.dim(), scale_b.dim()) >= 2):
+        return
+    m, n, kb = a.shape[0], b.shape[0], _blocks(a.shape[1])
+    wrong = [f"{name} must be {form} = {want}, got {_shape(s)}"
+             for name, s, form, want in (("scale_a", scale_a, "(M, ceil(K/128))", (m, kb)),
+                                         ("scale_b", scale_b, "(ceil(N/128), ceil(K/128))", (_blocks(n), kb)))
+             if _shape(s) != want]
+    if wrong:
+        raise ValueError(f"{op}: 128-block scales: {'; '.join(wrong)} (or one value per tensor or per row: "
+                         f"1 or M = {m} for scale_a, 1 or N = {n} for scale_b)")
 
 
 def check_scalars(op: str, **values) -> Tuple[float, ...]:

@@ -164,3 +164,23 @@ def test_block_scales_whose_count_equals_n_are_block_scales(n, k):
     assert out.dtype == torch.bfloat16 and out.shape == (m, n)
     ref = dequantize_fp8(a8, sa, (1, 128)).double() @ dequantize_fp8(b8, sb, (128, 128)).double().T
     assert_close(out, ref, in_dtype=torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("scale_a, scale_b, named", [
+    ((64, 4), (4, 3), r"scale_b must be \(ceil\(N/128\), ceil\(K/128\)\) = \(3, 4\)"),   # b's scales transposed
+    ((64, 4), (1, 3, 4), r"scale_b must be \(ceil\(N/128\), ceil\(K/128\)\) = \(3, 4\)"),
+    ((64, 4), (1,), r"scale_b must be \(ceil\(N/128\), ceil\(K/128\)\) = \(3, 4\)"),
+    ((4, 64), (3, 4), r"scale_a must be \(M, ceil\(K/128\)\) = \(64, 4\)"),               # a's scales transposed
+])
+def test_block_scales_of_a_wrong_shape_name_the_wrong_one(scale_a, scale_b, named):
+    a = torch.randn(64, 512).to(torch.float8_e4m3fn)
+    b = torch.randn(384, 512).to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="distgemm.gemm: 128-block scales: " + named):
+        distgemm.gemm(a, b, scale_a=torch.ones(scale_a), scale_b=torch.ones(scale_b))
+
+
+def test_block_scales_name_an_e5m2_b():
+    a = torch.randn(64, 512).to(torch.float8_e4m3fn)
+    b = torch.randn(384, 512).to(torch.float8_e5m2)
+    with pytest.raises(ValueError, match="distgemm.gemm: 128-block scales take a float8_e4m3fn b"):
+        distgemm.gemm(a, b, scale_a=torch.ones(64, 4), scale_b=torch.ones(3, 4))
