@@ -59,7 +59,8 @@ def _out_dtype(op, dtype, out_dtype, out):
     if out_dtype is None:
         out_dtype = out.dtype if out is not None else dtype
     if out_dtype not in (dtype, torch.float32):
-        raise ValueError(f"{op}: out_dtype must be {dtype} or torch.float32, got {out_dtype}")
+        name = "out" if out is not None and out.dtype == out_dtype else "out_dtype"  # the one passed
+        raise ValueError(f"{op}: {name} must be {dtype} or torch.float32, got {out_dtype}")
     return out_dtype
 
 
