@@ -34,6 +34,11 @@ from . import _settings
 _LOCK = threading.Lock()
 _CHOICES: Dict[str, str] = {}
 _LOADED = False
+# Which file _CHOICES holds: the (autotune_cache, cache_dir) it was read under (None: marked
+# loaded without a file), and the settings object last seen to name it (settings are interned,
+# so an unchanged object means an unchanged file).
+_LOADED_FROM: Optional[tuple] = None
+_LOADED_SETTINGS: Optional[object] = None
 _LAST: Optional[str] = None  # the implementation the last dense call ran, for the benchmarks
 _ON_CLEAR: list = []  # what else forgets the choices with clear() (dense's table of repeat calls)
 
@@ -75,10 +80,22 @@ def _read_choices(path: Path, warn: bool = True) -> Dict[str, str]:
 
 
 def _load() -> None:
-    global _LOADED
-    if _LOADED:
+    """Under _LOCK: makes _CHOICES hold the choices of the current settings' file, read on first
+    use and again where the settings name another file (autotune_cache, cache_dir); the other
+    file's choices are then forgotten (they stay in their file), not carried into this one."""
+    global _LOADED, _LOADED_FROM, _LOADED_SETTINGS
+    current = _settings.current()
+    if _LOADED and current is _LOADED_SETTINGS:
         return
-    _LOADED = True
+    source = (current.autotune_cache, current.cache_dir)
+    if _LOADED and _LOADED_FROM in (None, source):
+        _LOADED_SETTINGS = current
+        return
+    if _LOADED:
+        _CHOICES.clear()
+        for forget in _ON_CLEAR:
+            forget()
+    _LOADED, _LOADED_FROM, _LOADED_SETTINGS = True, source, current
     try:
         path = _cache_file()
     except ImportError:
@@ -170,8 +187,9 @@ def flush_buffer(device=None, times_l2: int = 2) -> torch.Tensor:
 
 
 def lookup(key: str) -> Optional[str]:
-    """The remembered choice for `key`, if any (reads the file on first use)."""
-    if not _LOADED:
+    """The remembered choice for `key`, if any (reads the file on first use, and on the first use
+    under settings that name another file)."""
+    if not _LOADED or _settings.current() is not _LOADED_SETTINGS:
         with _LOCK:
             _load()
     return _CHOICES.get(key)
@@ -254,6 +272,7 @@ def remember(key: str, choice: str) -> None:
     """Stores `choice` for `key` (memory and disk) without timing: where only one candidate
     takes the call."""
     with _LOCK:
+        _load()  # this file's choices, not another's, go with it
         _CHOICES[key] = choice
         _save()
 

@@ -112,3 +112,26 @@ def test_a_corrupt_cache_file_is_treated_as_empty(monkeypatch, tmp_path, content
             assert json.loads(path.read_text()) == {"k": "v"}
     finally:
         autotune.clear()
+
+
+def test_another_cache_file_is_read_and_written_alone(monkeypatch, tmp_path):
+    """A block under another autotune_cache reads that file, not the choices of the one read
+    before, and writes its own choices there alone; the first file's choices come back after."""
+    first, second = tmp_path / "first.json", tmp_path / "second.json"
+    first.write_text(json.dumps({"k": "first"}))
+    second.write_text(json.dumps({"k": "second"}))
+    monkeypatch.setattr(autotune, "_LOADED", False)
+    autotune.clear()
+    try:
+        with distgemm.settings(autotune_cache=str(first)):
+            assert autotune.lookup("k") == "first"
+        with distgemm.settings(autotune_cache=str(second)):
+            assert autotune.lookup("k") == "second"
+            autotune.remember("only-second", "v")
+        assert json.loads(second.read_text()) == {"k": "second", "only-second": "v"}
+        with distgemm.settings(autotune_cache=str(first)):
+            assert autotune.lookup("k") == "first" and autotune.lookup("only-second") is None
+            autotune.remember("only-first", "w")
+        assert json.loads(first.read_text()) == {"k": "first", "only-first": "w"}
+    finally:
+        autotune.clear()
