@@ -120,6 +120,9 @@ def check_operands(op: str, a, b, c, out_dtype, scale_a, scale_b) -> torch.dtype
     if block_scaled and (out_dtype != torch.bfloat16 or c is not None):
         raise ValueError(f"{op}: 128-block scales give bfloat16 out without c (got out_dtype "
                          f"{out_dtype}, c {'given' if c is not None else 'None'})")
+    if block_scaled and b.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"{op}: 128-block scales take a float8_e4m3fn b (a float8_e4m3fn or float8_e5m2), "
+                         f"got b {b.dtype}")
     for name, s, length, axis in (("scale_a", scale_a, m, "M"), ("scale_b", scale_b, n, "N")):
         if s is None:
             continue
@@ -130,9 +133,26 @@ def check_operands(op: str, a, b, c, out_dtype, scale_a, scale_b) -> torch.dtype
         if s.device != a.device:
             raise ValueError(f"{op}: {name} is on {s.device} but a is on {a.device}")
         if not block_scaled and s.numel() not in (1, length):
+            _refuse_block_shapes(op, a, b, scale_a, scale_b)
             raise ValueError(f"{op}: {name} must hold 1 value (per tensor) or {axis} = {length} "
                              f"values (row-wise), got shape {_shape(s)}")
     return out_dtype
+
+
+def _refuse_block_shapes(op, a, b, scale_a, scale_b) -> None:
+    """Scales that are neither per tensor nor row-wise, one of them of more than one dimension:
+    meant as 128-block scales, so the error names the one whose shape is not the block shape."""
+    if not (isinstance(scale_a, torch.Tensor) and isinstance(scale_b, torch.Tensor)
+            and max(scale_a.dim(), scale_b.dim()) >= 2):
+        return
+    m, n, kb = a.shape[0], b.shape[0], _blocks(a.shape[1])
+    wrong = [f"{name} must be {form} = {want}, got {_shape(s)}"
+             for name, s, form, want in (("scale_a", scale_a, "(M, ceil(K/128))", (m, kb)),
+                                         ("scale_b", scale_b, "(ceil(N/128), ceil(K/128))", (_blocks(n), kb)))
+             if _shape(s) != want]
+    if wrong:
+        raise ValueError(f"{op}: 128-block scales: {'; '.join(wrong)} (or one value per tensor or per row: "
+                         f"1 or M = {m} for scale_a, 1 or N = {n} for scale_b)")
 
 
 def check_scalars(op: str, **values) -> Tuple[float, ...]:
@@ -162,21 +182,31 @@ def _blocks(n: int) -> int:
     return (n + 127) // 128
 
 
+def _reads_row_wise(a, b, scale_a, scale_b) -> bool:
+    """Both scales read as per-tensor or row-wise values (1 or M, 1 or N). Block-shaped scales
+    do so only with one block of K and one of N (ceil(K/128) = ceil(N/128) = 1), where the two
+    readings are the same product; scale_b alone may hold N values in blocks (N a multiple of
+    128 and ceil(K/128) = 128: (N/128, 128))."""
+    return scale_a.numel() in (1, a.shape[0]) and scale_b.numel() in (1, b.shape[0])
+
+
 def is_block_scaled(a, b, scale_a, scale_b) -> bool:
     """DeepSeek-style scales: a per 1 x 128 (M, ceil(K/128)), b per 128 x 128
     (ceil(N/128), ceil(K/128)); shapes that also read as per-tensor or row-wise go that way."""
     if not (isinstance(scale_a, torch.Tensor) and isinstance(scale_b, torch.Tensor)):
         return False
     m, n, k = a.shape[0], b.shape[0], a.shape[1]
-    if scale_a.dim() != 2 or scale_b.dim() != 2 or scale_b.numel() in (1, n):
+    if scale_a.dim() != 2 or scale_b.dim() != 2 or _reads_row_wise(a, b, scale_a, scale_b):
         return False
     return tuple(scale_a.shape) == (m, _blocks(k)) and tuple(scale_b.shape) == (_blocks(n), _blocks(k))
 
 
-def block_scales(b, scale_b) -> bool:
-    """is_block_scaled for arguments the checks accepted, from b's scales alone: a 2-D scale_b
-    that is neither one value nor N values can only be 128 x 128 block scales there."""
-    return scale_b is not None and scale_b.dim() == 2 and scale_b.numel() not in (1, b.shape[0])
+def block_scales(a, b, scale_a, scale_b) -> bool:
+    """is_block_scaled for arguments the checks accepted (both scales given): a 2-D scale_b
+    whose scales do not both read as per-tensor or row-wise can only be 128 x 128 block
+    scales there."""
+    return (scale_a is not None and scale_b is not None and scale_b.dim() == 2
+            and not _reads_row_wise(a, b, scale_a, scale_b))
 
 
 def check_tp_operands(op, a, b, c, out_dtype, scale_a, scale_b, c_rows_of) -> Tuple[torch.dtype, bool]:

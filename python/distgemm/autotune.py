@@ -34,6 +34,11 @@ from . import _settings
 _LOCK = threading.Lock()
 _CHOICES: Dict[str, str] = {}
 _LOADED = False
+# Which file _CHOICES holds: the (autotune_cache, cache_dir) it was read under (None: marked
+# loaded without a file), and the settings object last seen to name it (settings are interned,
+# so an unchanged object means an unchanged file).
+_LOADED_FROM: Optional[tuple] = None
+_LOADED_SETTINGS: Optional[object] = None
 _LAST: Optional[str] = None  # the implementation the last dense call ran, for the benchmarks
 _ON_CLEAR: list = []  # what else forgets the choices with clear() (dense's table of repeat calls)
 
@@ -54,15 +59,16 @@ def _cache_file() -> Path:
 
 def _read_choices(path: Path, warn: bool = True) -> Dict[str, str]:
     """The choices stored in `path`: {} when there is no file; a file that is not a flat JSON
-    object of strings (corrupt, truncated, or nested past the parser's recursion limit) is
-    treated as empty, with a warning, and rewritten at the next save."""
+    object of strings (corrupt, truncated, not UTF-8, or nested past the parser's recursion
+    limit) is treated as empty, with a warning, and rewritten at the next save."""
     try:
-        text = path.read_text()
+        raw = path.read_bytes()
     except OSError:
         return {}
     try:
-        data = json.loads(text)
-    except (ValueError, RecursionError) as e:  # deep nesting raises RecursionError, not ValueError
+        # UnicodeDecodeError is a ValueError; deep nesting raises RecursionError, not ValueError
+        data = json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError) as e:
         data = e
     if not isinstance(data, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in data.items()):
         what = type(data).__name__ if not isinstance(data, Exception) else f"unreadable: {type(data).__name__}"
@@ -74,10 +80,22 @@ def _read_choices(path: Path, warn: bool = True) -> Dict[str, str]:
 
 
 def _load() -> None:
-    global _LOADED
-    if _LOADED:
+    """Under _LOCK: makes _CHOICES hold the choices of the current settings' file, read on first
+    use and again where the settings name another file (autotune_cache, cache_dir); the other
+    file's choices are then forgotten (they stay in their file), not carried into this one."""
+    global _LOADED, _LOADED_FROM, _LOADED_SETTINGS
+    current = _settings.current()
+    if _LOADED and current is _LOADED_SETTINGS:
         return
-    _LOADED = True
+    source = (current.autotune_cache, current.cache_dir)
+    if _LOADED and _LOADED_FROM in (None, source):
+        _LOADED_SETTINGS = current
+        return
+    if _LOADED:
+        _CHOICES.clear()
+        for forget in _ON_CLEAR:
+            forget()
+    _LOADED, _LOADED_FROM, _LOADED_SETTINGS = True, source, current
     try:
         path = _cache_file()
     except ImportError:
@@ -169,8 +187,9 @@ def flush_buffer(device=None, times_l2: int = 2) -> torch.Tensor:
 
 
 def lookup(key: str) -> Optional[str]:
-    """The remembered choice for `key`, if any (reads the file on first use)."""
-    if not _LOADED:
+    """The remembered choice for `key`, if any (reads the file on first use, and on the first use
+    under settings that name another file)."""
+    if not _LOADED or _settings.current() is not _LOADED_SETTINGS:
         with _LOCK:
             _load()
     return _CHOICES.get(key)
@@ -253,6 +272,7 @@ def remember(key: str, choice: str) -> None:
     """Stores `choice` for `key` (memory and disk) without timing: where only one candidate
     takes the call."""
     with _LOCK:
+        _load()  # this file's choices, not another's, go with it
         _CHOICES[key] = choice
         _save()
 

@@ -103,10 +103,16 @@ def _repeat_call(a, b, c, alpha, beta, out_dtype, scales=None) -> Optional[Calla
         run = _REPEAT_CALLS.get(_call_signature(a, b, c, alpha, beta, out_dtype, scales))
     except TypeError:  # an unhashable argument: the checks name it
         return None
-    if run is None or (torch.is_grad_enabled()
-                       and (a.requires_grad or b.requires_grad or (c is not None and c.requires_grad))):
+    # bool (and NumPy's) hash and compare equal to 1 and 0, which the checks refuse: only the
+    # plain number types may stand for the checked floats a signature was stored with.
+    if (run is None or alpha.__class__ not in _PLAIN_REALS or beta.__class__ not in _PLAIN_REALS
+            or (torch.is_grad_enabled()
+                and (a.requires_grad or b.requires_grad or (c is not None and c.requires_grad)))):
         return None
     return run
+
+
+_PLAIN_REALS = frozenset((float, int))
 
 
 class _Call:
@@ -391,7 +397,7 @@ def gemm_unchecked(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum
     if not _is_compiling():
         signature = _call_signature(a, b, c, alpha, beta, out_dtype,
                                     (scale_a, scale_b, fast_accum) if scaled else None)
-    if scaled and block_scales(b, scale_b):
+    if scaled and block_scales(a, b, scale_a, scale_b):
         # Remembered for bfloat16 out without c only: gemm refuses others, but looks its table up
         # before its checks. The TP ops pass a c, which these kernels have no epilogue for.
         call = _Call(a, b, None, alpha, beta, torch.bfloat16, scale_a, scale_b, fast_accum, None, arch,

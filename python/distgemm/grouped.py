@@ -59,7 +59,8 @@ def _out_dtype(op, dtype, out_dtype, out):
     if out_dtype is None:
         out_dtype = out.dtype if out is not None else dtype
     if out_dtype not in (dtype, torch.float32):
-        raise ValueError(f"{op}: out_dtype must be {dtype} or torch.float32, got {out_dtype}")
+        name = "out" if out is not None and out.dtype == out_dtype else "out_dtype"  # the one passed
+        raise ValueError(f"{op}: {name} must be {dtype} or torch.float32, got {out_dtype}")
     return out_dtype
 
 
@@ -164,7 +165,8 @@ _KIND_NAMES = ("forward", "dgrad", "wgrad")
 def _call_signature(x, w, offs, out_dtype, trans_w) -> Optional[tuple]:
     try:
         return (x.shape, x.stride(), x.dtype, x.device, w.shape, w.stride(), w.dtype, w.device,
-                offs.shape, offs.stride(), offs.dtype, offs.device, out_dtype, trans_w,
+                offs.shape, offs.stride(), offs.dtype, offs.device, out_dtype,
+                trans_w, trans_w.__class__,  # 1.0 equals True as a key, and its check refuses it
                 (x.data_ptr() | w.data_ptr()) & 15 == 0,  # eager only: the lookup and put skip tracing
                 id(_current_settings()))  # equal settings are one object
     except AttributeError:  # not tensors: the checks name the argument
@@ -281,7 +283,8 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *,
     (``use_fast_accum`` is accepted and changes nothing). Not differentiable.
     """
     op = "distgemm.grouped_mm"
-    plain = out is None and accumulate is False and scale_x is None and scale_w is None
+    plain = (out is None and accumulate is False and scale_x is None and scale_w is None
+             and (use_fast_accum is False or use_fast_accum is True))  # checked below, not part of the call
     if plain and _REPEAT_CALLS and not torch.compiler.is_compiling() and not needs_autograd(x, w):
         try:
             run = _REPEAT_CALLS.get(_call_signature(x, w, offs, out_dtype, trans_w))
@@ -297,8 +300,9 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *,
                               accumulate=accumulate, out_dtype=out_dtype, trans_w=trans_w,
                               use_fast_accum=use_fast_accum)
     if scale_x is not None or scale_w is not None:
-        raise ValueError(f"{op}: scale_x and scale_w apply to float8 inputs only (x is "
-                         f"{getattr(x, 'dtype', None)})")
+        if not isinstance(x, torch.Tensor):  # x itself is what is wrong
+            raise TypeError(f"{op}: x must be a torch.Tensor, got {type(x).__name__}")
+        raise ValueError(f"{op}: scale_x and scale_w apply to float8 inputs only (x is {x.dtype})")
     _check_inputs(op, [("x", x, 2), ("w", w, 3)])
     groups, k = w.shape[0], x.shape[1]
     n = w.shape[1] if trans_w else w.shape[2]
@@ -336,6 +340,8 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *,
         ops.grouped_mm_out(x, w, offs, out, accumulate, trans_w, code)
         return out
     if backend == "torch":
+        if out is not None and offs.numel() == 0:  # no groups: no rows to write (and no offs[-1])
+            return out
         x, w = aligned16(x.contiguous()), aligned16(w.contiguous())  # its stride checks refuse other views
         y = torch._grouped_mm(x, w.transpose(-2, -1) if trans_w else w, offs=offs, out_dtype=out_dtype)
         if out is None:
@@ -374,8 +380,9 @@ def grouped_mm_wgrad(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, *,
         return grouped_mm_wgrad_fp8(dy, x, offs, scale_dy=scale_dy, scale_x=scale_x, out=out,
                                     accumulate=accumulate, out_dtype=out_dtype)
     if scale_dy is not None or scale_x is not None:
-        raise ValueError(f"{op}: scale_dy and scale_x apply to float8 inputs only (dy is "
-                         f"{getattr(dy, 'dtype', None)})")
+        if not isinstance(dy, torch.Tensor):  # dy itself is what is wrong
+            raise TypeError(f"{op}: dy must be a torch.Tensor, got {type(dy).__name__}")
+        raise ValueError(f"{op}: scale_dy and scale_x apply to float8 inputs only (dy is {dy.dtype})")
     _check_inputs(op, [("dy", dy, 2), ("x", x, 2)])
     if dy.shape[0] != x.shape[0]:
         raise ValueError(f"{op}: dy and x must have the same number of rows, got {_shape(dy)} and {_shape(x)}")

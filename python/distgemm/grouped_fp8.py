@@ -58,6 +58,11 @@ def _require_tensor(op, name, t, dtype=None):
         raise ValueError(f"{op}: {name} must be {dtype}, got {t.dtype}")
 
 
+def _require_out(op, out):
+    if out is not None and not isinstance(out, torch.Tensor):
+        raise TypeError(f"{op}: out must be a torch.Tensor or None, got {type(out).__name__}")
+
+
 def _check_common(op, x, offs, pairs):
     for name, t in pairs:
         _require_tensor(op, name, t)
@@ -160,7 +165,9 @@ def grouped_mm_fp8(x, w, offs, *, scale_x, scale_w, out=None, accumulate=False,
     if offs is None or offs.numel() != groups:
         raise ValueError(f"{op}: offs must hold one end per group ({groups}), got "
                          f"{None if offs is None else offs.numel()}")
-    out_dtype = out_dtype or (out.dtype if out is not None else torch.bfloat16)
+    _require_out(op, out)
+    if out_dtype is None:
+        out_dtype = out.dtype if out is not None else torch.bfloat16
     if out_dtype != torch.bfloat16:
         raise ValueError(f"{op}: FP8 grouped GEMMs write bfloat16, got out_dtype {out_dtype}")
     if accumulate and out is None:
@@ -240,6 +247,7 @@ def grouped_mm_wgrad_fp8(dy_t, x_t, offs, *, scale_dy, scale_x, out=None, accumu
     check_offs_values(op, offs, tp - BLOCK * groups,
                       f"tokens the padded layout of dy and x holds (Tp - 128 G = {tp} - {BLOCK * groups}; "
                       "quantize them with quantize_fp8(..., transpose=True, offs=offs))")
+    _require_out(op, out)
     if accumulate and out is None:
         raise ValueError(f"{op}: accumulate=True needs out")
     if out is not None and (_shape(out) != (groups, n, k) or out.dtype != torch.float32

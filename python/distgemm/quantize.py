@@ -228,7 +228,27 @@ def dequantize_fp8(data: torch.Tensor, scale: torch.Tensor, granularity: Granula
     """``data.float() * scale`` broadcast over the blocks of ``granularity``, float32, in data's
     shape (for transpose=True, data is x^T or the padded grouped layout: blocks of 128 along
     its columns)."""
-    code = granularity_code("distgemm.dequantize_fp8", granularity)
+    op = "distgemm.dequantize_fp8"
+    code = granularity_code(op, granularity)
+    for name, t in (("data", data), ("scale", scale)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    # The scale's shape for data's (broadcasting a scale of another granularity would be silently wrong).
+    if code == TENSOR:
+        want, ok = "one value", scale.numel() == 1
+    elif data.dim() < 2:
+        raise ValueError(f"{op}: data must be 2-D for granularity {granularity!r}, got shape {_shape(data)}")
+    elif code == ROW:
+        want, ok = f"({data.shape[0]},)", scale.numel() == data.shape[0] and data.dim() == 2
+    elif code == BLOCK_1X128:
+        shape = (*data.shape[:-1], _blocks(data.shape[-1]))
+        want, ok = str(shape), _shape(scale) == shape
+    else:
+        shape = (*data.shape[:-2], _blocks(data.shape[-2]), _blocks(data.shape[-1]))
+        want, ok = str(shape), _shape(scale) == shape
+    if not ok:
+        raise ValueError(f"{op}: scale must have shape {want} for data of shape {_shape(data)} and granularity "
+                         f"{granularity!r}, got {_shape(scale)}")
     d = data.float()
     s = scale.float()
     if code == TENSOR:

@@ -480,12 +480,12 @@ def _gathered_scale_a(scale_a, rows: int, group, block: bool) -> Optional[torch.
     return _all_gather(scale_a.reshape(-1).float().expand(rows).contiguous(), group)
 
 
-def _scale_mode(b, scale_a, scale_b) -> str:
+def _scale_mode(a, b, scale_a, scale_b) -> str:
     """How a's scales travel with its rows: none, one per tensor, one per row, or per 1 x 128
     block (the ranks of a collectives call must agree: they gather them)."""
     if scale_a is None:
         return "none"
-    if block_scales(b, scale_b):
+    if block_scales(a, b, scale_a, scale_b):
         return "block"
     return "row" if scale_a.numel() > 1 else "tensor"
 
@@ -540,7 +540,7 @@ def _all_gather_matmul(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_a
 def _all_gather_matmul_eager(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, group,
                              return_gathered):
     world = _state(group).size
-    mode = _scale_mode(b, scale_a, scale_b)
+    mode = _scale_mode(a, b, scale_a, scale_b)
     arch = kernel_arch(a.device)  # read once, handed to every GEMM of the call
     if world == 1:
         out = gemm_unchecked(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, arch)
@@ -573,7 +573,7 @@ def _matmul_reduce_scatter(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fa
 
 def _matmul_reduce_scatter_eager(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, group):
     world = _state(group).size
-    mode = _scale_mode(b, scale_a, scale_b)
+    mode = _scale_mode(a, b, scale_a, scale_b)
     arch = kernel_arch(a.device)  # read once, handed to every GEMM of the call
     if world == 1:
         return gemm_unchecked(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, arch)

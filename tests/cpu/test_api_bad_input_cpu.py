@@ -9,6 +9,7 @@ import torch
 
 import distgemm
 from distgemm import moe
+from distgemm.quantize import dequantize_fp8
 from distgemm import nn as dnn
 
 BF16 = torch.bfloat16
@@ -28,6 +29,26 @@ def _x():
 
 def _offs():
     return torch.tensor([4, 10], dtype=torch.int32)
+
+
+def _x8():
+    return torch.randn(10, 16).to(torch.float8_e4m3fn)
+
+
+def _fp8_grouped(**overrides):
+    """An FP8 grouped forward with 128-block scales, one argument replaced."""
+    args = dict(x=_x8(), w=torch.randn(2, 8, 16).to(torch.float8_e4m3fn), offs=_offs(), scale_x=torch.ones(10, 1),
+                scale_w=torch.ones(2, 1, 1))
+    return distgemm.grouped_mm(**{**args, **overrides})
+
+
+def _fp8_wgrad(**overrides):
+    """An FP8 wgrad in the padded transposed layout, one argument replaced."""
+    offs = _offs()
+    dy, sdy = distgemm.quantize_fp8(torch.randn(10, 8), (1, 128), transpose=True, offs=offs)
+    x, sx = distgemm.quantize_fp8(torch.randn(10, 16), (1, 128), transpose=True, offs=offs)
+    args = dict(dy=dy, x=x, offs=offs, scale_dy=sdy, scale_x=sx)
+    return distgemm.grouped_mm_wgrad(**{**args, **overrides})
 
 
 def _w1():
@@ -56,6 +77,24 @@ CALLS = {
     "grouped_mm_wgrad dy": lambda v: distgemm.grouped_mm_wgrad(v, _x(), _offs()),
     "grouped_mm_wgrad out": lambda v: distgemm.grouped_mm_wgrad(torch.randn(10, 8).to(BF16), _x(), _offs(), out=v,
                                                                 accumulate=True),
+    "grouped_mm_wgrad x": lambda v: distgemm.grouped_mm_wgrad(torch.randn(10, 8).to(BF16), v, _offs()),
+    "grouped_mm_wgrad offs": lambda v: distgemm.grouped_mm_wgrad(torch.randn(10, 8).to(BF16), _x(), v),
+    "grouped_mm out_dtype": lambda v: distgemm.grouped_mm(_x(), torch.randn(2, 8, 16).to(BF16), _offs(), out_dtype=v),
+    "grouped_mm fp8 x": lambda v: _fp8_grouped(x=v),
+    "grouped_mm fp8 w": lambda v: _fp8_grouped(w=v),
+    "grouped_mm fp8 out": lambda v: _fp8_grouped(out=v),
+    "grouped_mm fp8 out_dtype": lambda v: _fp8_grouped(out_dtype=v),
+    "grouped_mm fp8 scale_x": lambda v: _fp8_grouped(scale_x=v),
+    "grouped_mm fp8 scale_w": lambda v: _fp8_grouped(scale_w=v),
+    "grouped_mm_wgrad fp8 out": lambda v: _fp8_wgrad(out=v),
+    "grouped_mm_wgrad fp8 x": lambda v: _fp8_wgrad(x=v),
+    "grouped_mm_wgrad fp8 scale_dy": lambda v: _fp8_wgrad(scale_dy=v),
+    "gemm fp8 scale_b": lambda v: distgemm.gemm(_x8(), _x8(), scale_a=torch.ones(1), scale_b=v),
+    "gemm fp8 c": lambda v: distgemm.gemm(_x8(), _x8(), v, beta=1.0, scale_a=torch.ones(1), scale_b=torch.ones(1)),
+    "gemm beta": lambda v: distgemm.gemm(_x(), _x(), beta=v),
+    "dequantize_fp8 scale": lambda v: dequantize_fp8(_x8(), v, (1, 128)),
+    "dequantize_fp8 granularity": lambda v: dequantize_fp8(_x8(), torch.ones(10, 1), v),
+    "quantize_fp8 transpose": lambda v: distgemm.quantize_fp8(_x(), (1, 128), transpose=v),
     "quantize_fp8 x": lambda v: distgemm.quantize_fp8(v, "row"),
     "quantize_fp8 granularity": lambda v: distgemm.quantize_fp8(_x(), v),
     "quantize_fp8 dtype": lambda v: distgemm.quantize_fp8(_x(), "row", dtype=v),
@@ -112,3 +151,11 @@ def test_bad_values_are_named(call):
         except Exception as e:  # noqa: BLE001  (what the test looks for)
             unnamed.append(f"{type(v).__name__} {getattr(v, 'shape', v)!s:.40}: {type(e).__name__}: {str(e)[:120]}")
     assert not unnamed, "\n".join(unnamed)
+
+
+def test_fp8_grouped_calls_name_a_non_tensor_operand():
+    """The argument named is the one that is wrong (not the scales that came with it)."""
+    with pytest.raises(TypeError, match="grouped_mm: x must be a torch.Tensor, got list"):
+        _fp8_grouped(x=[[1.0]])
+    with pytest.raises(TypeError, match="grouped_mm_wgrad: dy must be a torch.Tensor, got list"):
+        _fp8_wgrad(dy=[[1.0]])

@@ -94,10 +94,14 @@ def test_two_processes_storing_at_once_keep_both_sides_choices(tmp_path):
     assert not list(tmp_path.glob("*.tmp")), "a temporary file was left behind"
 
 
-@pytest.mark.parametrize("content", ["[" * 200_000, '{"k": {"nested": "dict"}}', "{truncated", "[1, 2]"])
+@pytest.mark.parametrize("content", ["[" * 200_000, '{"k": {"nested": "dict"}}', "{truncated", "[1, 2]",
+                                     b"\xff\xfe{\x80 not UTF-8", b'{"k": "\xc3"}'])
 def test_a_corrupt_cache_file_is_treated_as_empty(monkeypatch, tmp_path, content):
     path = tmp_path / "cache.json"
-    path.write_text(content)
+    if isinstance(content, bytes):  # binary garbage (a truncated or clobbered write)
+        path.write_bytes(content)
+    else:
+        path.write_text(content)
     monkeypatch.setattr(autotune, "_LOADED", False)
     autotune.clear()
     try:
@@ -106,5 +110,28 @@ def test_a_corrupt_cache_file_is_treated_as_empty(monkeypatch, tmp_path, content
                 assert autotune.lookup("k") is None
             autotune.remember("k", "v")  # rewrites the file whole
             assert json.loads(path.read_text()) == {"k": "v"}
+    finally:
+        autotune.clear()
+
+
+def test_another_cache_file_is_read_and_written_alone(monkeypatch, tmp_path):
+    """A block under another autotune_cache reads that file, not the choices of the one read
+    before, and writes its own choices there alone; the first file's choices come back after."""
+    first, second = tmp_path / "first.json", tmp_path / "second.json"
+    first.write_text(json.dumps({"k": "first"}))
+    second.write_text(json.dumps({"k": "second"}))
+    monkeypatch.setattr(autotune, "_LOADED", False)
+    autotune.clear()
+    try:
+        with distgemm.settings(autotune_cache=str(first)):
+            assert autotune.lookup("k") == "first"
+        with distgemm.settings(autotune_cache=str(second)):
+            assert autotune.lookup("k") == "second"
+            autotune.remember("only-second", "v")
+        assert json.loads(second.read_text()) == {"k": "second", "only-second": "v"}
+        with distgemm.settings(autotune_cache=str(first)):
+            assert autotune.lookup("k") == "first" and autotune.lookup("only-second") is None
+            autotune.remember("only-first", "w")
+        assert json.loads(first.read_text()) == {"k": "first", "only-first": "w"}
     finally:
         autotune.clear()

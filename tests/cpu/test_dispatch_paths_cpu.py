@@ -5,6 +5,7 @@ are the disk cache's: a change of them would drop every user's stored choices.""
 
 import contextlib
 
+import numpy as np
 import pytest
 import torch
 
@@ -410,3 +411,35 @@ def test_block_scaled_runner_never_hands_a_graph_tensor_to_eager_calls(gpu, monk
         distgemm.gemm(a, b, scale_a=sa, scale_b=sb)
     assert dense._REPEAT_CALLS and autotune.last_backend() == "cutlass:grouped"
     assert seen == [(True, True), (False, False), (False, False), (True, True)], seen
+
+
+@pytest.mark.parametrize("name, value", [("alpha", True), ("beta", False), ("alpha", np.True_), ("beta", np.False_)])
+def test_a_repeated_call_refuses_bool_alpha_and_beta_as_the_first_does(gpu, name, value):
+    """bool hashes and compares equal to 1 and 0: the table of repeat calls must not answer a
+    call whose checks refuse it."""
+    for a, b, scales in ((*bf16(), {}), (*fp8()[:2], dict(scale_a=fp8()[2], scale_b=fp8()[3]))):
+        distgemm.gemm(a, b, **scales, **{name: float(value)})  # settled and remembered
+        with pytest.raises(TypeError, match=f"{name} must be a real number"):
+            distgemm.gemm(a, b, **scales, **{name: value})
+        distgemm.gemm(a, b, **scales, **{name: int(value)})  # an int is a real number
+
+
+@pytest.mark.parametrize("flags", [dict(trans_w=1.0), dict(use_fast_accum="yes"), dict(use_fast_accum=None)])
+def test_a_repeated_grouped_call_refuses_the_flags_its_first_call_refuses(grouped_gpu, flags):
+    """1.0 hashes and compares equal to True; use_fast_accum is checked, not part of the call:
+    the table of repeat calls must not answer a call whose checks refuse it."""
+    x, w, offs = routed()
+    distgemm.grouped_mm(x, w, offs)
+    distgemm.grouped_mm(x, w, offs)  # remembered
+    with pytest.raises(TypeError, match="must be True or False"):
+        distgemm.grouped_mm(x, w, offs, **flags)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cutlass", "cublas", "auto"])
+def test_grouped_without_groups_leaves_out_as_it_was(grouped_gpu, backend):
+    """G = 0: no rows belong to a group, so out keeps every row (the torch backend read offs[-1])."""
+    x, w, offs = routed()
+    out = torch.full((100, 64), 7.0, dtype=BF16)
+    with distgemm.settings(grouped_backend=backend):
+        assert distgemm.grouped_mm(x, w[:0], offs[:0], out=out) is out
+    assert torch.all(out == 7)

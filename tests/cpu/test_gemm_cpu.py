@@ -149,3 +149,38 @@ def test_heuristic_query_extreme_sizes_and_sm_counts(sm_count):
     names = ops.gemm_configs(bf, bf, bf, True, 90)
     for m, n, k in [(2**31 - 8, 2**31 - 8, 8), (1, 2**31 - 8, 2**31 - 8), (8, 8, 8)]:
         assert 0 <= ops.gemm_select_config(m, n, k, bf, bf, bf, True, 90, sm_count) < len(names)
+
+
+@pytest.mark.parametrize("n, k", [(256, 16384), (4096, 16384), (384, 16300), (200, 300)])
+def test_block_scales_whose_count_equals_n_are_block_scales(n, k):
+    """scale_b (ceil(N/128), ceil(K/128)) holds N values whenever N is a multiple of 128 and
+    ceil(K/128) = 128: still 128 x 128 blocks, not one scale per row of b."""
+    from distgemm.quantize import dequantize_fp8
+
+    m = 3
+    a8, sa = distgemm.quantize_fp8(torch.randn(m, k), (1, 128))
+    b8, sb = distgemm.quantize_fp8(torch.randn(n, k), (128, 128))
+    out = distgemm.gemm(a8, b8, scale_a=sa, scale_b=sb)
+    assert out.dtype == torch.bfloat16 and out.shape == (m, n)
+    ref = dequantize_fp8(a8, sa, (1, 128)).double() @ dequantize_fp8(b8, sb, (128, 128)).double().T
+    assert_close(out, ref, in_dtype=torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("scale_a, scale_b, named", [
+    ((64, 4), (4, 3), r"scale_b must be \(ceil\(N/128\), ceil\(K/128\)\) = \(3, 4\)"),   # b's scales transposed
+    ((64, 4), (1, 3, 4), r"scale_b must be \(ceil\(N/128\), ceil\(K/128\)\) = \(3, 4\)"),
+    ((64, 4), (1,), r"scale_b must be \(ceil\(N/128\), ceil\(K/128\)\) = \(3, 4\)"),
+    ((4, 64), (3, 4), r"scale_a must be \(M, ceil\(K/128\)\) = \(64, 4\)"),               # a's scales transposed
+])
+def test_block_scales_of_a_wrong_shape_name_the_wrong_one(scale_a, scale_b, named):
+    a = torch.randn(64, 512).to(torch.float8_e4m3fn)
+    b = torch.randn(384, 512).to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="distgemm.gemm: 128-block scales: " + named):
+        distgemm.gemm(a, b, scale_a=torch.ones(scale_a), scale_b=torch.ones(scale_b))
+
+
+def test_block_scales_name_an_e5m2_b():
+    a = torch.randn(64, 512).to(torch.float8_e4m3fn)
+    b = torch.randn(384, 512).to(torch.float8_e5m2)
+    with pytest.raises(ValueError, match="distgemm.gemm: 128-block scales take a float8_e4m3fn b"):
+        distgemm.gemm(a, b, scale_a=torch.ones(64, 4), scale_b=torch.ones(3, 4))

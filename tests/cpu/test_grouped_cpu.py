@@ -282,3 +282,15 @@ def test_out_that_is_not_a_tensor_is_named():
         distgemm.grouped_mm(x, w, offs, out=3)
     with pytest.raises(TypeError, match="out must be a torch.Tensor or None, got list"):
         distgemm.grouped_mm_wgrad(x, x, offs, out=[1])
+
+
+@pytest.mark.parametrize("call", [
+    lambda out: distgemm.grouped_mm(torch.zeros(4, 8).bfloat16(), torch.zeros(2, 8, 8).bfloat16(),
+                                    torch.tensor([2, 4], dtype=torch.int32), out=out),
+    lambda out: distgemm.grouped_mm_wgrad(torch.zeros(4, 8).bfloat16(), torch.zeros(4, 8).bfloat16(),
+                                          torch.tensor([2, 4], dtype=torch.int32), out=out.reshape(1, 4, 8).expand(2, 4, 8).contiguous()),
+])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float64])
+def test_an_out_of_another_dtype_is_named_as_out(call, dtype):
+    with pytest.raises(ValueError, match=r"out must be torch.bfloat16 or torch.float32, got torch\.float"):
+        call(torch.zeros(4, 8, dtype=dtype))

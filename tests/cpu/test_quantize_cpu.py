@@ -363,3 +363,25 @@ def test_not_differentiable_but_accepts_inputs_that_require_grad():
     x = torch.randn(8, 128, requires_grad=True)
     data, scale = distgemm.quantize_fp8(x, (1, 128))
     assert not data.requires_grad and not scale.requires_grad
+
+
+@pytest.mark.parametrize("shape, quantized_as, read_as", [
+    ((128, 256), (128, 128), (1, 128)),   # (1, 2) block scales broadcast over every row
+    ((256, 256), (1, 128), (128, 128)),   # (256, 2) scales cut to the blocks' rows
+    ((128, 256), "row", "tensor"),        # 128 row scales against 256 columns
+    ((4, 384), (1, 128), "row"),
+])
+def test_dequantize_refuses_scales_of_another_granularity(shape, quantized_as, read_as):
+    data, scale = distgemm.quantize_fp8(randx(*shape), quantized_as)
+    with pytest.raises(ValueError, match="dequantize_fp8: scale must have shape"):
+        dequantize_fp8(data, scale, read_as)
+
+
+@pytest.mark.parametrize("shape, granularity, kwargs", [
+    ((37, 300), "tensor", {}), ((37, 300), "row", {}), ((37, 300), (1, 128), {}),
+    ((37, 300), (128, 128), {}), ((3, 37, 300), (128, 128), {}), ((37, 300), (1, 128), dict(transpose=True)),
+])
+def test_dequantize_takes_each_layout_quantize_gives(shape, granularity, kwargs):
+    x = randx(*shape)
+    data, scale = distgemm.quantize_fp8(x, granularity, **kwargs)
+    assert_rounding_bound(x, data, scale, granularity, **kwargs)

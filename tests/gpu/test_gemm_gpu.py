@@ -195,3 +195,18 @@ def test_torch_compile_inductor():
     bias = randn(1024, dtype=torch.bfloat16, device=DEV)
     compiled = torch.compile(f, fullgraph=True)
     assert_close(compiled(x, w, bias), f(x, w, bias).float())
+
+
+@pytest.mark.parametrize("n, k", [(256, 16384), (4096, 16384), (384, 16272)])
+def test_fp8_block_scales_whose_count_equals_n(n, k):
+    """scale_b (N/128, ceil(K/128) = 128) holds N values: still 128 x 128 block scales, run by the
+    autotuner's choice (our grouped kernel or F.scaled_mm), not refused or read row-wise."""
+    from distgemm.quantize import dequantize_fp8
+
+    m = 256
+    a8, sa = distgemm.quantize_fp8(torch.randn(m, k, device=DEV), (1, 128))
+    b8, sb = distgemm.quantize_fp8(torch.randn(n, k, device=DEV), (128, 128))
+    out = distgemm.gemm(a8, b8, scale_a=sa, scale_b=sb)
+    ref = dequantize_fp8(a8, sa, (1, 128)).double() @ dequantize_fp8(b8, sb, (128, 128)).double().T
+    assert out.dtype == torch.bfloat16 and out.shape == (m, n)
+    assert_close(out, ref, in_dtype=torch.float8_e4m3fn)
