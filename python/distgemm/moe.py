@@ -722,7 +722,7 @@ class _GatherReference(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, source, token_rows, k):
         ctx.save_for_backward(token_rows)
-        ctx.k = k
+        ctx.k, ctx.tokens = k, x.shape[0]
         return _gathered(x, source)
 
     @staticmethod
@@ -730,6 +730,8 @@ class _GatherReference(torch.autograd.Function):
         (token_rows,) = ctx.saved_tensors
         if not ctx.needs_input_grad[0]:
             return None, None, None, None
+        if ctx.k == 0:  # no copies: no token reaches a row
+            return grad.new_zeros((ctx.tokens, grad.shape[1])), None, None, None
         return _summed(grad, token_rows, ctx.k), None, None, None
 
 
@@ -780,7 +782,7 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, source, slot_rows, k):
         ctx.save_for_backward(slot_rows)
-        ctx.k = k
+        ctx.k, ctx.tokens = k, x.shape[0]
         return ops.moe_combine(x, source, None, source.numel(), 1)
 
     @staticmethod
@@ -790,6 +792,8 @@ class _Gather(torch.autograd.Function):
         if not ctx.needs_input_grad[0]:
             return None, None, None, None
         k = ctx.k
+        if k == 0:  # no copies: no token reaches a row
+            return grad.new_zeros((ctx.tokens, grad.shape[1])), None, None, None
         return ops.moe_combine(grad.contiguous(), slot_rows, None, slot_rows.numel() // k, k), None, None, None
 
 

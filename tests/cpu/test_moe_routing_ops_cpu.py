@@ -113,3 +113,17 @@ def test_slot_rows_invert_the_row_map_and_mark_dropped_slots():
     assert moe._kept_slot_rows(row_map.int(), None).dtype == torch.int64
     # a slot no row names stays -1 - n whether kept or not (nothing read or written for it)
     assert moe._kept_slot_rows(torch.tensor([2, 0, 7, -3]), kept).tolist() == [1, -5, 0, -5]
+
+
+@pytest.mark.parametrize("use_ops", [False, True])
+def test_gather_with_k_0_gives_x_a_zero_gradient(use_ops, monkeypatch):
+    """Routing with k = 0 (no copies): the rows are empty and each token's gradient is zero
+    (before: the backward divided by k)."""
+    if use_ops:
+        monkeypatch.setattr(moe, "ops", _Ops)
+        monkeypatch.setattr(moe, "_routing_kernels", lambda t: True)
+    x = torch.randn(4, 16).requires_grad_()
+    p = moe.permute(x, torch.zeros(4, 0, dtype=torch.long), 2)
+    assert p.rows.shape == (0, 16) and p.offs.tolist() == [0, 0]
+    p.rows.sum().backward()
+    assert x.grad.shape == (4, 16) and torch.all(x.grad == 0)
