@@ -226,12 +226,40 @@ def _weight_grad(weight, fuse_wgrad, dy, x, offs, **fp8_scales):
     convention for what is returned then), else as the weight's gradient."""
     if fuse_wgrad:
         grouped_mm_wgrad(dy, x, offs, out=weight.main_grad, accumulate=True, **fp8_scales)
-        if hasattr(weight, "grad_added_to_main_grad"):
-            weight.grad_added_to_main_grad = True
-            make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
-            return make(weight.shape, dtype=weight.dtype, device=weight.device)
-        return None
+        return _fused_grad(weight)
     return grouped_mm_wgrad(dy, x, offs, **fp8_scales).to(weight.dtype)
+
+
+def _fused_grad(weight):
+    """What the backward returns for a weight whose gradient went into main_grad: Megatron-LM's
+    placeholder where the weight asks for one (grad_added_to_main_grad), else None."""
+    if hasattr(weight, "grad_added_to_main_grad"):
+        weight.grad_added_to_main_grad = True
+        make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
+        return make(weight.shape, dtype=weight.dtype, device=weight.device)
+    return None
+
+
+class _NoRows(torch.autograd.Function):
+    """The layer on no rows: an empty output whose backward gives x and every parameter a zero
+    gradient (a fused weight adds nothing into main_grad), as the layer's GEMMs would."""
+
+    @staticmethod
+    def forward(ctx, x, w1, w2, b1, b2, fuse_wgrad):
+        ctx.fuse_wgrad, ctx.x_shape = fuse_wgrad, x.shape
+        ctx.save_for_backward(w1, w2, b1, b2)  # for their shapes and main_grad flags
+        return x.new_zeros((0, w2.shape[1]))
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        w1, w2, b1, b2 = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        grads = [grad.new_zeros(ctx.x_shape) if need[0] else None]
+        for i, w in ((1, w1), (2, w2)):
+            grads.append(None if not need[i] else _fused_grad(w) if ctx.fuse_wgrad else torch.zeros_like(w))
+        grads += [torch.zeros_like(b) if need[i] else None for i, b in ((3, b1), (4, b2))]
+        return tuple(grads) + (None,)
 
 
 def _forms(x, kind, recipe, offs, *, rows, transposed, dtype, dy=None, bf16=False, source=None):
@@ -494,8 +522,8 @@ def grouped_mlp(x: torch.Tensor, offs: torch.Tensor, fc1_weight: torch.Tensor, f
         for name, w in (("fc1_weight", fc1_weight), ("fc2_weight", fc2_weight)):
             if w.requires_grad:
                 check_main_grad(op, name, w)
-    if rows == 0:  # no rows: nothing to compute, and no weight gradient
-        return x.new_zeros((0, fc2_weight.shape[1])) + x.sum()
+    if rows == 0:  # no rows: nothing to compute; zero gradients
+        return _NoRows.apply(x, fc1_weight, fc2_weight, fc1_bias, fc2_bias, fuse_wgrad_accumulation)
     copies = (None,) * 8
     if fp8_weights is not None:
         copies = _check_fp8_weights(op, fp8_weights, fp8, fc1_weight, fc2_weight)

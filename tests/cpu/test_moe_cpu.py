@@ -194,6 +194,42 @@ def test_grouped_mlp_with_no_tokens():
     assert y.shape == (0, 64) and x.grad.shape == (0, 64)
 
 
+@pytest.mark.parametrize("fp8", [None, "block"])
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("x_grad", [False, True])
+def test_no_tokens_give_the_parameters_zero_gradients(fp8, fused, x_grad):
+    """A micro-batch without tokens (an expert-parallel rank the router sent none) still takes a
+    backward, as GroupedLinear's and torch.nn.Linear's do: x and the parameters get zero
+    gradients, a fused weight adds nothing into main_grad (Megatron-LM's placeholder where it
+    asks for one). Before: the output did not depend on the parameters (no gradient; and when x
+    needs none, backward raised)."""
+    from distgemm.nn import MoEExperts
+
+    experts = MoEExperts(3, 64, 32, fp8=fp8, bias=True, fuse_wgrad_accumulation=fused)
+    layer = experts.experts
+    for w in (layer.fc1_weight, layer.fc2_weight):
+        w.main_grad = torch.ones(w.shape)
+    layer.fc2_weight.grad_added_to_main_grad = False  # Megatron-LM's flag: a placeholder gradient comes back
+    layer.fc2_weight.zero_out_wgrad = True
+    x = torch.randn(0, 64).bfloat16().requires_grad_(x_grad)
+    for out in (layer(x, _offs([0, 0, 0])),
+                experts(x, torch.zeros(0, 2, dtype=torch.long), torch.rand(0, 2))):
+        assert out.shape == (0, 64) and out.requires_grad
+        out.float().sum().backward()
+        assert (x.grad is not None) == x_grad and (not x_grad or x.grad.shape == (0, 64))
+        for b in (layer.fc1_bias, layer.fc2_bias):
+            assert b.grad is not None and b.grad.shape == b.shape and torch.all(b.grad == 0)
+        if fused:
+            assert layer.fc1_weight.grad is None
+            assert layer.fc2_weight.grad_added_to_main_grad and torch.all(layer.fc2_weight.grad == 0)
+            for w in (layer.fc1_weight, layer.fc2_weight):
+                assert torch.all(w.main_grad == 1)
+        else:
+            for w in (layer.fc1_weight, layer.fc2_weight):
+                assert w.grad is not None and w.grad.shape == w.shape and torch.all(w.grad == 0)
+        layer.zero_grad()
+
+
 def test_fp8_weight_arguments_are_checked():
     # Caller-made FP8 weight copies and the micro-batch flag: each mistake names its argument.
     from distgemm.nn import GroupedLinear
