@@ -26,7 +26,7 @@ from torch.autograd.function import once_differentiable
 from . import _settings
 from ._checks import check_flags, check_main_grad
 from ._library import has_kernels, ops
-from ._routing import check_offs_values
+from ._routing import _preview, check_offs_values
 from .grouped import grouped_mm, grouped_mm_wgrad
 from .quantize import FP8_MAX, quantize_fp8
 
@@ -542,8 +542,14 @@ def _check_layer_routing(op, x, offs, routing) -> int:
     if rows != x.shape[0] * routing.k or routing.token_rows.numel() != rows:
         raise ValueError(f"{op}: routing is for {rows // max(routing.k, 1)} tokens x k={routing.k}, but x has "
                          f"{x.shape[0]} tokens")
-    if offs is not routing.offs and (offs.shape != routing.offs.shape or offs.device != routing.offs.device):
-        raise ValueError(f"{op}: with routing, offs must be routing.offs")
+    if offs is not routing.offs:
+        if offs.shape != routing.offs.shape or offs.device != routing.offs.device:
+            raise ValueError(f"{op}: with routing, offs must be routing.offs")
+        # Its values, where the host reads them for free (as check_offs_values does).
+        host = offs.device.type == "cpu" or (offs.device.type != "meta" and _settings.current().debug)
+        if host and not torch.compiler.is_compiling() and not torch.equal(offs, routing.offs):
+            raise ValueError(f"{op}: with routing, offs must be routing.offs (its values "
+                             f"{_preview(routing.offs.tolist())}), got {_preview(offs.tolist())}")
     if routing.source.device != x.device:
         raise ValueError(f"{op}: routing is on {routing.source.device} but x is on {x.device}")
     return rows
