@@ -457,7 +457,7 @@ def _check_layer(op, x, offs, w1, w2, b1, b2, kind, fp8, grad_dtype):
 
 def _check_fp8_weights(op, fp8_weights, fp8, w1, w2) -> tuple:
     """fp8_weights as _GroupedMLP takes them (eight entries), once each is seen to be the
-    quantize_weight result of its weight."""
+    quantize_weight result of its weight in the layer's recipe (e4m3 copies, their scales)."""
     if fp8 is None:
         raise ValueError(f"{op}: fp8_weights needs fp8='block' or 'row' (the layer runs in bf16 without it)")
     if not isinstance(fp8_weights, (tuple, list)) or len(fp8_weights) != 2:
@@ -470,12 +470,22 @@ def _check_fp8_weights(op, fp8_weights, fp8, w1, w2) -> tuple:
             raise ValueError(f"{op}: {name} must be quantize_weight's (w_fp8, scale, wt_fp8, scale_t), got "
                              f"{type(copies).__name__}")
         g, n, k = w.shape
+        blocks = (g, -(-n // BLOCK), -(-k // BLOCK))
+        scales = (blocks, blocks) if fp8 == "block" else ((g, n), (g, k))
         for j, want in ((0, (g, n, k)), (2, (g, k, n))):
-            t = copies[j]
-            if t is not None and (not isinstance(t, torch.Tensor) or t.dtype not in FP8_MAX or tuple(t.shape) != want):
-                raise ValueError(f"{op}: {name}[{j}] must be an FP8 tensor of shape {want} (its weight's "
+            t, scale = copies[j], copies[j + 1]
+            if t is None:
+                continue
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.float8_e4m3fn or tuple(t.shape) != want:
+                raise ValueError(f"{op}: {name}[{j}] must be a float8_e4m3fn tensor of shape {want} (its weight's "
                                  f"{'copy' if j == 0 else 'transposed copy'}), got "
                                  f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+            want = scales[j // 2]
+            if (not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32
+                    or tuple(scale.shape) != want or scale.device != t.device):
+                raise ValueError(f"{op}: {name}[{j + 1}] must be the float32 scales {want} of quantize_weight(w, "
+                                 f"{fp8!r}) on {t.device}, got {getattr(scale, 'dtype', type(scale).__name__)} "
+                                 f"{tuple(getattr(scale, 'shape', ()))}")
         if copies[0] is None:
             raise ValueError(f"{op}: {name} has no forward copy (quantize_weight(..., copies='both'))")
         out.extend(copies)
@@ -497,9 +507,10 @@ def grouped_mlp(x: torch.Tensor, offs: torch.Tensor, fc1_weight: torch.Tensor, f
     fc1_weight (G, 2 * ffn, hidden) for SwiGLU (gate rows first, then up), (G, ffn, hidden) for
     GELU; fc2_weight (G, hidden, ffn). ``fp8="block"`` (1 x 128 activations and gradients,
     128 x 128 weights, DeepSeek-V3) or ``"row"`` runs the six GEMMs in FP8 (sm_90);
-    ``fp8_weights`` (each of fc1's and fc2's :func:`quantize_weight` result) reuses copies the
-    caller made; otherwise the forward's copies are made in the forward and the dgrad's in the
-    backward (so that they are never alive together). With
+    ``fp8_weights`` (each of fc1's and fc2's :func:`quantize_weight` result, in the recipe ``fp8``
+    and the default float8_e4m3fn) reuses copies the caller made; otherwise the forward's copies
+    are made in the forward and the dgrad's in the backward (so that they are never alive
+    together). With
     ``fuse_wgrad_accumulation`` the weight gradients are added into ``weight.main_grad`` (FP32).
     ``save_original_input`` (FP8): the backward keeps x rather than its FP8 transposed copy
     (half x's bytes) and makes that copy when fc1's weight gradient needs it (one more read of

@@ -244,7 +244,7 @@ def test_fp8_weight_arguments_are_checked():
         moe.grouped_mlp(x, offs, w1, w2, activation="gelu", fp8="block", fp8_weights=(1, 2, 3))
     with pytest.raises(ValueError, match=r"fp8_weights\[1\] must be quantize_weight's"):
         moe.grouped_mlp(x, offs, w1, w2, activation="gelu", fp8="block", fp8_weights=(c1, 2))
-    with pytest.raises(ValueError, match=r"fp8_weights\[0\]\[0\] must be an FP8 tensor of shape \(2, 8, 16\)"):
+    with pytest.raises(ValueError, match=r"fp8_weights\[0\]\[0\] must be a float8_e4m3fn tensor of shape \(2, 8, 16\)"):
         moe.grouped_mlp(x, offs, w1, w2, activation="gelu", fp8="block", fp8_weights=(c2, c2))
     with pytest.raises(ValueError, match=r"fp8_weights\[1\] has no forward copy"):
         moe.grouped_mlp(x, offs, w1, w2, activation="gelu", fp8="block",
@@ -258,6 +258,26 @@ def test_fp8_weight_arguments_are_checked():
         layer(x, offs, is_first_microbatch="yes")
     with pytest.raises(ValueError, match=r"x must be a 2-D \(T, in_features=16\) tensor, got \(10, 12\)"):
         layer(torch.randn(10, 12).bfloat16(), offs)
+
+
+@pytest.mark.parametrize("mistake", ["other recipe", "e5m2", "no scale", "scale of the other copy"])
+@pytest.mark.parametrize("fp8", ["block", "row"])
+def test_fp8_weights_of_another_recipe_or_dtype_are_named(fp8, mistake):
+    """fp8_weights must be quantize_weight(w, fp8)'s: e4m3 copies with their recipe's scales.
+    Before: row copies ran under fp8="block" at hidden = ffn = 128 (their (G, N) scales read as
+    blocks), and the other mistakes failed deeper down without naming fp8_weights."""
+    x = torch.randn(10, 128).bfloat16()
+    offs = torch.tensor([4, 10], dtype=torch.int32)
+    w1, w2 = torch.randn(2, 128, 128).bfloat16(), torch.randn(2, 128, 128).bfloat16()  # GELU
+    other = "row" if fp8 == "block" else "block"
+    c1 = list(moe.quantize_weight(w1, other if mistake == "other recipe" else fp8,
+                                  dtype=torch.float8_e5m2 if mistake == "e5m2" else torch.float8_e4m3fn))
+    if mistake == "no scale":
+        c1[1] = None
+    if mistake == "scale of the other copy":
+        c1[3] = moe.quantize_weight(w1, other)[3]
+    with pytest.raises(ValueError, match=r"^distgemm\.moe\.grouped_mlp: fp8_weights\[0\]\[[0-3]\] must be"):
+        moe.grouped_mlp(x, offs, w1, w2, activation="gelu", fp8=fp8, fp8_weights=(c1, moe.quantize_weight(w2, fp8)))
 
 
 def test_a_malformed_main_grad_is_named():
