@@ -904,6 +904,8 @@ def unpermute(y: torch.Tensor, row_map: torch.Tensor, topk_weights: torch.Tensor
                          "topk_ids is None")
     if topk_ids is not None:
         _check_routing(op, topk_ids, tokens, num_experts)
+        if topk_ids.device != y.device:
+            raise ValueError(f"{op}: topk_ids is on {topk_ids.device} but y is on {y.device}")
         kept = (topk_ids >= 0) & (topk_ids < num_experts)
     if _routing_kernels(y):
         return _Combine.apply(y, _kept_slot_rows(row_map, None if kept is None else kept.reshape(-1)),
