@@ -907,7 +907,7 @@ def unpermute(y: torch.Tensor, row_map: torch.Tensor, topk_weights: torch.Tensor
         if topk_ids.device != y.device:
             raise ValueError(f"{op}: topk_ids is on {topk_ids.device} but y is on {y.device}")
         kept = (topk_ids >= 0) & (topk_ids < num_experts)
-    if _routing_kernels(y):
+    if _routing_kernels(y) and k >= 1:  # k = 0 (nothing to sum) takes the torch ops: the kernel needs k >= 1
         return _Combine.apply(y, _kept_slot_rows(row_map, None if kept is None else kept.reshape(-1)),
                               topk_weights, tokens, k)
     # Row of each (token, slot): the inverse of row_map (clamped in bounds for a malformed one).

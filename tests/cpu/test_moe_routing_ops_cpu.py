@@ -12,6 +12,7 @@ from distgemm import moe
 
 def combine(y, rows, weights, tokens, k):
     """dg_moe_combine: out[t] = sum over kept j of weights * y[rows], FP32 in slot order, rounded once."""
+    assert k >= 1, "the binding refuses k < 1"
     out = torch.zeros(tokens, y.shape[1], dtype=torch.float32)
     for t in range(tokens):
         for j in range(k):
@@ -24,6 +25,7 @@ def combine(y, rows, weights, tokens, k):
 
 def combine_backward(dy, y, rows, weights, num_rows, tokens, k, want_dweights):
     """dg_moe_combine_backward: dy_rows[r] = w * dy[t]; a dropped slot (-1 - p) zeros row p."""
+    assert k >= 1, "the binding refuses k < 1"
     dy_rows = torch.zeros(num_rows, dy.shape[1], dtype=dy.dtype)
     dw = torch.zeros(tokens * k if want_dweights else 0, dtype=torch.float32)
     for t in range(tokens):
@@ -127,3 +129,20 @@ def test_gather_with_k_0_gives_x_a_zero_gradient(use_ops, monkeypatch):
     assert p.rows.shape == (0, 16) and p.offs.tolist() == [0, 0]
     p.rows.sum().backward()
     assert x.grad.shape == (4, 16) and torch.all(x.grad == 0)
+
+
+@pytest.mark.parametrize("use_ops", [False, True])
+def test_unpermute_with_k_0_is_zeros(use_ops, monkeypatch):
+    """k = 0: every token's sum is empty, zeros of y's width, and topk_weights' gradient is
+    empty. The routing ops refuse k < 1: the call must not reach them."""
+    if use_ops:
+        monkeypatch.setattr(moe, "ops", _Ops)
+        monkeypatch.setattr(moe, "_routing_kernels", lambda t: True)
+    y = torch.randn(0, 16).requires_grad_()
+    w = torch.rand(4, 0).requires_grad_()
+    ids = torch.zeros(4, 0, dtype=torch.long)
+    for args in ((), (ids, 2)):
+        out = moe.unpermute(y, torch.zeros(0, dtype=torch.long), w, *args)
+        assert out.shape == (4, 16) and torch.all(out == 0)
+        out.sum().backward()
+        assert w.grad.shape == (4, 0)
