@@ -539,8 +539,15 @@ def grouped_mlp(x: torch.Tensor, offs: torch.Tensor, fc1_weight: torch.Tensor, f
     if fp8_weights is not None:
         copies = _check_fp8_weights(op, fp8_weights, fp8, fc1_weight, fc2_weight)
     gather = (None, None, 1) if routing is None else (routing.source, routing.token_rows, routing.k)
+    if not torch.is_grad_enabled():  # needs_input_grad says True under no_grad too: nothing to make for a backward
+        x, fc1_weight, fc2_weight, fc1_bias, fc2_bias = _detached(x, fc1_weight, fc2_weight, fc1_bias, fc2_bias)
     return _GroupedMLP.apply(x, offs, fc1_weight, fc2_weight, fc1_bias, fc2_bias, *copies, activation, fp8,
                              fp8_grad_dtype, fuse_wgrad_accumulation, *gather, save_original_input and fp8 is not None)
+
+
+def _detached(*tensors):
+    """The tensors (or None) without autograd history: what a Function takes outside grad mode."""
+    return tuple(t if t is None else t.detach() for t in tensors)
 
 
 def _check_layer_routing(op, x, offs, routing) -> int:

@@ -12,7 +12,7 @@ from torch.autograd.function import once_differentiable
 from ._checks import check_flags, check_main_grad
 from ._routing import check_offs_tensor, check_offs_values
 from .grouped import grouped_mm
-from .moe import (ACTIVATIONS, FP8_RECIPES, _check_routing, _expert_of_rows, _bias_of_rows, _forms, _route,
+from .moe import (ACTIVATIONS, FP8_RECIPES, _check_routing, _detached, _expert_of_rows, _bias_of_rows, _forms, _route,
                   _weight_grad, grouped_mlp, quantize_weight, unpermute)
 
 
@@ -196,7 +196,9 @@ class GroupedLinear(nn.Module):
                 raise ValueError(f"GroupedLinear(fp8={self.fp8!r}): x and weight must be bfloat16 (quantized on the "
                                  f"fly), got {x.dtype} and {self.weight.dtype}")
             w8, sw, wt8, swt = self._fp8_weight.get(self.weight, is_first_microbatch) or (None,) * 4
-            y = _GroupedLinearFP8.apply(x, self.weight, offs, w8, sw, wt8, swt, self.fp8, fuse, self.fp8_grad_dtype,
+            # needs_input_grad says True under no_grad too: without grad mode, nothing to make for a backward.
+            x_in, w_in = (x, self.weight) if torch.is_grad_enabled() else _detached(x, self.weight)
+            y = _GroupedLinearFP8.apply(x_in, w_in, offs, w8, sw, wt8, swt, self.fp8, fuse, self.fp8_grad_dtype,
                                         self.save_original_input)
         elif fuse:
             y = _GroupedLinearMainGrad.apply(x, self.weight, offs)

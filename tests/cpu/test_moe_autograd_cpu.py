@@ -288,3 +288,33 @@ def test_torch_compile_matches_eager(fp8):
     _compiled_matches_eager(layer, (_offs(),), x0, dy, fullgraph)
     moe_layer, x0, dy, ids, w0 = _moe(fp8)  # MoEExperts: its CPU id check must not break the graph
     _compiled_matches_eager(moe_layer, (ids, w0), x0, dy, fullgraph)
+
+
+@pytest.mark.parametrize("fp8", ["block", "row"])
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_no_grad_forward_makes_no_wgrad_operands(fp8, mode, monkeypatch):
+    """Without autograd nothing is kept for a backward: the FP8 forward makes no padded
+    transposed copy (the wgrad's operand) of x or of the activation. Before: a Function's
+    needs_input_grad says True under no_grad too, so GroupedMLP and GroupedLinear wrote them in
+    every evaluation forward."""
+    from distgemm import moe
+
+    calls = []
+    real = moe.activation
+
+    def spy(*args, **kw):
+        calls.append(kw.get("fp8_transposed", False))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(moe, "activation", spy)
+    x = _data()[0].requires_grad_()
+    torch.manual_seed(0)
+    linear = GroupedLinear(3, 128, 64, fp8=fp8)
+    for layer in (_mlp(fp8), _mlp(fp8, save_original_input=True), linear):
+        want = layer(x, _offs())
+        assert any(calls), "the grad-mode forward makes the wgrad's operands"
+        calls.clear()
+        with mode():
+            got = layer(x, _offs())
+        assert not any(calls) and torch.equal(got, want)
+        calls.clear()
