@@ -60,8 +60,8 @@ def _reference_values(x: torch.Tensor, code: int, dy: Optional[torch.Tensor], in
     """The activation rounded to bf16, computed in float64 (the kernel's FP32 formulas are
     accurate to a few FP32 ulps, well inside one of bf16)."""
     xf = x.double()
-    if code == IDENTITY:
-        return x.to(torch.bfloat16)
+    if code == IDENTITY:  # a copy, as the kernel writes one
+        return x.to(torch.bfloat16, copy=True)
     if code == GELU:  # x * Phi(x) through erfc: torch's gelu (1 + erf) cancels for negative x, in float64 too
         return (xf * 0.5 * torch.erfc(-xf * 0.7071067811865476)).to(torch.bfloat16)
     gate, up = (xf[:, :inner], xf[:, inner:]) if code in (SWIGLU, SWIGLU_BACKWARD) else (xf, None)

@@ -32,6 +32,17 @@ def test_activation_derivatives_match_autograd(kind):
     assert rel(forward, y.detach()) < 2 ** -8 and rel(backward, xf.grad) < 2 ** -8
 
 
+def test_activation_identity_returns_a_copy():
+    """The identity's bf16 form is a new tensor, as the kernel writes it: changing it leaves x
+    as it was (before: on the CPU path it was x itself)."""
+    x = torch.randn(6, 16).bfloat16()
+    x0 = x.clone()
+    out = moe.activation(x, "identity")
+    assert torch.equal(out.y, x0)
+    out.y.zero_()
+    assert torch.equal(x, x0)
+
+
 def test_activation_fp8_forms_are_quantize_fp8_of_the_bf16_values():
     import distgemm
 
