@@ -127,8 +127,9 @@ class GroupedLinear(nn.Module):
 
     ``fp8="block"`` (DeepSeek-V3: activations and gradients per 1 x 128 tile, weights per
     128 x 128 block) or ``fp8="row"`` (rows and output channels) runs the three GEMMs in FP8
-    (sm_90): inputs quantized on the fly, the weight's FP8 copies cached until it changes, the
-    wgrad from both operands quantized per 128 tokens of each expert, in FP32. The master
+    (sm_90): inputs quantized on the fly, the weight's FP8 copies made per call or kept across
+    micro-batches with ``is_first_microbatch`` (see forward), the wgrad from both operands
+    quantized per 128 tokens of each expert, in FP32. The master
     weight stays in ``dtype``. ``fp8_grad_dtype=torch.float8_e5m2`` quantizes the output
     gradients to e5m2 (wider range, 2 mantissa bits; TransformerEngine's hybrid recipe)
     against the e4m3 weights and activations. ``save_original_input=True`` (FP8) keeps x for the
