@@ -855,7 +855,9 @@ class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, slot_rows, weights, tokens, k):
         w32 = weights.reshape(-1).float().contiguous()
-        ctx.save_for_backward(y, slot_rows, w32)
+        # y is read by the weights' gradient only: not kept alive without it (T * k rows).
+        ctx.save_for_backward(y if ctx.needs_input_grad[2] else None, slot_rows, w32)
+        ctx.num_rows = y.shape[0]
         ctx.shape, ctx.w_dtype = (tokens, k), weights.dtype
         return ops.moe_combine(y, slot_rows, w32, tokens, k)
 
@@ -867,7 +869,7 @@ class _Combine(torch.autograd.Function):
         need_y, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
         if not (need_y or need_w):
             return None, None, None, None, None
-        dy_rows, dw = ops.moe_combine_backward(grad.contiguous(), y if need_w else None, slot_rows, w32, y.shape[0],
+        dy_rows, dw = ops.moe_combine_backward(grad.contiguous(), y if need_w else None, slot_rows, w32, ctx.num_rows,
                                                tokens, k, need_w)
         return (dy_rows if need_y else None, None, dw.view(tokens, k).to(ctx.w_dtype) if need_w else None,
                 None, None)

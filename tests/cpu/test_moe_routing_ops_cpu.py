@@ -146,3 +146,29 @@ def test_unpermute_with_k_0_is_zeros(use_ops, monkeypatch):
         assert out.shape == (4, 16) and torch.all(out == 0)
         out.sum().backward()
         assert w.grad.shape == (4, 0)
+
+
+@pytest.mark.parametrize("weights_grad", [False, True])
+def test_the_combine_keeps_y_only_for_the_weights_gradient(weights_grad, monkeypatch):
+    """The combine's backward reads y only for topk_weights' gradient: with weights that need
+    none (a frozen or detached router), y (T * k rows) is not kept alive for the backward, as
+    the torch path's product keeps it only then. The gradients are the same either way."""
+    monkeypatch.setattr(moe, "ops", _Ops)
+    monkeypatch.setattr(moe, "_routing_kernels", lambda t: True)
+    ids, w = _routing(9, 3, 4, 0.2, seed=5)
+    x = torch.randn(9, 8)
+    p = moe.permute(x, ids, 4)
+    y = (p.rows * 2).requires_grad_()
+    w.requires_grad_(weights_grad)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+        out = moe.unpermute(y, p.row_map, w, ids, 4)
+    assert (tuple(y.shape) in saved) == weights_grad
+    out.sum().backward()
+    monkeypatch.undo()
+    y_ref = y.detach().clone().requires_grad_()
+    w_ref = w.detach().clone().requires_grad_(weights_grad)
+    moe.unpermute(y_ref, p.row_map, w_ref, ids, 4).sum().backward()
+    torch.testing.assert_close(y.grad, y_ref.grad)
+    if weights_grad:
+        torch.testing.assert_close(w.grad, w_ref.grad)
