@@ -322,6 +322,7 @@ class _GroupedMLP(torch.autograd.Function):
         tokens = source.numel() if gather else x.shape[0]
         need_dx, need_w1, need_w2 = ctx.needs_input_grad[0], ctx.needs_input_grad[2], ctx.needs_input_grad[3]
         need_b1 = b1 is not None and ctx.needs_input_grad[4]
+        need_da = need_dx or need_w1 or need_b1  # the gradients below the activation, which read h
         experts = _expert_of_rows(offs, tokens) if (b1 is not None or b2 is not None) else None
         if recipe is None:
             h = grouped_mm(x, w1, offs)
@@ -329,7 +330,8 @@ class _GroupedMLP(torch.autograd.Function):
                 h = _add_bias(h, b1, experts)
             a = activation(h, kind).y
             y = grouped_mm(a, w2, offs)
-            saved = (x, h, a)
+            # Each kept only for the gradients that read it: x fc1's weight's, a fc2's, h those below the activation.
+            saved = (x if need_w1 else None, h if need_da else None, a if need_w2 else None)
         else:
             e4m3 = torch.float8_e4m3fn
             # Copies made per call are made just before their GEMM and dropped after it (the
@@ -349,7 +351,7 @@ class _GroupedMLP(torch.autograd.Function):
                 w2_fp8, w2_scale, _, _ = quantize_weight(w2, recipe, copies="forward")
             y = grouped_mm(a8, w2_fp8, offs, scale_x=sa, scale_w=w2_scale)
             del a8, sa, w2_fp8, w2_scale
-            saved = (xt8, sxt, h, at8, sat, w1t_fp8, w1t_scale, w2t_fp8, w2t_scale)
+            saved = (xt8, sxt, h if need_da else None, at8, sat, w1t_fp8, w1t_scale, w2t_fp8, w2t_scale)
         if b2 is not None:
             y = _add_bias(y, b2, experts)
         regather = source if gather and save_input and recipe == "block" else None
