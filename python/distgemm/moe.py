@@ -478,10 +478,12 @@ def _check_fp8_weights(op, fp8_weights, fp8, w1, w2) -> tuple:
             t, scale = copies[j], copies[j + 1]
             if t is None:
                 continue
-            if not isinstance(t, torch.Tensor) or t.dtype != torch.float8_e4m3fn or tuple(t.shape) != want:
-                raise ValueError(f"{op}: {name}[{j}] must be a float8_e4m3fn tensor of shape {want} (its weight's "
-                                 f"{'copy' if j == 0 else 'transposed copy'}), got "
-                                 f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+            if (not isinstance(t, torch.Tensor) or t.dtype != torch.float8_e4m3fn or tuple(t.shape) != want
+                    or t.device != w.device):
+                raise ValueError(f"{op}: {name}[{j}] must be a float8_e4m3fn tensor of shape {want} on {w.device} "
+                                 f"(its weight's {'copy' if j == 0 else 'transposed copy'}), got "
+                                 f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}"
+                                 f"{f' on {t.device}' if isinstance(t, torch.Tensor) else ''}")
             want = scales[j // 2]
             if (not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32
                     or tuple(scale.shape) != want or scale.device != t.device):

@@ -255,7 +255,7 @@ def test_fp8_weight_arguments_are_checked():
         moe.grouped_mlp(x, offs, w1, w2, activation="gelu", fp8="block", fp8_weights=(1, 2, 3))
     with pytest.raises(ValueError, match=r"fp8_weights\[1\] must be quantize_weight's"):
         moe.grouped_mlp(x, offs, w1, w2, activation="gelu", fp8="block", fp8_weights=(c1, 2))
-    with pytest.raises(ValueError, match=r"fp8_weights\[0\]\[0\] must be a float8_e4m3fn tensor of shape \(2, 8, 16\)"):
+    with pytest.raises(ValueError, match=r"fp8_weights\[0\]\[0\] must be a float8_e4m3fn tensor of shape \(2, 8, 16\) on cpu"):
         moe.grouped_mlp(x, offs, w1, w2, activation="gelu", fp8="block", fp8_weights=(c2, c2))
     with pytest.raises(ValueError, match=r"fp8_weights\[1\] has no forward copy"):
         moe.grouped_mlp(x, offs, w1, w2, activation="gelu", fp8="block",
@@ -271,7 +271,7 @@ def test_fp8_weight_arguments_are_checked():
         layer(torch.randn(10, 12).bfloat16(), offs)
 
 
-@pytest.mark.parametrize("mistake", ["other recipe", "e5m2", "no scale", "scale of the other copy"])
+@pytest.mark.parametrize("mistake", ["other recipe", "e5m2", "no scale", "scale of the other copy", "other device"])
 @pytest.mark.parametrize("fp8", ["block", "row"])
 def test_fp8_weights_of_another_recipe_or_dtype_are_named(fp8, mistake):
     """fp8_weights must be quantize_weight(w, fp8)'s: e4m3 copies with their recipe's scales.
@@ -287,6 +287,8 @@ def test_fp8_weights_of_another_recipe_or_dtype_are_named(fp8, mistake):
         c1[1] = None
     if mistake == "scale of the other copy":
         c1[3] = moe.quantize_weight(w1, other)[3]
+    if mistake == "other device":
+        c1 = [t.to("meta") for t in c1]
     with pytest.raises(ValueError, match=r"^distgemm\.moe\.grouped_mlp: fp8_weights\[0\]\[[0-3]\] must be"):
         moe.grouped_mlp(x, offs, w1, w2, activation="gelu", fp8=fp8, fp8_weights=(c1, moe.quantize_weight(w2, fp8)))
 
