@@ -26,7 +26,7 @@ from torch.autograd.function import once_differentiable
 from . import _settings
 from ._checks import check_flags, check_main_grad
 from ._library import has_kernels, ops
-from ._routing import check_offs_values
+from ._routing import _preview, check_offs_values
 from .grouped import grouped_mm, grouped_mm_wgrad
 from .quantize import FP8_MAX, quantize_fp8
 
@@ -60,8 +60,8 @@ def _reference_values(x: torch.Tensor, code: int, dy: Optional[torch.Tensor], in
     """The activation rounded to bf16, computed in float64 (the kernel's FP32 formulas are
     accurate to a few FP32 ulps, well inside one of bf16)."""
     xf = x.double()
-    if code == IDENTITY:
-        return x.to(torch.bfloat16)
+    if code == IDENTITY:  # a copy, as the kernel writes one
+        return x.to(torch.bfloat16, copy=True)
     if code == GELU:  # x * Phi(x) through erfc: torch's gelu (1 + erf) cancels for negative x, in float64 too
         return (xf * 0.5 * torch.erfc(-xf * 0.7071067811865476)).to(torch.bfloat16)
     gate, up = (xf[:, :inner], xf[:, inner:]) if code in (SWIGLU, SWIGLU_BACKWARD) else (xf, None)
@@ -251,12 +251,42 @@ def _weight_grad(weight, fuse_wgrad, dy, x, offs, **fp8_scales):
     if fuse_wgrad:
         accumulate = not getattr(weight, "overwrite_main_grad", False)
         grouped_mm_wgrad(dy, x, offs, out=weight.main_grad, accumulate=accumulate, **fp8_scales)
-        if hasattr(weight, "grad_added_to_main_grad"):
-            weight.grad_added_to_main_grad = True
-            make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
-            return make(weight.shape, dtype=weight.dtype, device=weight.device)
-        return None
+        return _fused_grad(weight)
     return grouped_mm_wgrad(dy, x, offs, **fp8_scales).to(weight.dtype)
+
+
+def _fused_grad(weight):
+    """What the backward returns for a weight whose gradient went into main_grad: Megatron-LM's
+    placeholder where the weight asks for one (grad_added_to_main_grad), else None."""
+    if hasattr(weight, "grad_added_to_main_grad"):
+        weight.grad_added_to_main_grad = True
+        make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
+        return make(weight.shape, dtype=weight.dtype, device=weight.device)
+    return None
+
+
+class _NoRows(torch.autograd.Function):
+    """The layer on no rows: an empty output whose backward gives x and every parameter a zero
+    gradient (a fused weight adds nothing into main_grad), as the layer's GEMMs would."""
+
+    @staticmethod
+    def forward(ctx, x, w1, w2, b1, b2, fuse_wgrad):
+        ctx.fuse_wgrad, ctx.x_shape = fuse_wgrad, x.shape
+        ctx.save_for_backward(w1, w2, b1, b2)  # for their shapes and main_grad flags
+        return x.new_zeros((0, w2.shape[1]))
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        w1, w2, b1, b2 = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        grads = [grad.new_zeros(ctx.x_shape) if need[0] else None]
+        for i, w in ((1, w1), (2, w2)):
+            if need[i] and ctx.fuse_wgrad and getattr(w, "overwrite_main_grad", False):
+                w.main_grad.zero_()  # written with this step's gradient, which is zero
+            grads.append(None if not need[i] else _fused_grad(w) if ctx.fuse_wgrad else torch.zeros_like(w))
+        grads += [torch.zeros_like(b) if need[i] else None for i, b in ((3, b1), (4, b2))]
+        return tuple(grads) + (None,)
 
 
 def _forms(x, kind, recipe, offs, *, rows, transposed, dtype, dy=None, bf16=False, source=None):
@@ -319,6 +349,7 @@ class _GroupedMLP(torch.autograd.Function):
         tokens = source.numel() if gather else x.shape[0]
         need_dx, need_w1, need_w2 = ctx.needs_input_grad[0], ctx.needs_input_grad[2], ctx.needs_input_grad[3]
         need_b1 = b1 is not None and ctx.needs_input_grad[4]
+        need_da = need_dx or need_w1 or need_b1  # the gradients below the activation, which read h
         experts = _expert_of_rows(offs, tokens) if (b1 is not None or b2 is not None) else None
         if recipe is None:
             h = grouped_mm(x, w1, offs)
@@ -326,7 +357,8 @@ class _GroupedMLP(torch.autograd.Function):
                 h = _add_bias(h, b1, experts)
             a = activation(h, kind).y
             y = grouped_mm(a, w2, offs)
-            saved = (x, h, a)
+            # Each kept only for the gradients that read it: x fc1's weight's, a fc2's, h those below the activation.
+            saved = (x if need_w1 else None, h if need_da else None, a if need_w2 else None)
         else:
             e4m3 = torch.float8_e4m3fn
             # Copies made per call are made just before their GEMM and dropped after it (the
@@ -346,7 +378,7 @@ class _GroupedMLP(torch.autograd.Function):
                 w2_fp8, w2_scale, _, _ = quantize_weight(w2, recipe, copies="forward")
             y = grouped_mm(a8, w2_fp8, offs, scale_x=sa, scale_w=w2_scale)
             del a8, sa, w2_fp8, w2_scale
-            saved = (xt8, sxt, h, at8, sat, w1t_fp8, w1t_scale, w2t_fp8, w2t_scale)
+            saved = (xt8, sxt, h if need_da else None, at8, sat, w1t_fp8, w1t_scale, w2t_fp8, w2t_scale)
         if b2 is not None:
             y = _add_bias(y, b2, experts)
         regather = source if gather and save_input and recipe == "block" else None
@@ -454,7 +486,7 @@ def _check_layer(op, x, offs, w1, w2, b1, b2, kind, fp8, grad_dtype):
 
 def _check_fp8_weights(op, fp8_weights, fp8, w1, w2) -> tuple:
     """fp8_weights as _GroupedMLP takes them (eight entries), once each is seen to be the
-    quantize_weight result of its weight."""
+    quantize_weight result of its weight in the layer's recipe (e4m3 copies, their scales)."""
     if fp8 is None:
         raise ValueError(f"{op}: fp8_weights needs fp8='block' or 'row' (the layer runs in bf16 without it)")
     if not isinstance(fp8_weights, (tuple, list)) or len(fp8_weights) != 2:
@@ -467,12 +499,24 @@ def _check_fp8_weights(op, fp8_weights, fp8, w1, w2) -> tuple:
             raise ValueError(f"{op}: {name} must be quantize_weight's (w_fp8, scale, wt_fp8, scale_t), got "
                              f"{type(copies).__name__}")
         g, n, k = w.shape
+        blocks = (g, -(-n // BLOCK), -(-k // BLOCK))
+        scales = (blocks, blocks) if fp8 == "block" else ((g, n), (g, k))
         for j, want in ((0, (g, n, k)), (2, (g, k, n))):
-            t = copies[j]
-            if t is not None and (not isinstance(t, torch.Tensor) or t.dtype not in FP8_MAX or tuple(t.shape) != want):
-                raise ValueError(f"{op}: {name}[{j}] must be an FP8 tensor of shape {want} (its weight's "
-                                 f"{'copy' if j == 0 else 'transposed copy'}), got "
-                                 f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+            t, scale = copies[j], copies[j + 1]
+            if t is None:
+                continue
+            if (not isinstance(t, torch.Tensor) or t.dtype != torch.float8_e4m3fn or tuple(t.shape) != want
+                    or t.device != w.device):
+                raise ValueError(f"{op}: {name}[{j}] must be a float8_e4m3fn tensor of shape {want} on {w.device} "
+                                 f"(its weight's {'copy' if j == 0 else 'transposed copy'}), got "
+                                 f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}"
+                                 f"{f' on {t.device}' if isinstance(t, torch.Tensor) else ''}")
+            want = scales[j // 2]
+            if (not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32
+                    or tuple(scale.shape) != want or scale.device != t.device):
+                raise ValueError(f"{op}: {name}[{j + 1}] must be the float32 scales {want} of quantize_weight(w, "
+                                 f"{fp8!r}) on {t.device}, got {getattr(scale, 'dtype', type(scale).__name__)} "
+                                 f"{tuple(getattr(scale, 'shape', ()))}")
         if copies[0] is None:
             raise ValueError(f"{op}: {name} has no forward copy (quantize_weight(..., copies='both'))")
         out.extend(copies)
@@ -494,9 +538,10 @@ def grouped_mlp(x: torch.Tensor, offs: torch.Tensor, fc1_weight: torch.Tensor, f
     fc1_weight (G, 2 * ffn, hidden) for SwiGLU (gate rows first, then up), (G, ffn, hidden) for
     GELU; fc2_weight (G, hidden, ffn). ``fp8="block"`` (1 x 128 activations and gradients,
     128 x 128 weights, DeepSeek-V3) or ``"row"`` runs the six GEMMs in FP8 (sm_90);
-    ``fp8_weights`` (each of fc1's and fc2's :func:`quantize_weight` result) reuses copies the
-    caller made; otherwise the forward's copies are made in the forward and the dgrad's in the
-    backward (so that they are never alive together). With
+    ``fp8_weights`` (each of fc1's and fc2's :func:`quantize_weight` result, in the recipe ``fp8``
+    and the default float8_e4m3fn) reuses copies the caller made; otherwise the forward's copies
+    are made in the forward and the dgrad's in the backward (so that they are never alive
+    together). With
     ``fuse_wgrad_accumulation`` the weight gradients are added into ``weight.main_grad`` (FP32).
     ``save_original_input`` (FP8): the backward keeps x rather than its FP8 transposed copy
     (half x's bytes) and makes that copy when fc1's weight gradient needs it (one more read of
@@ -519,14 +564,21 @@ def grouped_mlp(x: torch.Tensor, offs: torch.Tensor, fc1_weight: torch.Tensor, f
         for name, w in (("fc1_weight", fc1_weight), ("fc2_weight", fc2_weight)):
             if w.requires_grad:
                 check_main_grad(op, name, w)
-    if rows == 0:  # no rows: nothing to compute, and no weight gradient
-        return x.new_zeros((0, fc2_weight.shape[1])) + x.sum()
+    if rows == 0:  # no rows: nothing to compute; zero gradients
+        return _NoRows.apply(x, fc1_weight, fc2_weight, fc1_bias, fc2_bias, fuse_wgrad_accumulation)
     copies = (None,) * 8
     if fp8_weights is not None:
         copies = _check_fp8_weights(op, fp8_weights, fp8, fc1_weight, fc2_weight)
     gather = (None, None, 1) if routing is None else (routing.source, routing.token_rows, routing.k)
+    if not torch.is_grad_enabled():  # needs_input_grad says True under no_grad too: nothing to make for a backward
+        x, fc1_weight, fc2_weight, fc1_bias, fc2_bias = _detached(x, fc1_weight, fc2_weight, fc1_bias, fc2_bias)
     return _GroupedMLP.apply(x, offs, fc1_weight, fc2_weight, fc1_bias, fc2_bias, *copies, activation, fp8,
                              fp8_grad_dtype, fuse_wgrad_accumulation, *gather, save_original_input and fp8 is not None)
+
+
+def _detached(*tensors):
+    """The tensors (or None) without autograd history: what a Function takes outside grad mode."""
+    return tuple(t if t is None else t.detach() for t in tensors)
 
 
 def _check_layer_routing(op, x, offs, routing) -> int:
@@ -539,8 +591,14 @@ def _check_layer_routing(op, x, offs, routing) -> int:
     if rows != x.shape[0] * routing.k or routing.token_rows.numel() != rows:
         raise ValueError(f"{op}: routing is for {rows // max(routing.k, 1)} tokens x k={routing.k}, but x has "
                          f"{x.shape[0]} tokens")
-    if offs is not routing.offs and (offs.shape != routing.offs.shape or offs.device != routing.offs.device):
-        raise ValueError(f"{op}: with routing, offs must be routing.offs")
+    if offs is not routing.offs:
+        if offs.shape != routing.offs.shape or offs.device != routing.offs.device:
+            raise ValueError(f"{op}: with routing, offs must be routing.offs")
+        # Its values, where the host reads them for free (as check_offs_values does).
+        host = offs.device.type == "cpu" or (offs.device.type != "meta" and _settings.current().debug)
+        if host and not torch.compiler.is_compiling() and not torch.equal(offs, routing.offs):
+            raise ValueError(f"{op}: with routing, offs must be routing.offs (its values "
+                             f"{_preview(routing.offs.tolist())}), got {_preview(offs.tolist())}")
     if routing.source.device != x.device:
         raise ValueError(f"{op}: routing is on {routing.source.device} but x is on {x.device}")
     return rows
@@ -747,7 +805,7 @@ class _GatherReference(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, source, token_rows, k):
         ctx.save_for_backward(token_rows)
-        ctx.k = k
+        ctx.k, ctx.tokens = k, x.shape[0]
         return _gathered(x, source)
 
     @staticmethod
@@ -755,6 +813,8 @@ class _GatherReference(torch.autograd.Function):
         (token_rows,) = ctx.saved_tensors
         if not ctx.needs_input_grad[0]:
             return None, None, None, None
+        if ctx.k == 0:  # no copies: no token reaches a row
+            return grad.new_zeros((ctx.tokens, grad.shape[1])), None, None, None
         return _summed(grad, token_rows, ctx.k), None, None, None
 
 
@@ -805,7 +865,7 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, source, slot_rows, k):
         ctx.save_for_backward(slot_rows)
-        ctx.k = k
+        ctx.k, ctx.tokens = k, x.shape[0]
         return ops.moe_combine(x, source, None, source.numel(), 1)
 
     @staticmethod
@@ -815,6 +875,8 @@ class _Gather(torch.autograd.Function):
         if not ctx.needs_input_grad[0]:
             return None, None, None, None
         k = ctx.k
+        if k == 0:  # no copies: no token reaches a row
+            return grad.new_zeros((ctx.tokens, grad.shape[1])), None, None, None
         return ops.moe_combine(grad.contiguous(), slot_rows, None, slot_rows.numel() // k, k), None, None, None
 
 
@@ -824,7 +886,9 @@ class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, slot_rows, weights, tokens, k):
         w32 = weights.reshape(-1).float().contiguous()
-        ctx.save_for_backward(y, slot_rows, w32)
+        # y is read by the weights' gradient only: not kept alive without it (T * k rows).
+        ctx.save_for_backward(y if ctx.needs_input_grad[2] else None, slot_rows, w32)
+        ctx.num_rows = y.shape[0]
         ctx.shape, ctx.w_dtype = (tokens, k), weights.dtype
         return ops.moe_combine(y, slot_rows, w32, tokens, k)
 
@@ -836,7 +900,7 @@ class _Combine(torch.autograd.Function):
         need_y, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
         if not (need_y or need_w):
             return None, None, None, None, None
-        dy_rows, dw = ops.moe_combine_backward(grad.contiguous(), y if need_w else None, slot_rows, w32, y.shape[0],
+        dy_rows, dw = ops.moe_combine_backward(grad.contiguous(), y if need_w else None, slot_rows, w32, ctx.num_rows,
                                                tokens, k, need_w)
         return (dy_rows if need_y else None, None, dw.view(tokens, k).to(ctx.w_dtype) if need_w else None,
                 None, None)
@@ -880,8 +944,10 @@ def unpermute(y: torch.Tensor, row_map: torch.Tensor, topk_weights: torch.Tensor
                          "topk_ids is None")
     if topk_ids is not None:
         _check_routing(op, topk_ids, tokens, num_experts)
+        if topk_ids.device != y.device:
+            raise ValueError(f"{op}: topk_ids is on {topk_ids.device} but y is on {y.device}")
         kept = (topk_ids >= 0) & (topk_ids < num_experts)
-    if _routing_kernels(y):
+    if _routing_kernels(y) and k >= 1:  # k = 0 (nothing to sum) takes the torch ops: the kernel needs k >= 1
         return _Combine.apply(y, _kept_slot_rows(row_map, None if kept is None else kept.reshape(-1)),
                               topk_weights, tokens, k)
     # Row of each (token, slot): the inverse of row_map (clamped in bounds for a malformed one).

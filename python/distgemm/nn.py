@@ -12,7 +12,7 @@ from torch.autograd.function import once_differentiable
 from ._checks import check_flags, check_main_grad
 from ._routing import check_offs_tensor, check_offs_values
 from .grouped import grouped_mm
-from .moe import (ACTIVATIONS, FP8_RECIPES, _check_routing, _expert_of_rows, _bias_of_rows, _forms, _route,
+from .moe import (ACTIVATIONS, FP8_RECIPES, _check_routing, _detached, _expert_of_rows, _bias_of_rows, _forms, _route,
                   _weight_grad, grouped_mlp, quantize_weight, unpermute)
 
 
@@ -127,8 +127,9 @@ class GroupedLinear(nn.Module):
 
     ``fp8="block"`` (DeepSeek-V3: activations and gradients per 1 x 128 tile, weights per
     128 x 128 block) or ``fp8="row"`` (rows and output channels) runs the three GEMMs in FP8
-    (sm_90): inputs quantized on the fly, the weight's FP8 copies cached until it changes, the
-    wgrad from both operands quantized per 128 tokens of each expert, in FP32. The master
+    (sm_90): inputs quantized on the fly, the weight's FP8 copies made per call or kept across
+    micro-batches with ``is_first_microbatch`` (see forward), the wgrad from both operands
+    quantized per 128 tokens of each expert, in FP32. The master
     weight stays in ``dtype``. ``fp8_grad_dtype=torch.float8_e5m2`` quantizes the output
     gradients to e5m2 (wider range, 2 mantissa bits; TransformerEngine's hybrid recipe)
     against the e4m3 weights and activations. ``save_original_input=True`` (FP8) keeps x for the
@@ -196,7 +197,9 @@ class GroupedLinear(nn.Module):
                 raise ValueError(f"GroupedLinear(fp8={self.fp8!r}): x and weight must be bfloat16 (quantized on the "
                                  f"fly), got {x.dtype} and {self.weight.dtype}")
             w8, sw, wt8, swt = self._fp8_weight.get(self.weight, is_first_microbatch) or (None,) * 4
-            y = _GroupedLinearFP8.apply(x, self.weight, offs, w8, sw, wt8, swt, self.fp8, fuse, self.fp8_grad_dtype,
+            # needs_input_grad says True under no_grad too: without grad mode, nothing to make for a backward.
+            x_in, w_in = (x, self.weight) if torch.is_grad_enabled() else _detached(x, self.weight)
+            y = _GroupedLinearFP8.apply(x_in, w_in, offs, w8, sw, wt8, swt, self.fp8, fuse, self.fp8_grad_dtype,
                                         self.save_original_input)
         elif fuse:
             y = _GroupedLinearMainGrad.apply(x, self.weight, offs)

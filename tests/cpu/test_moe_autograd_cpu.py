@@ -288,3 +288,61 @@ def test_torch_compile_matches_eager(fp8):
     _compiled_matches_eager(layer, (_offs(),), x0, dy, fullgraph)
     moe_layer, x0, dy, ids, w0 = _moe(fp8)  # MoEExperts: its CPU id check must not break the graph
     _compiled_matches_eager(moe_layer, (ids, w0), x0, dy, fullgraph)
+
+
+@pytest.mark.parametrize("fp8", ["block", "row"])
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_no_grad_forward_makes_no_wgrad_operands(fp8, mode, monkeypatch):
+    """Without autograd nothing is kept for a backward: the FP8 forward makes no padded
+    transposed copy (the wgrad's operand) of x or of the activation. Before: a Function's
+    needs_input_grad says True under no_grad too, so GroupedMLP and GroupedLinear wrote them in
+    every evaluation forward."""
+    from distgemm import moe
+
+    calls = []
+    real = moe.activation
+
+    def spy(*args, **kw):
+        calls.append(kw.get("fp8_transposed", False))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(moe, "activation", spy)
+    x = _data()[0].requires_grad_()
+    torch.manual_seed(0)
+    linear = GroupedLinear(3, 128, 64, fp8=fp8)
+    for layer in (_mlp(fp8), _mlp(fp8, save_original_input=True), linear):
+        want = layer(x, _offs())
+        assert any(calls), "the grad-mode forward makes the wgrad's operands"
+        calls.clear()
+        with mode():
+            got = layer(x, _offs())
+        assert not any(calls) and torch.equal(got, want)
+        calls.clear()
+
+
+@pytest.mark.parametrize("fp8", RECIPES)
+@pytest.mark.parametrize("trainable", ["x", "fc1", "fc2", "x fc2"])
+def test_the_backward_keeps_only_what_its_gradients_read(fp8, trainable):
+    """x is read by fc1's weight gradient only, the activation by fc2's, fc1's output h by the
+    gradients below the activation: with the rest frozen (or x needing no gradient) none of them
+    stays alive for nothing (before: the bf16 layer kept x, h and the activation always, the FP8
+    one h). The gradients asked for are those of the layer with everything trainable."""
+    torch.manual_seed(0)
+    layer = GroupedMLP(3, 64, 48, fp8=fp8, save_original_input=fp8 is not None)
+    x0, dy = torch.randn(40, 64).bfloat16(), torch.randn(40, 64).bfloat16()
+    offs = torch.tensor([10, 10, 40], dtype=torch.int32)
+    y, want = _plain(layer, x0, dy, offs)
+    x = x0.clone().requires_grad_("x" in trainable)
+    layer.fc1_weight.requires_grad_(trainable == "fc1")
+    layer.fc2_weight.requires_grad_("fc2" in trainable)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+        out = layer(x, offs)
+    kept = {"x": (40, 64) in saved, "h": (40, 96) in saved, "a": (40, 48) in saved}
+    assert kept["x"] == (trainable == "fc1"), saved
+    assert kept["h"] == (trainable != "fc2"), saved
+    assert kept["a"] == (fp8 is None and "fc2" in trainable), saved
+    out.backward(dy)
+    assert torch.equal(out, y)
+    for t, g in zip([x, layer.fc1_weight, layer.fc2_weight], want[:3]):
+        assert (t.grad is not None) == t.requires_grad and (t.grad is None or torch.equal(t.grad, g))

@@ -66,6 +66,9 @@ CASES = [
      r"^distgemm\.moe\.unpermute: topk_ids must be a 2-D .* got list"),
     (lambda: moe.unpermute(_permuted().rows, _permuted().row_map, torch.rand(4, 3), _ids(), 2), ValueError,
      r"^distgemm\.moe\.unpermute: topk_weights must have topk_ids' shape \(4, 2\), got \(4, 3\)"),
+    (lambda: moe.unpermute(torch.randn(8, 16, device="meta"), torch.arange(8, device="meta"),
+                           _w().to("meta"), _ids(), 2), ValueError,
+     r"^distgemm\.moe\.unpermute: topk_ids is on cpu but y is on meta"),
     # gather
     (lambda: moe.gather(_x(), None), TypeError, r"^distgemm\.moe\.gather: routing must be .* got NoneType"),
     (lambda: moe.gather([[1.0]], moe.route(_ids(), 2)), ValueError, r"^distgemm\.moe\.gather: x must be .* got list"),

@@ -32,6 +32,17 @@ def test_activation_derivatives_match_autograd(kind):
     assert rel(forward, y.detach()) < 2 ** -8 and rel(backward, xf.grad) < 2 ** -8
 
 
+def test_activation_identity_returns_a_copy():
+    """The identity's bf16 form is a new tensor, as the kernel writes it: changing it leaves x
+    as it was (before: on the CPU path it was x itself)."""
+    x = torch.randn(6, 16).bfloat16()
+    x0 = x.clone()
+    out = moe.activation(x, "identity")
+    assert torch.equal(out.y, x0)
+    out.y.zero_()
+    assert torch.equal(x, x0)
+
+
 def test_activation_fp8_forms_are_quantize_fp8_of_the_bf16_values():
     import distgemm
 
@@ -236,6 +247,54 @@ def test_grouped_mlp_with_no_tokens():
     assert y.shape == (0, 64) and x.grad.shape == (0, 64)
 
 
+@pytest.mark.parametrize("fp8", [None, "block"])
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("x_grad", [False, True])
+def test_no_tokens_give_the_parameters_zero_gradients(fp8, fused, x_grad):
+    """A micro-batch without tokens (an expert-parallel rank the router sent none) still takes a
+    backward, as GroupedLinear's and torch.nn.Linear's do: x and the parameters get zero
+    gradients, a fused weight adds nothing into main_grad (Megatron-LM's placeholder where it
+    asks for one). Before: the output did not depend on the parameters (no gradient; and when x
+    needs none, backward raised)."""
+    from distgemm.nn import MoEExperts
+
+    experts = MoEExperts(3, 64, 32, fp8=fp8, bias=True, fuse_wgrad_accumulation=fused)
+    layer = experts.experts
+    for w in (layer.fc1_weight, layer.fc2_weight):
+        w.main_grad = torch.ones(w.shape)
+    layer.fc2_weight.grad_added_to_main_grad = False  # Megatron-LM's flag: a placeholder gradient comes back
+    layer.fc2_weight.zero_out_wgrad = True
+    x = torch.randn(0, 64).bfloat16().requires_grad_(x_grad)
+    for out in (layer(x, _offs([0, 0, 0])),
+                experts(x, torch.zeros(0, 2, dtype=torch.long), torch.rand(0, 2))):
+        assert out.shape == (0, 64) and out.requires_grad
+        out.float().sum().backward()
+        assert (x.grad is not None) == x_grad and (not x_grad or x.grad.shape == (0, 64))
+        for b in (layer.fc1_bias, layer.fc2_bias):
+            assert b.grad is not None and b.grad.shape == b.shape and torch.all(b.grad == 0)
+        if fused:
+            assert layer.fc1_weight.grad is None
+            assert layer.fc2_weight.grad_added_to_main_grad and torch.all(layer.fc2_weight.grad == 0)
+            for w in (layer.fc1_weight, layer.fc2_weight):
+                assert torch.all(w.main_grad == 1)
+        else:
+            for w in (layer.fc1_weight, layer.fc2_weight):
+                assert w.grad is not None and w.grad.shape == w.shape and torch.all(w.grad == 0)
+        layer.zero_grad()
+
+
+@pytest.mark.parametrize("fp8", [None, "block"])
+def test_no_tokens_overwrite_main_grad_with_zeros(fp8):
+    """overwrite_main_grad on a micro-batch without tokens: main_grad holds this step's gradient,
+    zero, not what it held before."""
+    layer = GroupedMLP(3, 64, 32, fp8=fp8, fuse_wgrad_accumulation=True)
+    for w in (layer.fc1_weight, layer.fc2_weight):
+        w.main_grad, w.overwrite_main_grad = torch.full(w.shape, float("nan")), True
+    layer(torch.randn(0, 64).bfloat16(), _offs([0, 0, 0])).float().sum().backward()
+    for w in (layer.fc1_weight, layer.fc2_weight):
+        assert torch.all(w.main_grad == 0)
+
+
 def test_fp8_weight_arguments_are_checked():
     # Caller-made FP8 weight copies and the micro-batch flag: each mistake names its argument.
     from distgemm.nn import GroupedLinear
@@ -250,7 +309,7 @@ def test_fp8_weight_arguments_are_checked():
         moe.grouped_mlp(x, offs, w1, w2, activation="gelu", fp8="block", fp8_weights=(1, 2, 3))
     with pytest.raises(ValueError, match=r"fp8_weights\[1\] must be quantize_weight's"):
         moe.grouped_mlp(x, offs, w1, w2, activation="gelu", fp8="block", fp8_weights=(c1, 2))
-    with pytest.raises(ValueError, match=r"fp8_weights\[0\]\[0\] must be an FP8 tensor of shape \(2, 8, 16\)"):
+    with pytest.raises(ValueError, match=r"fp8_weights\[0\]\[0\] must be a float8_e4m3fn tensor of shape \(2, 8, 16\) on cpu"):
         moe.grouped_mlp(x, offs, w1, w2, activation="gelu", fp8="block", fp8_weights=(c2, c2))
     with pytest.raises(ValueError, match=r"fp8_weights\[1\] has no forward copy"):
         moe.grouped_mlp(x, offs, w1, w2, activation="gelu", fp8="block",
@@ -264,6 +323,28 @@ def test_fp8_weight_arguments_are_checked():
         layer(x, offs, is_first_microbatch="yes")
     with pytest.raises(ValueError, match=r"x must be a 2-D \(T, in_features=16\) tensor, got \(10, 12\)"):
         layer(torch.randn(10, 12).bfloat16(), offs)
+
+
+@pytest.mark.parametrize("mistake", ["other recipe", "e5m2", "no scale", "scale of the other copy", "other device"])
+@pytest.mark.parametrize("fp8", ["block", "row"])
+def test_fp8_weights_of_another_recipe_or_dtype_are_named(fp8, mistake):
+    """fp8_weights must be quantize_weight(w, fp8)'s: e4m3 copies with their recipe's scales.
+    Before: row copies ran under fp8="block" at hidden = ffn = 128 (their (G, N) scales read as
+    blocks), and the other mistakes failed deeper down without naming fp8_weights."""
+    x = torch.randn(10, 128).bfloat16()
+    offs = torch.tensor([4, 10], dtype=torch.int32)
+    w1, w2 = torch.randn(2, 128, 128).bfloat16(), torch.randn(2, 128, 128).bfloat16()  # GELU
+    other = "row" if fp8 == "block" else "block"
+    c1 = list(moe.quantize_weight(w1, other if mistake == "other recipe" else fp8,
+                                  dtype=torch.float8_e5m2 if mistake == "e5m2" else torch.float8_e4m3fn))
+    if mistake == "no scale":
+        c1[1] = None
+    if mistake == "scale of the other copy":
+        c1[3] = moe.quantize_weight(w1, other)[3]
+    if mistake == "other device":
+        c1 = [t.to("meta") for t in c1]
+    with pytest.raises(ValueError, match=r"^distgemm\.moe\.grouped_mlp: fp8_weights\[0\]\[[0-3]\] must be"):
+        moe.grouped_mlp(x, offs, w1, w2, activation="gelu", fp8=fp8, fp8_weights=(c1, moe.quantize_weight(w2, fp8)))
 
 
 def test_a_malformed_main_grad_is_named():

@@ -157,3 +157,18 @@ def test_layer_bench_unfused_variant_is_the_same_layer(fp8):
     out.float().sum().backward()
     ref.float().sum().backward()
     assert torch.equal(xs.grad, xp.grad)
+
+
+def test_offs_other_than_the_routings_are_refused():
+    """With routing the layer's rows are routing's: offs of other values (another batch's, a
+    stale copy) would put rows under the wrong experts. Before: accepted when only the shape
+    matched, a silent wrong answer. An equal copy is fine."""
+    layer = GroupedMLP(3, 64, 64)
+    routing = moe.route(_ids(10, 2, 3, 0.0, seed=1), 3)
+    x = torch.randn(10, 64).bfloat16()
+    want = layer(x, routing.offs, routing=routing)
+    assert torch.equal(layer(x, routing.offs.clone(), routing=routing), want)
+    other = torch.tensor([0, 0, 20], dtype=torch.int32)
+    assert not torch.equal(other, routing.offs)
+    with pytest.raises(ValueError, match=r"grouped_mlp: with routing, offs must be routing.offs \(its values"):
+        layer(x, other, routing=routing)

@@ -12,6 +12,7 @@ from distgemm import moe
 
 def combine(y, rows, weights, tokens, k):
     """dg_moe_combine: out[t] = sum over kept j of weights * y[rows], FP32 in slot order, rounded once."""
+    assert k >= 1, "the binding refuses k < 1"
     out = torch.zeros(tokens, y.shape[1], dtype=torch.float32)
     for t in range(tokens):
         for j in range(k):
@@ -24,6 +25,7 @@ def combine(y, rows, weights, tokens, k):
 
 def combine_backward(dy, y, rows, weights, num_rows, tokens, k, want_dweights):
     """dg_moe_combine_backward: dy_rows[r] = w * dy[t]; a dropped slot (-1 - p) zeros row p."""
+    assert k >= 1, "the binding refuses k < 1"
     dy_rows = torch.zeros(num_rows, dy.shape[1], dtype=dy.dtype)
     dw = torch.zeros(tokens * k if want_dweights else 0, dtype=torch.float32)
     for t in range(tokens):
@@ -113,3 +115,60 @@ def test_slot_rows_invert_the_row_map_and_mark_dropped_slots():
     assert moe._kept_slot_rows(row_map.int(), None).dtype == torch.int64
     # a slot no row names stays -1 - n whether kept or not (nothing read or written for it)
     assert moe._kept_slot_rows(torch.tensor([2, 0, 7, -3]), kept).tolist() == [1, -5, 0, -5]
+
+
+@pytest.mark.parametrize("use_ops", [False, True])
+def test_gather_with_k_0_gives_x_a_zero_gradient(use_ops, monkeypatch):
+    """Routing with k = 0 (no copies): the rows are empty and each token's gradient is zero
+    (before: the backward divided by k)."""
+    if use_ops:
+        monkeypatch.setattr(moe, "ops", _Ops)
+        monkeypatch.setattr(moe, "_routing_kernels", lambda t: True)
+    x = torch.randn(4, 16).requires_grad_()
+    p = moe.permute(x, torch.zeros(4, 0, dtype=torch.long), 2)
+    assert p.rows.shape == (0, 16) and p.offs.tolist() == [0, 0]
+    p.rows.sum().backward()
+    assert x.grad.shape == (4, 16) and torch.all(x.grad == 0)
+
+
+@pytest.mark.parametrize("use_ops", [False, True])
+def test_unpermute_with_k_0_is_zeros(use_ops, monkeypatch):
+    """k = 0: every token's sum is empty, zeros of y's width, and topk_weights' gradient is
+    empty. The routing ops refuse k < 1: the call must not reach them."""
+    if use_ops:
+        monkeypatch.setattr(moe, "ops", _Ops)
+        monkeypatch.setattr(moe, "_routing_kernels", lambda t: True)
+    y = torch.randn(0, 16).requires_grad_()
+    w = torch.rand(4, 0).requires_grad_()
+    ids = torch.zeros(4, 0, dtype=torch.long)
+    for args in ((), (ids, 2)):
+        out = moe.unpermute(y, torch.zeros(0, dtype=torch.long), w, *args)
+        assert out.shape == (4, 16) and torch.all(out == 0)
+        out.sum().backward()
+        assert w.grad.shape == (4, 0)
+
+
+@pytest.mark.parametrize("weights_grad", [False, True])
+def test_the_combine_keeps_y_only_for_the_weights_gradient(weights_grad, monkeypatch):
+    """The combine's backward reads y only for topk_weights' gradient: with weights that need
+    none (a frozen or detached router), y (T * k rows) is not kept alive for the backward, as
+    the torch path's product keeps it only then. The gradients are the same either way."""
+    monkeypatch.setattr(moe, "ops", _Ops)
+    monkeypatch.setattr(moe, "_routing_kernels", lambda t: True)
+    ids, w = _routing(9, 3, 4, 0.2, seed=5)
+    x = torch.randn(9, 8)
+    p = moe.permute(x, ids, 4)
+    y = (p.rows * 2).requires_grad_()
+    w.requires_grad_(weights_grad)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+        out = moe.unpermute(y, p.row_map, w, ids, 4)
+    assert (tuple(y.shape) in saved) == weights_grad
+    out.sum().backward()
+    monkeypatch.undo()
+    y_ref = y.detach().clone().requires_grad_()
+    w_ref = w.detach().clone().requires_grad_(weights_grad)
+    moe.unpermute(y_ref, p.row_map, w_ref, ids, 4).sum().backward()
+    torch.testing.assert_close(y.grad, y_ref.grad)
+    if weights_grad:
+        torch.testing.assert_close(w.grad, w_ref.grad)
