@@ -21,7 +21,6 @@ import atexit
 import datetime
 import functools
 import threading
-import zlib
 from typing import Optional, Tuple
 
 import torch
@@ -128,6 +127,8 @@ class _GroupState:
         self.retired: list = []       # workspaces captured by CUDA graphs
         self.exchanges = 0
         self.generation = 0           # of recover(): every rank's exchanges restart counting there
+        self.calls = 0                # the collectives path's calls in this generation (they pair by it)
+        self.failed: Optional[str] = None  # why the collectives path's calls raise until recover()
         self.lock = threading.Lock()  # one call at a time enqueues on the workspace
         self.last_stream = None
 
@@ -228,18 +229,56 @@ def _decide_fused(votes: list, group_name: str) -> bool:
     return all(can) and all(want)
 
 
+_GAVE_UP = 1 << 40  # added to a call's arrival count by a rank that stopped waiting for it
+
+
 def _agree_collectively(group, op: str, key: tuple) -> None:
-    """The collectives path: every rank must pass the same shapes, checked on every call with
-    one small all-gather (the data collectives that follow would hang or mix up bytes)."""
-    digest = torch.tensor([zlib.crc32(repr(key).encode())], dtype=torch.int64)
-    if dist.get_backend(group) == "nccl":
-        digest = digest.to(torch.cuda.current_device())
-    parts = [torch.empty_like(digest) for _ in range(_state(group).size)]
-    dist.all_gather(parts, digest, group=group)
-    if bool(torch.stack(parts).ne(digest).any()):  # one host sync: the fallback path's price
-        keys = [None] * _state(group).size
-        dist.all_gather_object(keys, key, group=group)
-        detail = "; ".join(f"rank {r}: {k}" for r, k in enumerate(keys))
+    """The collectives path: every rank must be in the same call with the same shapes, checked on
+    every call through the default store (the data collectives that follow would wait for a rank
+    that is not there, or mix up bytes), before any collective. Calls pair by their order on the
+    group. Every wait is bounded by DISTGEMM_TIMEOUT_S and touches no collective, so a rank that
+    never makes its call is a TimeoutError on its peers, one that arrives after a peer gave up
+    on it is one too, at once, and the group's collectives stay in step for recover()."""
+    state = _state(group)
+    if state.failed is not None:
+        raise TimeoutError(state.failed)
+    state.calls += 1
+    store = dist.distributed_c10d._get_default_store()
+    base = f"distgemm/{state.name}/{state.use}/g{state.generation}/call"
+    prefix, value = f"{base}{state.calls}", repr(key)
+    keys = [f"{prefix}/{r}" for r in range(state.size)]
+    store.set(keys[state.rank], value)
+    arrived = store.add(f"{prefix}/arrived", 1)
+    after = ("; every tensor-parallel call on this group raises until every rank of the group calls "
+             "distgemm.recover(group)")
+    if arrived > _GAVE_UP:
+        peer = store.get(f"{prefix}/gave-up").decode()
+        state.failed = (f"{op}: group rank {peer} had given up on this rank's call (it waited more than "
+                        f"DISTGEMM_TIMEOUT_S for it, or an earlier call of its failed){after}")
+        raise TimeoutError(state.failed)
+    if arrived == state.size:
+        store.set(f"{prefix}/go", "1")
+    else:
+        limit = datetime.timedelta(seconds=timeout_s())
+        try:
+            store.wait([f"{prefix}/go"], limit)
+        except Exception:  # DistStoreError: mark the call given up unless the last rank came meanwhile
+            store.set(f"{prefix}/gave-up", str(state.rank))
+            if store.add(f"{prefix}/arrived", _GAVE_UP) - _GAVE_UP < state.size:
+                missing = [r for r, k in enumerate(keys) if not store.check([k])]
+                state.failed = (f"{op}: group rank {', '.join(map(str, missing)) or '?'} did not arrive within "
+                                f"DISTGEMM_TIMEOUT_S={timeout_s():g} s (died, hung, or was not in the call){after}")
+                raise TimeoutError(state.failed) from None
+            store.wait([f"{prefix}/go"], limit)  # the last rank sets it right after arriving
+    values = [v.decode() for v in store.multi_get(keys)]
+    # Every rank arrived at this call, so none reads the previous call's keys any more.
+    if state.calls > 1:
+        store.delete_key(f"{base}{state.calls - 1}/{state.rank}")
+        if arrived == state.size:
+            for name in ("arrived", "go", "gave-up"):
+                store.delete_key(f"{base}{state.calls - 1}/{name}")
+    if any(v != value for v in values):
+        detail = "; ".join(f"rank {r}: {v}" for r, v in enumerate(values))
         raise ValueError(f"{op}: the ranks disagree: they passed different shapes or dtypes: {detail}")
 
 
@@ -250,7 +289,7 @@ def _agree_before_collectives(group, kind: int, a, out_rows: int, n: int, out_dt
     waits for the verdict: a peer on the fused path then fails with a named disagreement
     instead of waiting for this rank in vain, and so does this rank, before any collective a peer
     would never join. Ranks that all take the collectives path agree on the call's shape and
-    dtypes there. Elsewhere: one small all-gather (_agree_collectively)."""
+    dtypes there. Elsewhere: through the default store, bounded (_agree_collectively)."""
     state = _state(group)
     if not state.fused:
         _agree_collectively(group, _OP_NAMES[kind], key)
@@ -334,6 +373,8 @@ def recover(group=None) -> None:
     state.workspace = None
     state.fused = None
     state.last_stream = None
+    state.calls = 0
+    state.failed = None
 
 
 def _resolve(group) -> dist.ProcessGroup:

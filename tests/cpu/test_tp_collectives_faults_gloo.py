@@ -1,0 +1,102 @@
+"""The collectives path's promises under faults and misuse on gloo (CPU tensors): a rank that
+never makes its call is a TimeoutError on its peers within DISTGEMM_TIMEOUT_S, not a wait for
+the process group's own timeout; a rank that arrives after its peers gave up is told so at once;
+the group's calls raise until recover(), after which they are right again."""
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import distgemm
+from tests.dist_helpers import run_ranks
+from tests.reference import assert_close
+
+BF16 = torch.bfloat16
+TIMEOUT_S = 3.0
+
+
+def _full(shape, seed, scale=1.0):
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(BF16)
+
+
+def _calls(rank, world, seed):
+    """An all-gather and a reduce-scatter of every rank's shards, with their references."""
+    m, n, k = 4, 24, 32
+    a_full, b = _full((m * world, k), seed), _full((n, k), seed + 1, 0.1)
+    ag = (lambda: distgemm.all_gather_matmul(a_full[rank * m:(rank + 1) * m], b), a_full.double() @ b.double().T)
+    rs_a, rs_b = _full((m * world, k * world), seed + 2), _full((n, k * world), seed + 3, 0.1)
+    cols = slice(rank * k, (rank + 1) * k)
+    rs = (lambda: distgemm.matmul_reduce_scatter(rs_a[:, cols], rs_b[:, cols]),
+          (rs_a.double() @ rs_b.double().T)[rank * m:(rank + 1) * m])
+    return ag, rs
+
+
+def _expect_timeout(call, words, within):
+    start = time.monotonic()
+    with pytest.raises(TimeoutError) as info:
+        call()
+    seconds = time.monotonic() - start
+    assert seconds < within, f"the call took {seconds:.1f} s to fail"
+    for w in words:
+        assert w in str(info.value), info.value
+    assert "recover" in str(info.value), info.value
+
+
+def _peer_never_calls(rank, world, op):
+    """Rank 1 raises before its call (it never makes it); rank 0 times out naming it, and keeps
+    raising; rank 1, calling after rank 0 gave up, is told so without a wait of its own. Both
+    recover(), and the next calls of both ops are right (the group's collectives still pair)."""
+    with distgemm.settings(timeout_s=TIMEOUT_S):
+        for call, want in _calls(rank, world, 10):  # the group is set up and in step
+            assert_close(call(), want)
+        call, _ = _calls(rank, world, 20)[op == "rs"]
+        name = "distgemm.all_gather_matmul" if op == "ag" else "distgemm.matmul_reduce_scatter"
+        if rank == 0:
+            _expect_timeout(call, (name, "group rank 1", "DISTGEMM_TIMEOUT_S=3"), TIMEOUT_S + 10)
+            _expect_timeout(call, (name, "group rank 1"), 2.0)  # until recover(), without another wait
+        else:
+            time.sleep(TIMEOUT_S + 3)  # past rank 0's wait
+            _expect_timeout(call, (name, "given up", "group rank 0"), 2.0)
+        distgemm.recover()
+        for seed in (30, 40):
+            for call, want in _calls(rank, world, seed):
+                assert_close(call(), want)
+
+
+@pytest.mark.parametrize("op", ["ag", "rs"])
+def test_a_rank_that_never_calls_is_a_timeout_on_every_rank(op):
+    run_ranks(_peer_never_calls, 2, "gloo", op, timeout=60)
+
+
+def _late_but_within_the_timeout(rank, world):
+    """A peer that is slow but arrives within DISTGEMM_TIMEOUT_S is waited for: no error."""
+    with distgemm.settings(timeout_s=TIMEOUT_S + 5):
+        for call, want in _calls(rank, world, 50):
+            if rank == 1:
+                time.sleep(TIMEOUT_S)
+            assert_close(call(), want)
+
+
+def test_a_slow_peer_within_the_timeout_is_waited_for():
+    run_ranks(_late_but_within_the_timeout, 3, "gloo", timeout=60)
+
+
+def _disagreement_needs_no_recover(rank, world):
+    """Shapes that differ are a ValueError on every rank naming each rank's; the ranks stay in
+    step (no recover() needed), also on a subgroup."""
+    sub = dist.new_group([0, 1])
+    if rank > 1:
+        return
+    a = _full((4 if rank == 0 else 5, 32), 60)
+    b = _full((24, 32), 61)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="the ranks disagree.*rank 0: .*4, 32.*rank 1: .*5, 32"):
+            distgemm.all_gather_matmul(a, b, group=sub)
+    a = _full((4, 32), 62)
+    assert_close(distgemm.all_gather_matmul(a, b, group=sub), torch.cat([a, a]).double() @ b.double().T)
+
+
+def test_disagreeing_shapes_raise_on_every_rank_and_the_ranks_stay_in_step():
+    run_ranks(_disagreement_needs_no_recover, 3, "gloo", timeout=60)
