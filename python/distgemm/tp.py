@@ -384,6 +384,9 @@ def _resolve(group) -> dist.ProcessGroup:
         if not dist.is_initialized():
             raise ValueError("distgemm: torch.distributed is not initialized (and no group was given)")
         return dist.group.WORLD
+    if group is dist.GroupMember.NON_GROUP_MEMBER:  # what new_group hands back on the ranks it left out
+        raise ValueError("distgemm: this rank is not a member of group (dist.new_group returned "
+                         "GroupMember.NON_GROUP_MEMBER here): only the group's ranks call its ops and recover()")
     if isinstance(group, str):
         from torch.distributed.distributed_c10d import _resolve_process_group
 
