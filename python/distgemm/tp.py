@@ -129,7 +129,10 @@ class _GroupState:
         self.generation = 0           # of recover(): every rank's exchanges restart counting there
         self.calls = 0                # the collectives path's calls in this generation (they pair by it)
         self.failed: Optional[str] = None  # why the collectives path's calls raise until recover()
-        self.lock = threading.Lock()  # one call at a time enqueues on the workspace
+        # One call at a time enqueues on the workspace, or runs its agreement and collectives (a
+        # thread's call must not interleave its collectives with another's); reentrant: the
+        # collectives path on a fused group agrees on the workspace.
+        self.lock = threading.RLock()
         self.last_stream = None
 
     def exchange(self, tag: str, value: str, timeouts: float = 1.0) -> list:
@@ -137,7 +140,7 @@ class _GroupState:
         DISTGEMM_TIMEOUT_S; the ranks must call it in the same order (they do: set-up, growth
         and recovery)."""
         self.exchanges += 1
-        store = dist.distributed_c10d._get_default_store()
+        store = _store()
         prefix = f"distgemm/{self.name}/{self.use}/g{self.generation}/{self.exchanges}/{tag}"  # never reused
         store.set(f"{prefix}/{self.rank}", value)
         keys = [f"{prefix}/{r}" for r in range(self.size)]
@@ -150,6 +153,23 @@ class _GroupState:
                                f"within DISTGEMM_TIMEOUT_S={limit:g} s (died, hung, or called something "
                                f"else): {e}") from e
         return [store.get(k).decode() for k in keys]
+
+
+_thread_stores = threading.local()
+
+
+def _store():
+    """The default store, one clone per thread: a store client serves one blocking call at a
+    time, and calls on several threads (several groups) wait on it at once."""
+    default = dist.distributed_c10d._get_default_store()
+    cached = getattr(_thread_stores, "pair", None)
+    if cached is None or cached[0] is not default:
+        try:
+            clone = default.clone()
+        except (RuntimeError, NotImplementedError):  # a store that cannot be cloned: shared
+            clone = default
+        cached = _thread_stores.pair = (default, clone)
+    return cached[1]
 
 
 _states: dict = {}  # ProcessGroup -> _GroupState
@@ -207,12 +227,14 @@ def _use_fused(group: dist.ProcessGroup, arch: int) -> bool:
     state = _state(group)
     backend = _backend()
     if state.fused is None:
-        capable = dist.get_backend(group) == "nccl" and arch == 90 and state.size <= 64
-        votes = state.exchange("fused", f"{int(capable)}{int(backend != 'collectives')}")
-        state.fused = _decide_fused(votes, state.name)
-        if not state.fused and backend == "fused":
-            warn_once("distgemm: DISTGEMM_TP_BACKEND=fused needs NCCL and sm_90 GPUs on every rank; "
-                      "using collectives + GEMM")
+        with state.lock:  # once, also when several threads make the group's first calls
+            if state.fused is None:
+                capable = dist.get_backend(group) == "nccl" and arch == 90 and state.size <= 64
+                votes = state.exchange("fused", f"{int(capable)}{int(backend != 'collectives')}")
+                state.fused = _decide_fused(votes, state.name)
+                if not state.fused and backend == "fused":
+                    warn_once("distgemm: DISTGEMM_TP_BACKEND=fused needs NCCL and sm_90 GPUs on every rank; "
+                              "using collectives + GEMM")
     return state.fused and backend != "collectives"
 
 
@@ -243,7 +265,7 @@ def _agree_collectively(group, op: str, key: tuple) -> None:
     if state.failed is not None:
         raise TimeoutError(state.failed)
     state.calls += 1
-    store = dist.distributed_c10d._get_default_store()
+    store = _store()
     base = f"distgemm/{state.name}/{state.use}/g{state.generation}/call"
     prefix, value = f"{base}{state.calls}", repr(key)
     keys = [f"{prefix}/{r}" for r in range(state.size)]
@@ -343,7 +365,7 @@ def recover(group=None) -> None:
     # The ranks' exchange counts may differ here (a rank whose set-up exchange timed out counted
     # it; its peers may never have reached it): the store's count of recover() arrivals names a
     # generation every rank agrees on, and the exchanges restart counting within it.
-    store = dist.distributed_c10d._get_default_store()
+    store = _store()
     arrivals = store.add(f"distgemm/{state.name}/{state.use}/recover-arrivals", 1)
     state.generation = (arrivals - 1) // state.size + 1
     state.exchanges = 0
@@ -600,10 +622,11 @@ def _all_gather_matmul_eager(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, 
         out, gathered = _fused_all_gather_matmul(a, b, bias_or_c, alpha, beta, out_dtype, _flat(scale_a),
                                                  _flat(scale_b), fast, group, return_gathered)
         return out, (gathered if return_gathered else None)
-    _agree_before_collectives(group, _AG, a, a.shape[0] * world, b.shape[0], out_dtype, scale_a,
-                              (tuple(a.shape), str(a.dtype), str(out_dtype), mode))
-    gathered = _all_gather(a, group)
-    gathered_scale = _gathered_scale_a(scale_a, a.shape[0], group, mode == "block")
+    with _state(group).lock:
+        _agree_before_collectives(group, _AG, a, a.shape[0] * world, b.shape[0], out_dtype, scale_a,
+                                  (tuple(a.shape), str(a.dtype), str(out_dtype), mode))
+        gathered = _all_gather(a, group)
+        gathered_scale = _gathered_scale_a(scale_a, a.shape[0], group, mode == "block")
     out = gemm_unchecked(gathered, b, c, alpha, beta, out_dtype, gathered_scale, scale_b, fast_accum, arch)
     return out, (gathered if return_gathered else None)
 
@@ -634,11 +657,12 @@ def _matmul_reduce_scatter_eager(a, b, c, alpha, beta, out_dtype, scale_a, scale
         out = _fused_matmul_reduce_scatter(a, b, bias_c, alpha, bias_beta, out_dtype, _flat(scale_a),
                                            _flat(scale_b), fast, group)
     else:
-        _agree_before_collectives(group, _RS, a, a.shape[0] // world, b.shape[0], out_dtype, scale_a,
-                                  (a.shape[0], b.shape[0], str(out_dtype)))
         # FP32 partial sums (rounded to bfloat16 first where block scales take the FP8 kernel)
         partial = gemm_unchecked(a, b, None, alpha, 0.0, torch.float32, scale_a, scale_b, fast_accum, arch)
-        out = _reduce_scatter(partial, group)
+        with _state(group).lock:
+            _agree_before_collectives(group, _RS, a, a.shape[0] // world, b.shape[0], out_dtype, scale_a,
+                                      (a.shape[0], b.shape[0], str(out_dtype)))
+            out = _reduce_scatter(partial, group)
         if bias is not None and beta != 0:  # beta = 0 does not read c (as the fused path and BLAS)
             out = out + beta * bias.to(out_dtype).float()
         out = out.to(out_dtype)

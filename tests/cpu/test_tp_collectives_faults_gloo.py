@@ -104,3 +104,46 @@ def _disagreement_needs_no_recover(rank, world):
 
 def test_disagreeing_shapes_raise_on_every_rank_and_the_ranks_stay_in_step():
     run_ranks(_disagreement_needs_no_recover, 3, "gloo", timeout=60)
+
+
+def _threads(rank, world):
+    """Calls from two threads on one group are one at a time per group (each call's agreement
+    and collectives together): every call is right or, where the threads' calls met in another
+    order on the ranks, a ValueError naming the disagreement; never a crash, a hang or a mix of
+    two calls' bytes. Two groups on two threads run at once, every call right."""
+    import threading
+
+    pair = dist.new_group([0, 1])
+    shapes = [(3, 16, 8), (5, 40, 24)]  # (rows per rank, K, N)
+    problems = []
+    for i, (m, k, n) in enumerate(shapes):
+        a_full, b = _full((m * world, k), 70 + i), _full((n, k), 80 + i, 0.2)
+        problems.append((a_full[rank * m:(rank + 1) * m], b, a_full.double() @ b.double().T))
+    outcomes = [[], []]
+
+    def body(i, group, calls):
+        a, b, want = problems[i]
+        for _ in range(calls):
+            try:
+                out = distgemm.all_gather_matmul(a, b, group=group)
+            except ValueError as e:
+                outcomes[i].append("disagree" if "the ranks disagree" in str(e) else repr(e))
+            except Exception as e:  # noqa: BLE001 - reported below
+                outcomes[i].append(repr(e))
+            else:
+                outcomes[i].append("right" if (out.double() - want).abs().max() < 0.05 * want.abs().max() else "wrong")
+
+    for groups, calls, allowed in (((None, None), 12, {"right", "disagree"}), ((None, pair), 8, {"right"})):
+        outcomes = [[], []]
+        threads = [threading.Thread(target=body, args=(i, groups[i], calls)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(40)
+        assert not any(t.is_alive() for t in threads), "a thread's call hung"
+        assert all(len(o) == calls for o in outcomes), outcomes
+        assert set(outcomes[0] + outcomes[1]) <= allowed, outcomes
+
+
+def test_calls_from_two_threads_are_one_at_a_time():
+    run_ranks(_threads, 2, "gloo", timeout=60)
