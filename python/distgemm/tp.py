@@ -689,7 +689,7 @@ class _AllGatherMatmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad, grad_gathered):
         b, gathered = ctx.saved_tensors
-        g = grad.to(ctx.a_dtype)
+        g = grad.to(ctx.a_dtype) if ctx.needs_input_grad[0] or ctx.needs_input_grad[1] else None
         grad_a = grad_b = grad_c = None
         if ctx.needs_input_grad[0]:
             grad_a = _matmul_reduce_scatter(g, b.T, None, ctx.alpha, 0.0, ctx.a_dtype, None, None, False,
@@ -722,11 +722,13 @@ class _MatmulReduceScatter(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         a, b = ctx.saved_tensors
-        g = grad.to(a.dtype).contiguous()
-        grad_a, gathered = _all_gather_matmul(g, b.T, None, ctx.alpha, 0.0, a.dtype, None, None, False,
-                                              ctx.group, True)
-        grad_b = torch.matmul(gathered.T, a) * ctx.alpha if ctx.needs_input_grad[1] else None
-        grad_c = None
+        grad_a = grad_b = grad_c = None
+        if a.dtype not in FLOAT8:  # float8: only c requires grad, on every rank (a and b cannot)
+            # A collective: every rank runs it, whichever of its inputs require grad.
+            g = grad.to(a.dtype).contiguous()
+            grad_a, gathered = _all_gather_matmul(g, b.T, None, ctx.alpha, 0.0, a.dtype, None, None, False,
+                                                  ctx.group, True)
+            grad_b = torch.matmul(gathered.T, a) * ctx.alpha if ctx.needs_input_grad[1] else None
         if ctx.needs_input_grad[2] and ctx.c_meta is not None:
             grad_c = grad_of_c(grad, ctx.beta, *ctx.c_meta)
         return grad_a, grad_b, grad_c, None, None, None, None, None, None, None
@@ -741,7 +743,7 @@ def all_gather_matmul(a: torch.Tensor, b: torch.Tensor, *, group=None, c: Option
     a: (M/P, K), this rank's rows (any M/P); b: (N_local, K) this rank's weight shard;
     c: (M, N_local) or a bias (N_local,). Returns (M, N_local), and allgather(a) too with
     ``return_gathered``. float8 inputs take scale_a (1 or M/P values, this shard's) and
-    scale_b as in :func:`distgemm.gemm`. Differentiable for bfloat16/float16.
+    scale_b as in :func:`distgemm.gemm`. Differentiable for bfloat16/float16 (float8: c only).
     """
     op = _OP_NAMES[_AG]
     check_flags(op, return_gathered=return_gathered, use_fast_accum=use_fast_accum)
@@ -749,7 +751,7 @@ def all_gather_matmul(a: torch.Tensor, b: torch.Tensor, *, group=None, c: Option
     group = _resolve(group)
     out_dtype, autograd = check_tp_operands(op, a, b, c, out_dtype, scale_a, scale_b, lambda m: m * _state(group).size)
     if autograd:
-        if a.dtype in FLOAT8:
+        if a.dtype in FLOAT8 and (a.requires_grad or b.requires_grad):  # c's gradient is given
             raise NotImplementedError(f"{op}: autograd through float8 inputs is not supported")
         out, gathered = _AllGatherMatmul.apply(a, b, c, alpha, beta, out_dtype, scale_a, scale_b,
                                                use_fast_accum, group, return_gathered)
@@ -778,7 +780,7 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, *, group=None, c: Op
         raise ValueError(f"{op}: a's {a.shape[0]} rows must divide evenly by the group size {world}")
     out_dtype, autograd = check_tp_operands(op, a, b, c, out_dtype, scale_a, scale_b, lambda m: m // world)
     if autograd:
-        if a.dtype in FLOAT8:
+        if a.dtype in FLOAT8 and (a.requires_grad or b.requires_grad):  # c's gradient is given
             raise NotImplementedError(f"{op}: autograd through float8 inputs is not supported")
         return _MatmulReduceScatter.apply(a, b, c, alpha, beta, out_dtype, scale_a, scale_b,
                                           use_fast_accum, group)

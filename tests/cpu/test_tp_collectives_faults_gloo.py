@@ -147,3 +147,36 @@ def _threads(rank, world):
 
 def test_calls_from_two_threads_are_one_at_a_time():
     run_ranks(_threads, 2, "gloo", timeout=60)
+
+
+def _fp8_c_gradient(rank, world):
+    """FP8 inputs with a c that requires grad (a bias being trained): c's gradient, as
+    distgemm.gemm gives it; a or b requiring grad is still refused by name."""
+    f8 = torch.float8_e4m3fn
+    m, n, k = 4, 16, 32
+    a_full = _full((m * world, k), 90).float().to(f8)
+    b = _full((n, k), 91, 0.5).float().to(f8)
+    ones = torch.ones(1)
+    weights = torch.randn(m * world, n, generator=torch.Generator().manual_seed(92 + rank))
+    rows = slice(rank * m, (rank + 1) * m)
+    for shape in ((n,), (1, n), (m * world, n)):
+        c = _full(shape, 93).requires_grad_()
+        out = distgemm.all_gather_matmul(a_full[rows], b, scale_a=ones, scale_b=ones, c=c, beta=-2.0)
+        assert_close(out, a_full.double() @ b.double().T - 2 * c.detach().double(), f8)
+        out.float().mul(weights).sum().backward()
+        want = -2 * weights.double()
+        assert_close(c.grad, want if len(shape) == 2 and shape[0] != 1 else want.sum(0).reshape(shape))
+    for shape in ((n,), (1, n), (m, n)):
+        c = _full(shape, 94).requires_grad_()
+        out = distgemm.matmul_reduce_scatter(a_full, b, scale_a=ones, scale_b=ones, c=c, beta=0.5)
+        assert_close(out, world * (a_full.double() @ b.double().T)[rows] + 0.5 * c.detach().double(), f8)
+        out.float().mul(weights[rows]).sum().backward()
+        want = 0.5 * weights[rows].double()
+        assert_close(c.grad, want if shape[0] == m else want.sum(0).reshape(shape))
+    for op in (distgemm.all_gather_matmul, distgemm.matmul_reduce_scatter):
+        with pytest.raises(NotImplementedError, match="autograd through float8 inputs"):
+            op(a_full.clone().requires_grad_(), b, scale_a=ones, scale_b=ones)
+
+
+def test_fp8_inputs_give_the_gradient_of_c():
+    run_ranks(_fp8_c_gradient, 2, "gloo", timeout=60)
