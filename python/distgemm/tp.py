@@ -399,6 +399,12 @@ def recover(group=None) -> None:
     state.failed = None
 
 
+def _group_size(group: dist.ProcessGroup) -> int:
+    """The group's size; traced code makes no group state (its lock cannot be traced: a group's
+    first call may be a compiled one)."""
+    return group.size() if torch.compiler.is_compiling() else _state(group).size
+
+
 def _resolve(group) -> dist.ProcessGroup:
     """The process group a call runs on: `group`, the one registered under that name, or the
     default group for None; a ValueError / TypeError naming `group` otherwise."""
@@ -595,9 +601,9 @@ def _fused_operands(a, b, out_dtype, fast_accum, arch: int, kind=_AG, row_scales
 def _all_gather_matmul(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, group,
                        return_gathered):
     """Forward of all_gather_matmul without autograd; returns (out, gathered or None)."""
-    if _state(group).size > 1 and torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() and group.size() > 1:  # traced: the eager call runs in the op
         out, gathered = _all_gather_matmul_op(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum,
-                                              _state(group).name, return_gathered)
+                                              group.group_name, return_gathered)
         return out, (gathered if return_gathered else None)
     return _all_gather_matmul_eager(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, group,
                                     return_gathered)
@@ -605,7 +611,7 @@ def _all_gather_matmul(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_a
 
 def _all_gather_matmul_eager(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, group,
                              return_gathered):
-    world = _state(group).size
+    world = _group_size(group)
     mode = _scale_mode(b, scale_a, scale_b)
     arch = kernel_arch(a.device)  # read once, handed to every GEMM of the call
     if world == 1:
@@ -632,14 +638,14 @@ def _all_gather_matmul_eager(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, 
 
 
 def _matmul_reduce_scatter(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, group):
-    if _state(group).size > 1 and torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() and group.size() > 1:  # traced: the eager call runs in the op
         return _matmul_reduce_scatter_op(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum,
-                                         _state(group).name)
+                                         group.group_name)
     return _matmul_reduce_scatter_eager(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, group)
 
 
 def _matmul_reduce_scatter_eager(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, group):
-    world = _state(group).size
+    world = _group_size(group)
     mode = _scale_mode(b, scale_a, scale_b)
     arch = kernel_arch(a.device)  # read once, handed to every GEMM of the call
     if world == 1:
@@ -749,7 +755,7 @@ def all_gather_matmul(a: torch.Tensor, b: torch.Tensor, *, group=None, c: Option
     check_flags(op, return_gathered=return_gathered, use_fast_accum=use_fast_accum)
     alpha, beta = check_scalars(op, alpha=alpha, beta=beta)
     group = _resolve(group)
-    out_dtype, autograd = check_tp_operands(op, a, b, c, out_dtype, scale_a, scale_b, lambda m: m * _state(group).size)
+    out_dtype, autograd = check_tp_operands(op, a, b, c, out_dtype, scale_a, scale_b, lambda m: m * _group_size(group))
     if autograd:
         if a.dtype in FLOAT8 and (a.requires_grad or b.requires_grad):  # c's gradient is given
             raise NotImplementedError(f"{op}: autograd through float8 inputs is not supported")
@@ -775,7 +781,7 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, *, group=None, c: Op
     check_flags(op, use_fast_accum=use_fast_accum)
     alpha, beta = check_scalars(op, alpha=alpha, beta=beta)
     group = _resolve(group)
-    world = _state(group).size
+    world = _group_size(group)
     if isinstance(a, torch.Tensor) and a.dim() == 2 and a.shape[0] % world:
         raise ValueError(f"{op}: a's {a.shape[0]} rows must divide evenly by the group size {world}")
     out_dtype, autograd = check_tp_operands(op, a, b, c, out_dtype, scale_a, scale_b, lambda m: m // world)

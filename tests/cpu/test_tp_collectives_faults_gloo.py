@@ -180,3 +180,35 @@ def _fp8_c_gradient(rank, world):
 
 def test_fp8_inputs_give_the_gradient_of_c():
     run_ranks(_fp8_c_gradient, 2, "gloo", timeout=60)
+
+
+def _compiled_first_call(rank, world):
+    """torch.compile(fullgraph=True) of a function whose TP call is the group's first (the group
+    state is made outside the traced code), both ops, forward and backward; also at one rank."""
+    group = dist.new_group(list(range(world))) if world > 1 else dist.group.WORLD
+    m, n, k = 4, 16, 32
+    a_full, b = _full((m * world, k), 100), _full((n, k), 101, 0.2)
+    rows = slice(rank * m, (rank + 1) * m)
+
+    def ag(a, b):
+        return torch.relu(distgemm.all_gather_matmul(a, b, group=group))
+
+    def rs(a, b):
+        return 2 * distgemm.matmul_reduce_scatter(a, b, group=group)
+
+    want = a_full.double() @ b.double().T
+    assert_close(torch.compile(ag, fullgraph=True)(a_full[rows], b), want.clamp_min(0))
+    if world == 1:  # one compile is enough there (the same traced code as every op's)
+        return
+    assert_close(torch.compile(rs, fullgraph=True)(a_full, b), 2 * world * want[rows])
+    a, bg = a_full[rows].clone().requires_grad_(), b.clone().requires_grad_()
+    torch.compile(ag, fullgraph=True)(a, bg).float().sum().backward()
+    ra, rb = a_full.double().requires_grad_(), b.double().requires_grad_()
+    torch.relu(ra @ rb.T).sum().backward()
+    assert_close(a.grad, world * ra.grad[rows])  # every rank's loss reads every row
+    assert_close(bg.grad, rb.grad)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_compiled_first_call_on_a_group(world):
+    run_ranks(_compiled_first_call, world, "gloo", timeout=120)
