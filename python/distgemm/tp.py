@@ -286,7 +286,7 @@ def _agree_collectively(group, op: str, key: tuple) -> None:
             store.wait([f"{prefix}/go"], limit)
         except Exception:  # DistStoreError: mark the call given up unless the last rank came meanwhile
             store.set(f"{prefix}/gave-up", str(state.rank))
-            if store.add(f"{prefix}/arrived", _GAVE_UP) - _GAVE_UP < state.size:
+            if store.add(f"{prefix}/arrived", _GAVE_UP) % _GAVE_UP < state.size:  # other ranks may have too
                 missing = [r for r, k in enumerate(keys) if not store.check([k])]
                 state.failed = (f"{op}: group rank {', '.join(map(str, missing)) or '?'} did not arrive within "
                                 f"DISTGEMM_TIMEOUT_S={timeout_s():g} s (died, hung, or was not in the call){after}")

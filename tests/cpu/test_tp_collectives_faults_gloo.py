@@ -45,29 +45,32 @@ def _expect_timeout(call, words, within):
 
 
 def _peer_never_calls(rank, world, op):
-    """Rank 1 raises before its call (it never makes it); rank 0 times out naming it, and keeps
-    raising; rank 1, calling after rank 0 gave up, is told so without a wait of its own. Both
-    recover(), and the next calls of both ops are right (the group's collectives still pair)."""
+    """The last rank raises before its call (it never makes it); the others time out naming it,
+    and keep raising; the last rank, calling after they gave up, is told so without a wait of its
+    own. Every rank recover()s, and the next calls of both ops are right (the group's
+    collectives still pair)."""
+    late = world - 1
     with distgemm.settings(timeout_s=TIMEOUT_S):
         for call, want in _calls(rank, world, 10):  # the group is set up and in step
             assert_close(call(), want)
         call, _ = _calls(rank, world, 20)[op == "rs"]
         name = "distgemm.all_gather_matmul" if op == "ag" else "distgemm.matmul_reduce_scatter"
-        if rank == 0:
-            _expect_timeout(call, (name, "group rank 1", "DISTGEMM_TIMEOUT_S=3"), TIMEOUT_S + 10)
-            _expect_timeout(call, (name, "group rank 1"), 2.0)  # until recover(), without another wait
+        if rank != late:
+            _expect_timeout(call, (name, f"group rank {late} did not arrive", "DISTGEMM_TIMEOUT_S=3"),
+                            TIMEOUT_S + 10)
+            _expect_timeout(call, (name, f"group rank {late}"), 2.0)  # until recover(), without another wait
         else:
-            time.sleep(TIMEOUT_S + 3)  # past rank 0's wait
-            _expect_timeout(call, (name, "given up", "group rank 0"), 2.0)
+            time.sleep(TIMEOUT_S + 3)  # past the others' wait
+            _expect_timeout(call, (name, "given up"), 2.0)
         distgemm.recover()
         for seed in (30, 40):
             for call, want in _calls(rank, world, seed):
                 assert_close(call(), want)
 
 
-@pytest.mark.parametrize("op", ["ag", "rs"])
-def test_a_rank_that_never_calls_is_a_timeout_on_every_rank(op):
-    run_ranks(_peer_never_calls, 2, "gloo", op, timeout=60)
+@pytest.mark.parametrize("op,world", [("ag", 3), ("rs", 2)])
+def test_a_rank_that_never_calls_is_a_timeout_on_every_rank(op, world):
+    run_ranks(_peer_never_calls, world, "gloo", op, timeout=60)
 
 
 def _late_but_within_the_timeout(rank, world):
