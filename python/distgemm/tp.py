@@ -598,6 +598,15 @@ def _fused_operands(a, b, out_dtype, fast_accum, arch: int, kind=_AG, row_scales
     return aligned16(a), aligned16(b), fast
 
 
+def _empty_product(rows: int, b, c, beta, out_dtype) -> torch.Tensor:
+    """(rows, N) of a product with nothing to multiply (no rows, no K or no N): beta * c
+    (a bias, or the full c), zeros without c; beta = 0 does not read c."""
+    out = torch.zeros(rows, b.shape[0], dtype=torch.float32, device=b.device)
+    if c is not None and beta != 0:
+        out = out + beta * c.to(out_dtype).float().reshape(-1, b.shape[0])  # c as the kernels read it
+    return out.to(out_dtype)
+
+
 def _all_gather_matmul(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, group,
                        return_gathered):
     """Forward of all_gather_matmul without autograd; returns (out, gathered or None)."""
@@ -621,7 +630,13 @@ def _all_gather_matmul_eager(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, 
         _raise_on_error_word(a.get_device())
     a = a.contiguous()
     # Every call takes part in the group's choice; 128-block scales run the collectives path.
-    fused = _use_fused(group, arch) and mode != "block" and _fused_operands(a, b, out_dtype, fast_accum, arch)
+    fused = _use_fused(group, arch)
+    if fused and a.numel() == 0:
+        # No rows or no K, on every rank alike (the fused path's ranks agree on both): nothing
+        # to exchange, and no operand the fused kernels (or their agreement) take.
+        gathered = a.new_empty((a.shape[0] * world, a.shape[1]))
+        return _empty_product(gathered.shape[0], b, c, beta, out_dtype), (gathered if return_gathered else None)
+    fused = fused and mode != "block" and _fused_operands(a, b, out_dtype, fast_accum, arch)
     if fused:
         a, b, fast = fused
         bias_or_c, beta = _kernel_c(c, beta, out_dtype)
@@ -655,10 +670,16 @@ def _matmul_reduce_scatter_eager(a, b, c, alpha, beta, out_dtype, scale_a, scale
     full_c = c is not None and c.dim() == 2 and c.shape[0] != 1
     bias = None if c is None or full_c else c.reshape(-1)
     a = a.contiguous()
-    fused = _use_fused(group, arch) and mode != "block" and _fused_operands(
+    fused = _use_fused(group, arch)
+    # No rows or no N, on every rank alike (the fused path's ranks agree on both): nothing to
+    # exchange, and no operand the fused kernels (or their agreement) take. (K may differ.)
+    empty = fused and a.shape[0] * b.shape[0] == 0
+    kernel_operands = fused and not empty and mode != "block" and _fused_operands(
         a, b, out_dtype, fast_accum, arch, _RS, mode == "row", a.shape[0] // world)
-    if fused:
-        a, b, fast = fused
+    if empty:
+        out = _empty_product(a.shape[0] // world, b, bias, beta, out_dtype)
+    elif kernel_operands:
+        a, b, fast = kernel_operands
         bias_c, bias_beta = _kernel_c(bias, beta, out_dtype)
         out = _fused_matmul_reduce_scatter(a, b, bias_c, alpha, bias_beta, out_dtype, _flat(scale_a),
                                            _flat(scale_b), fast, group)

@@ -215,3 +215,31 @@ def _compiled_first_call(rank, world):
 @pytest.mark.parametrize("world", [1, 2])
 def test_a_compiled_first_call_on_a_group(world):
     run_ranks(_compiled_first_call, world, "gloo", timeout=120)
+
+
+def test_empty_shards():
+    from tests import tp_checks
+
+    run_ranks(tp_checks.check_empty_shards, 2, "gloo", timeout=60)
+
+
+def _empty_shards_on_a_fused_group(rank, world):
+    """The fused path's handling of empty calls, with the group's choice set to fused (gloo
+    stands in for NCCL): they run on each rank alone, reaching neither the fused kernels nor
+    their agreement (which refuse empty operands: a ValueError there, where the collectives
+    path gives beta * c)."""
+    from distgemm import tp
+
+    def unreachable(*args, **kwargs):
+        raise AssertionError("an empty call reached the fused path")
+
+    tp._state(dist.group.WORLD).fused = True
+    for name in ("_fused_all_gather_matmul", "_fused_matmul_reduce_scatter", "_agree_before_collectives"):
+        setattr(tp, name, unreachable)
+    from tests import tp_checks
+
+    tp_checks.check_empty_shards(rank, world, then_a_product=False)
+
+
+def test_empty_shards_on_a_fused_group():
+    run_ranks(_empty_shards_on_a_fused_group, 2, "gloo", timeout=60)
