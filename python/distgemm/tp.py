@@ -282,16 +282,23 @@ def _agree_collectively(group, op: str, key: tuple) -> None:
         store.set(f"{prefix}/go", "1")
     else:
         limit = datetime.timedelta(seconds=timeout_s())
+
+        def missing() -> str:
+            state.failed = (f"{op}: group rank {', '.join(str(r) for r, k in enumerate(keys) if not store.check([k]))} "
+                            f"did not arrive within DISTGEMM_TIMEOUT_S={timeout_s():g} s (died, hung, or was not in "
+                            f"the call){after}")
+            return state.failed
+
         try:
             store.wait([f"{prefix}/go"], limit)
         except Exception:  # DistStoreError: mark the call given up unless the last rank came meanwhile
             store.set(f"{prefix}/gave-up", str(state.rank))
             if store.add(f"{prefix}/arrived", _GAVE_UP) % _GAVE_UP < state.size:  # other ranks may have too
-                missing = [r for r, k in enumerate(keys) if not store.check([k])]
-                state.failed = (f"{op}: group rank {', '.join(map(str, missing)) or '?'} did not arrive within "
-                                f"DISTGEMM_TIMEOUT_S={timeout_s():g} s (died, hung, or was not in the call){after}")
-                raise TimeoutError(state.failed) from None
+                store.set(f"{prefix}/go", "gave up")  # the ranks still waiting fail now, not a timeout later
+                raise TimeoutError(missing()) from None
             store.wait([f"{prefix}/go"], limit)  # the last rank sets it right after arriving
+        if store.get(f"{prefix}/go") != b"1":  # a peer gave up while this rank waited
+            raise TimeoutError(missing())
     values = [v.decode() for v in store.multi_get(keys)]
     # Every rank arrived at this call, so none reads the previous call's keys any more.
     if state.calls > 1:
