@@ -638,9 +638,9 @@ def _all_gather_matmul_eager(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, 
     a = a.contiguous()
     # Every call takes part in the group's choice; 128-block scales run the collectives path.
     fused = _use_fused(group, arch)
-    if fused and a.numel() == 0:
+    if _state(group).fused and a.numel() == 0:
         # No rows or no K, on every rank alike (the fused path's ranks agree on both): nothing
-        # to exchange, and no operand the fused kernels (or their agreement) take.
+        # to exchange, and no operand the fused kernels (or their agreement on the workspace) take.
         gathered = a.new_empty((a.shape[0] * world, a.shape[1]))
         return _empty_product(gathered.shape[0], b, c, beta, out_dtype), (gathered if return_gathered else None)
     fused = fused and mode != "block" and _fused_operands(a, b, out_dtype, fast_accum, arch)
@@ -679,8 +679,9 @@ def _matmul_reduce_scatter_eager(a, b, c, alpha, beta, out_dtype, scale_a, scale
     a = a.contiguous()
     fused = _use_fused(group, arch)
     # No rows or no N, on every rank alike (the fused path's ranks agree on both): nothing to
-    # exchange, and no operand the fused kernels (or their agreement) take. (K may differ.)
-    empty = fused and a.shape[0] * b.shape[0] == 0
+    # exchange, and no operand the fused kernels (or their agreement on the workspace) take.
+    # (K may differ.)
+    empty = _state(group).fused and a.shape[0] * b.shape[0] == 0
     kernel_operands = fused and not empty and mode != "block" and _fused_operands(
         a, b, out_dtype, fast_accum, arch, _RS, mode == "row", a.shape[0] // world)
     if empty:
