@@ -442,3 +442,45 @@ def check_peer_timeout(rank, world):
     out = distgemm.all_gather_matmul(a, b)
     assert_close(out, ref(torch.cat([a] * world), b))
     dist.barrier()
+
+
+def check_empty_shards(rank, world, then_a_product=True):
+    """Calls with nothing to multiply, the same on every rank: no rows (all-gather: per rank;
+    reduce-scatter: M), no K (all-gather), no N (reduce-scatter). The output is beta * c (zeros
+    without c) of the right shape, as on the collectives path; autograd gives empty or zero
+    gradients; the fused path (NCCL) runs them without its kernels, which take no empty operand."""
+    dev = device_for(rank)
+    dtype = torch.bfloat16
+    m, n, k = 4, 32, 64
+    b, bias = full((n, k), dtype, dev, 900, 0.1), full((n,), dtype, dev, 901)
+    c = full((m * world, n), dtype, dev, 902)
+    # all-gather: no rows per rank (with a bias and with return_gathered), then K = 0
+    a0 = full((0, k), dtype, dev, 903).requires_grad_()
+    out, gathered = distgemm.all_gather_matmul(a0, b, c=bias, beta=2.0, return_gathered=True)
+    assert tuple(out.shape) == (0, n) and tuple(gathered.shape) == (0, k)
+    out.float().sum().backward()
+    assert tuple(a0.grad.shape) == (0, k)
+    ak = full((m, 0), dtype, dev, 904).requires_grad_()
+    bk = full((n, 0), dtype, dev, 905).requires_grad_()
+    ck = c.clone().requires_grad_()
+    out = distgemm.all_gather_matmul(ak, bk, c=ck, alpha=3.0, beta=-0.5, out_dtype=torch.float32)
+    assert out.dtype == torch.float32
+    assert_close(out, -0.5 * c.double())
+    out.sum().backward()
+    assert tuple(ak.grad.shape) == (m, 0) and tuple(bk.grad.shape) == (n, 0)
+    assert_close(ck.grad, torch.full((m * world, n), -0.5, dtype=torch.float64, device=dev))
+    # reduce-scatter: M = 0, then N = 0
+    out = distgemm.matmul_reduce_scatter(full((0, k), dtype, dev, 906), b, c=bias, beta=1.0)
+    assert tuple(out.shape) == (0, n)
+    a = full((m * world, k), dtype, dev, 907).requires_grad_()
+    b_none = full((0, k), dtype, dev, 908).requires_grad_()
+    out = distgemm.matmul_reduce_scatter(a, b_none)
+    assert tuple(out.shape) == (m, 0)
+    out.float().sum().backward()
+    assert_close(a.grad, torch.zeros(m * world, k, dtype=torch.float64, device=dev))
+    assert tuple(b_none.grad.shape) == (0, k)
+    if not then_a_product:
+        return
+    # and a call with something to multiply still runs (and pairs) after them
+    a_full = full((m * world, k), dtype, dev, 909)
+    assert_close(distgemm.all_gather_matmul(a_full[rank * m:(rank + 1) * m], b), ref(a_full, b))

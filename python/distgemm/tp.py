@@ -21,7 +21,6 @@ import atexit
 import datetime
 import functools
 import threading
-import zlib
 from typing import Optional, Tuple
 
 import torch
@@ -128,7 +127,12 @@ class _GroupState:
         self.retired: list = []       # workspaces captured by CUDA graphs
         self.exchanges = 0
         self.generation = 0           # of recover(): every rank's exchanges restart counting there
-        self.lock = threading.Lock()  # one call at a time enqueues on the workspace
+        self.calls = 0                # the collectives path's calls in this generation (they pair by it)
+        self.failed: Optional[str] = None  # why the collectives path's calls raise until recover()
+        # One call at a time enqueues on the workspace, or runs its agreement and collectives (a
+        # thread's call must not interleave its collectives with another's); reentrant: the
+        # collectives path on a fused group agrees on the workspace.
+        self.lock = threading.RLock()
         self.last_stream = None
 
     def exchange(self, tag: str, value: str, timeouts: float = 1.0) -> list:
@@ -136,7 +140,7 @@ class _GroupState:
         DISTGEMM_TIMEOUT_S; the ranks must call it in the same order (they do: set-up, growth
         and recovery)."""
         self.exchanges += 1
-        store = dist.distributed_c10d._get_default_store()
+        store = _store()
         prefix = f"distgemm/{self.name}/{self.use}/g{self.generation}/{self.exchanges}/{tag}"  # never reused
         store.set(f"{prefix}/{self.rank}", value)
         keys = [f"{prefix}/{r}" for r in range(self.size)]
@@ -149,6 +153,23 @@ class _GroupState:
                                f"within DISTGEMM_TIMEOUT_S={limit:g} s (died, hung, or called something "
                                f"else): {e}") from e
         return [store.get(k).decode() for k in keys]
+
+
+_thread_stores = threading.local()
+
+
+def _store():
+    """The default store, one clone per thread: a store client serves one blocking call at a
+    time, and calls on several threads (several groups) wait on it at once."""
+    default = dist.distributed_c10d._get_default_store()
+    cached = getattr(_thread_stores, "pair", None)
+    if cached is None or cached[0] is not default:
+        try:
+            clone = default.clone()
+        except (RuntimeError, NotImplementedError):  # a store that cannot be cloned: shared
+            clone = default
+        cached = _thread_stores.pair = (default, clone)
+    return cached[1]
 
 
 _states: dict = {}  # ProcessGroup -> _GroupState
@@ -206,12 +227,14 @@ def _use_fused(group: dist.ProcessGroup, arch: int) -> bool:
     state = _state(group)
     backend = _backend()
     if state.fused is None:
-        capable = dist.get_backend(group) == "nccl" and arch == 90 and state.size <= 64
-        votes = state.exchange("fused", f"{int(capable)}{int(backend != 'collectives')}")
-        state.fused = _decide_fused(votes, state.name)
-        if not state.fused and backend == "fused":
-            warn_once("distgemm: DISTGEMM_TP_BACKEND=fused needs NCCL and sm_90 GPUs on every rank; "
-                      "using collectives + GEMM")
+        with state.lock:  # once, also when several threads make the group's first calls
+            if state.fused is None:
+                capable = dist.get_backend(group) == "nccl" and arch == 90 and state.size <= 64
+                votes = state.exchange("fused", f"{int(capable)}{int(backend != 'collectives')}")
+                state.fused = _decide_fused(votes, state.name)
+                if not state.fused and backend == "fused":
+                    warn_once("distgemm: DISTGEMM_TP_BACKEND=fused needs NCCL and sm_90 GPUs on every rank; "
+                              "using collectives + GEMM")
     return state.fused and backend != "collectives"
 
 
@@ -228,18 +251,63 @@ def _decide_fused(votes: list, group_name: str) -> bool:
     return all(can) and all(want)
 
 
+_GAVE_UP = 1 << 40  # added to a call's arrival count by a rank that stopped waiting for it
+
+
 def _agree_collectively(group, op: str, key: tuple) -> None:
-    """The collectives path: every rank must pass the same shapes, checked on every call with
-    one small all-gather (the data collectives that follow would hang or mix up bytes)."""
-    digest = torch.tensor([zlib.crc32(repr(key).encode())], dtype=torch.int64)
-    if dist.get_backend(group) == "nccl":
-        digest = digest.to(torch.cuda.current_device())
-    parts = [torch.empty_like(digest) for _ in range(_state(group).size)]
-    dist.all_gather(parts, digest, group=group)
-    if bool(torch.stack(parts).ne(digest).any()):  # one host sync: the fallback path's price
-        keys = [None] * _state(group).size
-        dist.all_gather_object(keys, key, group=group)
-        detail = "; ".join(f"rank {r}: {k}" for r, k in enumerate(keys))
+    """The collectives path: every rank must be in the same call with the same shapes, checked on
+    every call through the default store (the data collectives that follow would wait for a rank
+    that is not there, or mix up bytes), before any collective. Calls pair by their order on the
+    group. Every wait is bounded by DISTGEMM_TIMEOUT_S and touches no collective, so a rank that
+    never makes its call is a TimeoutError on its peers, one that arrives after a peer gave up
+    on it is one too, at once, and the group's collectives stay in step for recover()."""
+    state = _state(group)
+    if state.failed is not None:
+        raise TimeoutError(state.failed)
+    state.calls += 1
+    store = _store()
+    base = f"distgemm/{state.name}/{state.use}/g{state.generation}/call"
+    prefix, value = f"{base}{state.calls}", repr(key)
+    keys = [f"{prefix}/{r}" for r in range(state.size)]
+    store.set(keys[state.rank], value)
+    arrived = store.add(f"{prefix}/arrived", 1)
+    after = ("; every tensor-parallel call on this group raises until every rank of the group calls "
+             "distgemm.recover(group)")
+    if arrived > _GAVE_UP:
+        peer = store.get(f"{prefix}/gave-up").decode()
+        state.failed = (f"{op}: group rank {peer} had given up on this rank's call (it waited more than "
+                        f"DISTGEMM_TIMEOUT_S for it, or an earlier call of its failed){after}")
+        raise TimeoutError(state.failed)
+    if arrived == state.size:
+        store.set(f"{prefix}/go", "1")
+    else:
+        limit = datetime.timedelta(seconds=timeout_s())
+
+        def missing() -> str:
+            state.failed = (f"{op}: group rank {', '.join(str(r) for r, k in enumerate(keys) if not store.check([k]))} "
+                            f"did not arrive within DISTGEMM_TIMEOUT_S={timeout_s():g} s (died, hung, or was not in "
+                            f"the call){after}")
+            return state.failed
+
+        try:
+            store.wait([f"{prefix}/go"], limit)
+        except Exception:  # DistStoreError: mark the call given up unless the last rank came meanwhile
+            store.set(f"{prefix}/gave-up", str(state.rank))
+            if store.add(f"{prefix}/arrived", _GAVE_UP) % _GAVE_UP < state.size:  # other ranks may have too
+                store.set(f"{prefix}/go", "gave up")  # the ranks still waiting fail now, not a timeout later
+                raise TimeoutError(missing()) from None
+            store.wait([f"{prefix}/go"], limit)  # the last rank sets it right after arriving
+        if store.get(f"{prefix}/go") != b"1":  # a peer gave up while this rank waited
+            raise TimeoutError(missing())
+    values = [v.decode() for v in store.multi_get(keys)]
+    # Every rank arrived at this call, so none reads the previous call's keys any more.
+    if state.calls > 1:
+        store.delete_key(f"{base}{state.calls - 1}/{state.rank}")
+        if arrived == state.size:
+            for name in ("arrived", "go", "gave-up"):
+                store.delete_key(f"{base}{state.calls - 1}/{name}")
+    if any(v != value for v in values):
+        detail = "; ".join(f"rank {r}: {v}" for r, v in enumerate(values))
         raise ValueError(f"{op}: the ranks disagree: they passed different shapes or dtypes: {detail}")
 
 
@@ -250,7 +318,7 @@ def _agree_before_collectives(group, kind: int, a, out_rows: int, n: int, out_dt
     waits for the verdict: a peer on the fused path then fails with a named disagreement
     instead of waiting for this rank in vain, and so does this rank, before any collective a peer
     would never join. Ranks that all take the collectives path agree on the call's shape and
-    dtypes there. Elsewhere: one small all-gather (_agree_collectively)."""
+    dtypes there. Elsewhere: through the default store, bounded (_agree_collectively)."""
     state = _state(group)
     if not state.fused:
         _agree_collectively(group, _OP_NAMES[kind], key)
@@ -304,7 +372,7 @@ def recover(group=None) -> None:
     # The ranks' exchange counts may differ here (a rank whose set-up exchange timed out counted
     # it; its peers may never have reached it): the store's count of recover() arrivals names a
     # generation every rank agrees on, and the exchanges restart counting within it.
-    store = dist.distributed_c10d._get_default_store()
+    store = _store()
     arrivals = store.add(f"distgemm/{state.name}/{state.use}/recover-arrivals", 1)
     state.generation = (arrivals - 1) // state.size + 1
     state.exchanges = 0
@@ -334,6 +402,14 @@ def recover(group=None) -> None:
     state.workspace = None
     state.fused = None
     state.last_stream = None
+    state.calls = 0
+    state.failed = None
+
+
+def _group_size(group: dist.ProcessGroup) -> int:
+    """The group's size; traced code makes no group state (its lock cannot be traced: a group's
+    first call may be a compiled one)."""
+    return group.size() if torch.compiler.is_compiling() else _state(group).size
 
 
 def _resolve(group) -> dist.ProcessGroup:
@@ -343,6 +419,9 @@ def _resolve(group) -> dist.ProcessGroup:
         if not dist.is_initialized():
             raise ValueError("distgemm: torch.distributed is not initialized (and no group was given)")
         return dist.group.WORLD
+    if group is dist.GroupMember.NON_GROUP_MEMBER:  # what new_group hands back on the ranks it left out
+        raise ValueError("distgemm: this rank is not a member of group (dist.new_group returned "
+                         "GroupMember.NON_GROUP_MEMBER here): only the group's ranks call its ops and recover()")
     if isinstance(group, str):
         from torch.distributed.distributed_c10d import _resolve_process_group
 
@@ -526,12 +605,21 @@ def _fused_operands(a, b, out_dtype, fast_accum, arch: int, kind=_AG, row_scales
     return aligned16(a), aligned16(b), fast
 
 
+def _empty_product(rows: int, b, c, beta, out_dtype) -> torch.Tensor:
+    """(rows, N) of a product with nothing to multiply (no rows, no K or no N): beta * c
+    (a bias, or the full c), zeros without c; beta = 0 does not read c."""
+    out = torch.zeros(rows, b.shape[0], dtype=torch.float32, device=b.device)
+    if c is not None and beta != 0:
+        out = out + beta * c.to(out_dtype).float().reshape(-1, b.shape[0])  # c as the kernels read it
+    return out.to(out_dtype)
+
+
 def _all_gather_matmul(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, group,
                        return_gathered):
     """Forward of all_gather_matmul without autograd; returns (out, gathered or None)."""
-    if _state(group).size > 1 and torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() and group.size() > 1:  # traced: the eager call runs in the op
         out, gathered = _all_gather_matmul_op(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum,
-                                              _state(group).name, return_gathered)
+                                              group.group_name, return_gathered)
         return out, (gathered if return_gathered else None)
     return _all_gather_matmul_eager(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, group,
                                     return_gathered)
@@ -539,7 +627,7 @@ def _all_gather_matmul(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_a
 
 def _all_gather_matmul_eager(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, group,
                              return_gathered):
-    world = _state(group).size
+    world = _group_size(group)
     mode = _scale_mode(a, b, scale_a, scale_b)
     arch = kernel_arch(a.device)  # read once, handed to every GEMM of the call
     if world == 1:
@@ -549,30 +637,37 @@ def _all_gather_matmul_eager(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, 
         _raise_on_error_word(a.get_device())
     a = a.contiguous()
     # Every call takes part in the group's choice; 128-block scales run the collectives path.
-    fused = _use_fused(group, arch) and mode != "block" and _fused_operands(a, b, out_dtype, fast_accum, arch)
+    fused = _use_fused(group, arch)
+    if _state(group).fused and a.numel() == 0:
+        # No rows or no K, on every rank alike (the fused path's ranks agree on both): nothing
+        # to exchange, and no operand the fused kernels (or their agreement on the workspace) take.
+        gathered = a.new_empty((a.shape[0] * world, a.shape[1]))
+        return _empty_product(gathered.shape[0], b, c, beta, out_dtype), (gathered if return_gathered else None)
+    fused = fused and mode != "block" and _fused_operands(a, b, out_dtype, fast_accum, arch)
     if fused:
         a, b, fast = fused
         bias_or_c, beta = _kernel_c(c, beta, out_dtype)
         out, gathered = _fused_all_gather_matmul(a, b, bias_or_c, alpha, beta, out_dtype, _flat(scale_a),
                                                  _flat(scale_b), fast, group, return_gathered)
         return out, (gathered if return_gathered else None)
-    _agree_before_collectives(group, _AG, a, a.shape[0] * world, b.shape[0], out_dtype, scale_a,
-                              (tuple(a.shape), str(a.dtype), str(out_dtype), mode))
-    gathered = _all_gather(a, group)
-    gathered_scale = _gathered_scale_a(scale_a, a.shape[0], group, mode == "block")
+    with _state(group).lock:
+        _agree_before_collectives(group, _AG, a, a.shape[0] * world, b.shape[0], out_dtype, scale_a,
+                                  (tuple(a.shape), str(a.dtype), str(out_dtype), mode))
+        gathered = _all_gather(a, group)
+        gathered_scale = _gathered_scale_a(scale_a, a.shape[0], group, mode == "block")
     out = gemm_unchecked(gathered, b, c, alpha, beta, out_dtype, gathered_scale, scale_b, fast_accum, arch)
     return out, (gathered if return_gathered else None)
 
 
 def _matmul_reduce_scatter(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, group):
-    if _state(group).size > 1 and torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() and group.size() > 1:  # traced: the eager call runs in the op
         return _matmul_reduce_scatter_op(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum,
-                                         _state(group).name)
+                                         group.group_name)
     return _matmul_reduce_scatter_eager(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, group)
 
 
 def _matmul_reduce_scatter_eager(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, group):
-    world = _state(group).size
+    world = _group_size(group)
     mode = _scale_mode(a, b, scale_a, scale_b)
     arch = kernel_arch(a.device)  # read once, handed to every GEMM of the call
     if world == 1:
@@ -582,19 +677,27 @@ def _matmul_reduce_scatter_eager(a, b, c, alpha, beta, out_dtype, scale_a, scale
     full_c = c is not None and c.dim() == 2 and c.shape[0] != 1
     bias = None if c is None or full_c else c.reshape(-1)
     a = a.contiguous()
-    fused = _use_fused(group, arch) and mode != "block" and _fused_operands(
+    fused = _use_fused(group, arch)
+    # No rows or no N, on every rank alike (the fused path's ranks agree on both): nothing to
+    # exchange, and no operand the fused kernels (or their agreement on the workspace) take.
+    # (K may differ.)
+    empty = _state(group).fused and a.shape[0] * b.shape[0] == 0
+    kernel_operands = fused and not empty and mode != "block" and _fused_operands(
         a, b, out_dtype, fast_accum, arch, _RS, mode == "row", a.shape[0] // world)
-    if fused:
-        a, b, fast = fused
+    if empty:
+        out = _empty_product(a.shape[0] // world, b, bias, beta, out_dtype)
+    elif kernel_operands:
+        a, b, fast = kernel_operands
         bias_c, bias_beta = _kernel_c(bias, beta, out_dtype)
         out = _fused_matmul_reduce_scatter(a, b, bias_c, alpha, bias_beta, out_dtype, _flat(scale_a),
                                            _flat(scale_b), fast, group)
     else:
-        _agree_before_collectives(group, _RS, a, a.shape[0] // world, b.shape[0], out_dtype, scale_a,
-                                  (a.shape[0], b.shape[0], str(out_dtype)))
         # FP32 partial sums (rounded to bfloat16 first where block scales take the FP8 kernel)
         partial = gemm_unchecked(a, b, None, alpha, 0.0, torch.float32, scale_a, scale_b, fast_accum, arch)
-        out = _reduce_scatter(partial, group)
+        with _state(group).lock:
+            _agree_before_collectives(group, _RS, a, a.shape[0] // world, b.shape[0], out_dtype, scale_a,
+                                      (a.shape[0], b.shape[0], str(out_dtype)))
+            out = _reduce_scatter(partial, group)
         if bias is not None and beta != 0:  # beta = 0 does not read c (as the fused path and BLAS)
             out = out + beta * bias.to(out_dtype).float()
         out = out.to(out_dtype)
@@ -621,7 +724,7 @@ class _AllGatherMatmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad, grad_gathered):
         b, gathered = ctx.saved_tensors
-        g = grad.to(ctx.a_dtype)
+        g = grad.to(ctx.a_dtype) if ctx.needs_input_grad[0] or ctx.needs_input_grad[1] else None
         grad_a = grad_b = grad_c = None
         if ctx.needs_input_grad[0]:
             grad_a = _matmul_reduce_scatter(g, b.T, None, ctx.alpha, 0.0, ctx.a_dtype, None, None, False,
@@ -654,11 +757,13 @@ class _MatmulReduceScatter(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         a, b = ctx.saved_tensors
-        g = grad.to(a.dtype).contiguous()
-        grad_a, gathered = _all_gather_matmul(g, b.T, None, ctx.alpha, 0.0, a.dtype, None, None, False,
-                                              ctx.group, True)
-        grad_b = torch.matmul(gathered.T, a) * ctx.alpha if ctx.needs_input_grad[1] else None
-        grad_c = None
+        grad_a = grad_b = grad_c = None
+        if a.dtype not in FLOAT8:  # float8: only c requires grad, on every rank (a and b cannot)
+            # A collective: every rank runs it, whichever of its inputs require grad.
+            g = grad.to(a.dtype).contiguous()
+            grad_a, gathered = _all_gather_matmul(g, b.T, None, ctx.alpha, 0.0, a.dtype, None, None, False,
+                                                  ctx.group, True)
+            grad_b = torch.matmul(gathered.T, a) * ctx.alpha if ctx.needs_input_grad[1] else None
         if ctx.needs_input_grad[2] and ctx.c_meta is not None:
             grad_c = grad_of_c(grad, ctx.beta, *ctx.c_meta)
         return grad_a, grad_b, grad_c, None, None, None, None, None, None, None
@@ -673,15 +778,15 @@ def all_gather_matmul(a: torch.Tensor, b: torch.Tensor, *, group=None, c: Option
     a: (M/P, K), this rank's rows (any M/P); b: (N_local, K) this rank's weight shard;
     c: (M, N_local) or a bias (N_local,). Returns (M, N_local), and allgather(a) too with
     ``return_gathered``. float8 inputs take scale_a (1 or M/P values, this shard's) and
-    scale_b as in :func:`distgemm.gemm`. Differentiable for bfloat16/float16.
+    scale_b as in :func:`distgemm.gemm`. Differentiable for bfloat16/float16 (float8: c only).
     """
     op = _OP_NAMES[_AG]
     check_flags(op, return_gathered=return_gathered, use_fast_accum=use_fast_accum)
     alpha, beta = check_scalars(op, alpha=alpha, beta=beta)
     group = _resolve(group)
-    out_dtype, autograd = check_tp_operands(op, a, b, c, out_dtype, scale_a, scale_b, lambda m: m * _state(group).size)
+    out_dtype, autograd = check_tp_operands(op, a, b, c, out_dtype, scale_a, scale_b, lambda m: m * _group_size(group))
     if autograd:
-        if a.dtype in FLOAT8:
+        if a.dtype in FLOAT8 and (a.requires_grad or b.requires_grad):  # c's gradient is given
             raise NotImplementedError(f"{op}: autograd through float8 inputs is not supported")
         out, gathered = _AllGatherMatmul.apply(a, b, c, alpha, beta, out_dtype, scale_a, scale_b,
                                                use_fast_accum, group, return_gathered)
@@ -705,12 +810,12 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, *, group=None, c: Op
     check_flags(op, use_fast_accum=use_fast_accum)
     alpha, beta = check_scalars(op, alpha=alpha, beta=beta)
     group = _resolve(group)
-    world = _state(group).size
+    world = _group_size(group)
     if isinstance(a, torch.Tensor) and a.dim() == 2 and a.shape[0] % world:
         raise ValueError(f"{op}: a's {a.shape[0]} rows must divide evenly by the group size {world}")
     out_dtype, autograd = check_tp_operands(op, a, b, c, out_dtype, scale_a, scale_b, lambda m: m // world)
     if autograd:
-        if a.dtype in FLOAT8:
+        if a.dtype in FLOAT8 and (a.requires_grad or b.requires_grad):  # c's gradient is given
             raise NotImplementedError(f"{op}: autograd through float8 inputs is not supported")
         return _MatmulReduceScatter.apply(a, b, c, alpha, beta, out_dtype, scale_a, scale_b,
                                           use_fast_accum, group)

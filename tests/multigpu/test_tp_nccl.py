@@ -71,3 +71,9 @@ def test_fp8_block_scales():
 @pytest.mark.parametrize("algo", ALGOS)
 def test_peer_that_never_arrives_times_out(algo):
     run_ranks(tp_checks.check_peer_timeout, WORLD, "nccl", env=algo_env(algo, DISTGEMM_TIMEOUT_S="3"), timeout=300)
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_empty_shards(algo):
+    # no rows, no K (all-gather) or no N (reduce-scatter): beta * c, as on the collectives path
+    run_ranks(tp_checks.check_empty_shards, WORLD, "nccl", env=algo_env(algo))
