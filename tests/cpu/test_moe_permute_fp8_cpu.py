@@ -125,6 +125,28 @@ def test_the_layer_with_routing_keeps_the_tokens_with_save_original_input(fp8):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("fp8", [None, "block", "row"])
+def test_moe_experts_keeps_its_input_under_block_scaling_by_default(fp8):
+    """MoEExperts with fp8="block" saves x (the caller keeps it anyway) rather than the
+    permuted rows' FP8 transposed copy, unless told otherwise; the gradients are the same."""
+    from distgemm.nn import MoEExperts
+
+    assert MoEExperts(4, 128, 128, fp8=fp8).experts.save_original_input == (fp8 == "block")
+    assert not MoEExperts(4, 128, 128, fp8=fp8, save_original_input=False).experts.save_original_input
+    ids = _ids(45, 2, 4, 0.2, seed=8)
+    x = torch.randn(45, 128).bfloat16()
+    grads = []
+    for options in ({}, {"save_original_input": False}):
+        torch.manual_seed(9)
+        layer = MoEExperts(4, 128, 128, fp8=fp8, **options)
+        xs = x.clone().requires_grad_()
+        w = torch.rand(45, 2).requires_grad_()
+        layer(xs, ids, w).float().sum().backward()
+        grads.append((xs.grad, w.grad, layer.experts.fc1_weight.grad, layer.experts.fc2_weight.grad))
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
 def test_routing_is_checked_against_x():
     layer = GroupedMLP(3, 64, 64)
     routing = moe.route(_ids(10, 2, 3, 0.0, seed=1), 3)
