@@ -320,7 +320,8 @@ def test_compiled_grouped_mlp_writes_main_grad_as_eager_does(fp8, overwrite):
     want = [w.main_grad.clone() for w in weights]
     for w in weights:
         w.main_grad.fill_(1.0)
-    torch.compile(layer, fullgraph=True)(x, offs).float().square().sum().backward()
+    # bf16 traces whole (as on the CPU); the FP8 step may break its graph around the weight copies
+    torch.compile(layer, fullgraph=fp8 is None)(x, offs).float().square().sum().backward()
     for w, ref in zip(weights, want):  # the same kernels; a tile chosen otherwise sums in another order
         assert rel(w.main_grad, ref) < 1e-3
     torch._dynamo.reset()
