@@ -57,6 +57,7 @@ def test_moe_suite_runs_every_layer(host_as_gpu, monkeypatch, tmp_path):
         for name, *_ in moe_suite.VARIANTS:
             assert row[name]["ms"] > 0 and row[name]["vs_torch_bf16"] > 0, name
     assert rows[0]["distgemm block, overwrite"]["gpu_span"] == {"span_us": 15.0, "idle_us": 1.0}
+    assert "kernels" in rows[0]["torch bf16"]  # the peer's GPU time, kernel by kernel, too
 
 
 def test_moe_layer_suite_runs_every_layer(host_as_gpu, monkeypatch, tmp_path):

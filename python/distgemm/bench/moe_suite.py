@@ -260,7 +260,8 @@ def run(out_dir: str, quick: bool, activations=("swiglu", "gelu")) -> Dict[str, 
                                                         f"{row['distgemm block, overwrite']['vs_torch_bf16']:.2f}x")
                 print_row(label, cols)
                 if not skewed:
-                    for name in ("distgemm block", "distgemm bf16", "distgemm row", "distgemm block, overwrite"):
+                    for name in ("distgemm block", "distgemm bf16", "distgemm row", "distgemm block, overwrite",
+                                 "torch bf16"):
                         record_kernels(row[name], name, steps[name])
                 rows.append(row)
                 del layers, steps
