@@ -87,6 +87,48 @@ def test_activation_kernel_on_many_tiles_matches_the_unfused_path(kind, backward
         assert torch.equal(out.y, x)
 
 
+def _two_bytes_past_16(t):
+    """A contiguous copy of t whose data starts 2 bytes past a 16-byte boundary."""
+    buf = torch.empty(t.numel() + 8, dtype=t.dtype, device=t.device)
+    out = buf[1:1 + t.numel()].view(t.shape)
+    out.copy_(t)
+    assert out.data_ptr() % 16 == 2 and out.is_contiguous()
+    return out
+
+
+@pytest.mark.parametrize("kind, backward", [("identity", False), ("swiglu", False), ("gelu", False),
+                                            ("swiglu", True), ("gelu", True)])
+@pytest.mark.parametrize("inner", [136, 100])
+def test_activation_kernel_on_unaligned_inputs_matches_the_aligned_path(kind, backward, inner):
+    """x (and dy) 2 bytes past a 16-byte boundary, or a width not a multiple of 8, take the
+    one-shot kernel (element loads) rather than the pipelined one: the same bits as the
+    pipelined kernel on aligned copies (inner 136), every FP8 form quantize_fp8's of the bf16
+    values, and the rows past offs[-1] in y and y_fp8 but not in the transposed copy."""
+    torch.manual_seed(3)
+    offs = make_offs([300, 0, 129])
+    t = 300 + 129 + 5  # 5 rows past offs[-1]
+    width = 2 * inner if kind == "swiglu" else inner
+    x = (torch.randn(t, width, device=DEV) * 3).bfloat16()
+    dy = torch.randn(t, inner, device=DEV).bfloat16() if backward else None
+    rows = not (kind == "swiglu" and backward and inner % 128)
+    kw = dict(offs=offs, bf16=True, fp8_rows=rows, fp8_transposed=True)
+    aligned = moe.activation(x, kind, dy=dy, **kw)
+    out = moe.activation(_two_bytes_past_16(x), kind, dy=None if dy is None else _two_bytes_past_16(dy), **kw)
+    for got, want in zip(out, aligned):
+        assert (got is None) == (want is None)
+        if got is not None:
+            assert got.shape == want.shape and got.stride() == want.stride() and torch.equal(_bits(got), _bits(want))
+    ref = moe._reference_values(x.cpu(), moe._BACKWARD[kind] if backward else moe._FORWARD[kind],
+                                None if dy is None else dy.cpu(), inner)
+    diff = (out.y.float().cpu() - ref.float()).abs()
+    assert float((diff > ref.float().abs() * 2 ** -7 + 1e-30).float().mean()) == 0, "bf16 values off by > 1 ulp"
+    if rows:
+        r8, rs = distgemm.quantize_fp8(out.y, (1, 128))
+        assert torch.equal(_bits(out.y_fp8), _bits(r8)) and torch.equal(out.y_scale, rs)
+    t8, ts = distgemm.quantize_fp8(out.y, (1, 128), transpose=True, offs=offs)
+    assert torch.equal(_bits(out.yt_fp8), _bits(t8)) and torch.equal(out.yt_scale, ts)
+
+
 def test_activation_kernel_zero_fills_the_padding():
     counts = [130, 0, 7]  # T = 137, padded blocks: expert 0 from 0, expert 2 from 2 + 130 // 128 = 3
     offs = make_offs(counts)
