@@ -154,6 +154,25 @@ def test_weight_kernel_matches_quantize_fp8():
         assert torch.equal(_bits(wt8), _bits(r8.transpose(1, 2).contiguous()))
 
 
+@pytest.mark.parametrize("w_dtype, offset", [(torch.float32, False), (torch.float16, False), (torch.bfloat16, True)])
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_weight_kernel_on_other_inputs_matches_quantize_fp8(w_dtype, offset, dtype):
+    """float32 and float16 weights, and bf16 ones 2 bytes past a 16-byte boundary, take the
+    one-shot weight kernel: both copies quantize_fp8's (128, 128) bits, also with the dgrad
+    copy alone; 144 rows: the transposed rows' vector stores end mid-block, 200: element stores."""
+    torch.manual_seed(4)
+    for shape in [(3, 256, 384), (2, 200, 72), (2, 144, 256), (1, 1, 130)]:
+        w = (torch.randn(*shape, device=DEV) * 5).to(w_dtype)
+        if offset:
+            w = _two_bytes_past_16(w)
+        w8, sw, wt8, swt = moe.quantize_weight(w, "block", dtype=dtype)
+        r8, rs = distgemm.quantize_fp8(w.contiguous(), (128, 128), dtype=dtype)
+        assert torch.equal(_bits(w8), _bits(r8)) and torch.equal(sw, rs) and swt is sw
+        assert torch.equal(_bits(wt8), _bits(r8.transpose(1, 2).contiguous()))
+        _, _, wt8_alone, swt_alone = moe.quantize_weight(w, "block", copies="dgrad", dtype=dtype)
+        assert torch.equal(_bits(wt8_alone), _bits(wt8)) and torch.equal(swt_alone, rs)
+
+
 @pytest.mark.parametrize("experts", [1, 9, 17])
 def test_row_weight_copies_match_quantize_fp8(experts):
     """The row recipe's copies: the forward's per output channel, the dgrad's per output channel
