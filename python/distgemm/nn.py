@@ -490,7 +490,8 @@ class ColumnParallelLinear(_ParallelLinear):
         if self.sequence_parallel:
             y = all_gather_matmul(x2, self.weight, group=self.group, c=self.bias,
                                   beta=1.0 if self.bias is not None else 0.0)
-            return y.reshape(-1, *shape[1:-1], y.shape[-1])
+            rows = shape[0] * self.group.size() if len(shape) > 1 else -1  # every rank's S / P rows
+            return y.reshape(rows, *shape[1:-1], y.shape[-1])
         x2 = _CopyToParallel.apply(x2, self.group)
         y = gemm(x2, self.weight, self.bias, beta=1.0 if self.bias is not None else 0.0)
         return y.reshape(*shape[:-1], y.shape[-1])
@@ -534,7 +535,7 @@ class RowParallelLinear(_ParallelLinear):
             # all ranks' rows (all-reduced in backward, so bias.grad is complete on each rank).
             bias = None if self.bias is None else _CopyToParallel.apply(self.bias, self.group)
             y = matmul_reduce_scatter(x2, self.weight, group=self.group, c=bias, beta=beta)
-            return y.reshape(-1, *shape[1:-1], y.shape[-1])
+            return y.reshape(seq // world, *shape[1:-1], y.shape[-1])
         y = _ReduceFromParallel.apply(gemm(x2, self.weight), self.group)
         if self.bias is not None:
             y = y + self.bias

@@ -151,3 +151,25 @@ def _copies_and_descriptions(rank, world):
 
 def test_copies_share_the_group_and_descriptions_name_the_sizes():
     run_ranks(_copies_and_descriptions, 2, "gloo", timeout=60)
+
+
+def _empty_batch(rank, world):
+    from distgemm.nn import ColumnParallelLinear, RowParallelLinear
+
+    for sp in (True, False):
+        col = ColumnParallelLinear(8, 4 * world, sequence_parallel=sp)
+        row = RowParallelLinear(4 * world, 8, sequence_parallel=sp)
+        s = 2 * world
+        x = torch.ones(s // world if sp else s, 0, 8, dtype=torch.bfloat16, requires_grad=True)
+        mid = col(x)
+        assert mid.shape == (s, 0, 4)
+        y = row(mid)
+        assert y.shape == (s // world if sp else s, 0, 8)
+        y.sum().backward()
+        assert x.grad.shape == x.shape
+        assert torch.equal(col.weight.grad, torch.zeros_like(col.weight))
+        assert torch.equal(row.bias.grad, torch.zeros_like(row.bias))
+
+
+def test_a_batch_of_no_sequences_gives_empty_outputs_and_zero_gradients():
+    run_ranks(_empty_batch, 2, "gloo", timeout=60)
