@@ -350,10 +350,10 @@ class MoEExperts(nn.Module):
 # ---------------------------------------------------------------- tensor parallelism
 
 
-def _shard(total: int, group, what: str) -> int:
+def _shard(op: str, total: int, group, what: str) -> int:
     world = group.size()
     if total % world:
-        raise ValueError(f"{what}={total} must divide evenly by the tensor-parallel group size {world}")
+        raise ValueError(f"{op}: {what}={total} must divide evenly by the tensor-parallel group size {world}")
     return total // world
 
 
@@ -372,16 +372,31 @@ def _init_parallel_linear(layer, in_features, out_features, bias, group, sequenc
     layer.in_features, layer.out_features = in_features, out_features
     layer.sequence_parallel = sequence_parallel
     if split_out:
-        rows = _shard(out_features, layer.group, "out_features")
+        rows = _shard(op, out_features, layer.group, "out_features")
         shape, bias_len = (rows, in_features), rows
     else:
-        shape, bias_len = (out_features, _shard(in_features, layer.group, "in_features")), out_features
+        shape, bias_len = (out_features, _shard(op, in_features, layer.group, "in_features")), out_features
     layer.weight = nn.Parameter(torch.empty(*shape, dtype=dtype, device=device))
     layer.bias = nn.Parameter(torch.empty(bias_len, dtype=dtype, device=device)) if bias else None
-    bound = 1.0 / math.sqrt(in_features)
-    nn.init.uniform_(layer.weight, -bound, bound)
-    if layer.bias is not None:
-        nn.init.uniform_(layer.bias, -bound, bound)
+    layer.reset_parameters()
+
+
+def _reset_parallel_linear(layer, split_out: bool) -> None:
+    """Draws the whole nn.Linear(in_features, out_features)'s weight and bias as nn.Linear does
+    (same generator calls, dtype and device) and keeps this rank's shard: ranks seeded alike hold
+    the shards of one weight, those a single process's nn.Linear gets from that seed, rather than
+    copies of one shard (which stay copies through training)."""
+    w, rank = layer.weight, layer.group.rank()
+    full = torch.empty(layer.out_features, layer.in_features, dtype=w.dtype, device=w.device)
+    with torch.no_grad():
+        nn.init.kaiming_uniform_(full, a=math.sqrt(5))
+        piece = slice(rank * w.shape[0 if split_out else 1], (rank + 1) * w.shape[0 if split_out else 1])
+        w.copy_(full[piece] if split_out else full[:, piece])
+        del full
+        if layer.bias is not None:
+            bound = 1.0 / math.sqrt(layer.in_features)
+            full_bias = torch.empty(layer.out_features, dtype=w.dtype, device=w.device).uniform_(-bound, bound)
+            layer.bias.copy_(full_bias[piece] if split_out else full_bias)
 
 
 def _parallel_input(op: str, x, features: int) -> torch.Size:
@@ -426,19 +441,45 @@ class _ReduceFromParallel(torch.autograd.Function):
         return grad, None
 
 
-class ColumnParallelLinear(nn.Module):
+class _ParallelLinear(nn.Module):
+    """What the column- and row-parallel layers share: a copy of one keeps its process group."""
+
+    def __deepcopy__(self, memo):
+        import copy
+
+        memo[id(self.group)] = self.group  # a process group is not copied (nor can be): the copy uses it too
+        twin = type(self).__new__(type(self))
+        memo[id(self)] = twin
+        for name, value in self.__dict__.items():
+            twin.__dict__[name] = copy.deepcopy(value, memo)
+        return twin
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"sequence_parallel={self.sequence_parallel}, tensor_parallel={self.group.size()}")
+
+
+class ColumnParallelLinear(_ParallelLinear):
     """``nn.Linear(in_features, out_features)`` with the output features split over the
     tensor-parallel ``group``: this rank holds ``weight`` (out_features / P, in_features).
 
     With ``sequence_parallel=True`` the input is this rank's (S / P, in_features) rows and the
     all-gather runs under the GEMM (:func:`distgemm.all_gather_matmul`); the output is
-    (S, out_features / P). Otherwise the input is the full (S, in_features)."""
+    (S, out_features / P). Otherwise the input is the full (S, in_features). Inputs of more
+    dimensions are sequence-first, as in Megatron-LM: (S / P, B, in_features) -> (S, B, out_features / P).
+
+    The parameters are this rank's rows of the weight and bias that ``nn.Linear(in_features,
+    out_features, dtype=dtype, device=device)`` draws (:meth:`reset_parameters`): ranks seeded
+    alike hold the shards of one layer."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, group=None,
                  sequence_parallel: bool = True, dtype: torch.dtype = torch.bfloat16, device=None):
         super().__init__()
         _init_parallel_linear(self, in_features, out_features, bias, group, sequence_parallel, dtype,
                               device, split_out=True)
+
+    def reset_parameters(self) -> None:
+        _reset_parallel_linear(self, split_out=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from .dense import gemm
@@ -449,25 +490,34 @@ class ColumnParallelLinear(nn.Module):
         if self.sequence_parallel:
             y = all_gather_matmul(x2, self.weight, group=self.group, c=self.bias,
                                   beta=1.0 if self.bias is not None else 0.0)
-            return y.reshape(-1, *shape[1:-1], y.shape[-1])
+            rows = shape[0] * self.group.size() if len(shape) > 1 else -1  # every rank's S / P rows
+            return y.reshape(rows, *shape[1:-1], y.shape[-1])
         x2 = _CopyToParallel.apply(x2, self.group)
         y = gemm(x2, self.weight, self.bias, beta=1.0 if self.bias is not None else 0.0)
         return y.reshape(*shape[:-1], y.shape[-1])
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_ParallelLinear):
     """``nn.Linear(in_features, out_features)`` with the input features split over the
     tensor-parallel ``group``: this rank holds ``weight`` (out_features, in_features / P).
 
     The input is this rank's (S, in_features / P) slice. With ``sequence_parallel=True`` the
     output is this rank's (S / P, out_features) rows, reduce-scattered under the GEMM
-    (:func:`distgemm.matmul_reduce_scatter`); otherwise the full all-reduced output."""
+    (:func:`distgemm.matmul_reduce_scatter`); otherwise the full all-reduced output. Inputs of
+    more dimensions are sequence-first: (S, B, in_features / P) -> (S / P, B, out_features), S a
+    multiple of P.
+
+    The parameters are this rank's columns of the weight ``nn.Linear(in_features, out_features,
+    dtype=dtype, device=device)`` draws, and its whole bias (:meth:`reset_parameters`)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, group=None,
                  sequence_parallel: bool = True, dtype: torch.dtype = torch.bfloat16, device=None):
         super().__init__()
         _init_parallel_linear(self, in_features, out_features, bias, group, sequence_parallel, dtype,
                               device, split_out=False)
+
+    def reset_parameters(self) -> None:
+        _reset_parallel_linear(self, split_out=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from .dense import gemm
@@ -477,11 +527,15 @@ class RowParallelLinear(nn.Module):
         x2 = x.reshape(-1, shape[-1])
         beta = 1.0 if self.bias is not None else 0.0
         if self.sequence_parallel:
+            seq, world = (shape[0] if len(shape) > 1 else 1), self.group.size()
+            if seq % world:  # rows split along the sequence: (S / P, B, ...) on each rank
+                raise ValueError(f"RowParallelLinear: with sequence_parallel, x's sequence length (its first "
+                                 f"dimension) {seq} must divide evenly by the tensor-parallel group size {world}")
             # Every rank adds the replicated bias to its own rows: its gradient is the sum over
             # all ranks' rows (all-reduced in backward, so bias.grad is complete on each rank).
             bias = None if self.bias is None else _CopyToParallel.apply(self.bias, self.group)
             y = matmul_reduce_scatter(x2, self.weight, group=self.group, c=bias, beta=beta)
-            return y.reshape(-1, *shape[1:-1], y.shape[-1])
+            return y.reshape(seq // world, *shape[1:-1], y.shape[-1])
         y = _ReduceFromParallel.apply(gemm(x2, self.weight), self.group)
         if self.bias is not None:
             y = y + self.bias
