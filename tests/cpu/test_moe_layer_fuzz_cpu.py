@@ -284,47 +284,56 @@ def test_grouped_mlp_with_routing_matches_the_per_slot_loop(fp8, c, hidden, ffn,
 @example(c=dict(tokens=0, k=2, experts=3, unused=set(), drop=0.0, twice=False, ids_dtype=torch.int64, seed=8),
          hidden=32, ffn=16, kind="swiglu", bias=False, save_input=False, first=None, w_dtype=torch.bfloat16)
 def test_moe_experts_matches_the_per_slot_loop(fp8, c, hidden, ffn, kind, bias, save_input, first, w_dtype):
+    check_moe_experts(fp8, c, hidden, ffn, kind, bias, save_input, first, w_dtype)
+
+
+def check_moe_experts(fp8, c, hidden, ffn, kind, bias, save_input, first, w_dtype, device="cpu"):
+    """MoEExperts on `device` (its inputs drawn on the host) against the per-slot FP32 loop on
+    the host: the output and every gradient (tests/gpu/test_moe_fuzz_gpu.py runs it on the GPU)."""
     ids, weights = make_ids(c)
     weights = weights.to(w_dtype)
     t, e = c["tokens"], c["experts"]
     gen = torch.Generator().manual_seed(c["seed"] + 4)
-    layer = MoEExperts(e, hidden, ffn, activation=kind, bias=bias, fp8=fp8, save_original_input=save_input)
+    layer = MoEExperts(e, hidden, ffn, activation=kind, bias=bias, fp8=fp8, save_original_input=save_input,
+                       device=device)
     mlp = layer.experts
     params = make_params(e, hidden, ffn, kind, bias, gen)
     with torch.no_grad():
         for p, v in zip((mlp.fc1_weight, mlp.fc2_weight, mlp.fc1_bias, mlp.fc2_bias), params):
             if p is not None:
                 p.copy_(v)
-    x = torch.randn(t, hidden, generator=gen).bfloat16().requires_grad_()
-    w = weights.clone().requires_grad_()
-    out = layer(x, ids, w, is_first_microbatch=first if fp8 else None)  # True: the layer's cached FP8 copies
-    assert out.shape == (t, hidden) and out.dtype == torch.bfloat16
+    x_host = torch.randn(t, hidden, generator=gen).bfloat16()
     g = torch.randn(t, hidden, generator=gen).bfloat16()
-    out.backward(g)
+    x = x_host.to(device).requires_grad_()
+    w = weights.to(device).requires_grad_()
+    # is_first_microbatch=True: the layer's cached FP8 copies
+    out = layer(x, ids.to(device), w, is_first_microbatch=first if fp8 else None)
+    assert out.shape == (t, hidden) and out.dtype == torch.bfloat16
+    out.backward(g.to(device))
 
-    refs = leaves(x, *params)
+    refs = leaves(x_host, *params)
     wr, = leaves(weights)
     slot_out = per_slot_mlp(refs[0], ids, *refs[1:3], kind, *refs[3:])
     ref = combine(slot_out, wr, ids >= 0)
     if ref.requires_grad:  # else no copy is kept: every gradient is zero
         ref.backward(g.float())
     out_band, grad_band = bands(fp8, int((ids >= 0).sum()), hidden, ffn)
-    check_close("out", out, ref.detach(), out_band)
+    check_close("out", out.cpu(), ref.detach(), out_band)
     got = [x, mlp.fc1_weight, mlp.fc2_weight, mlp.fc1_bias, mlp.fc2_bias]
     for name, p, r in zip(("x", "fc1_weight", "fc2_weight", "fc1_bias", "fc2_bias"), got, refs):
         if p is not None:
-            check_close(f"d{name}", grad_or_zeros(p), grad_or_zeros(r), grad_band)
+            check_close(f"d{name}", grad_or_zeros(p).cpu(), grad_or_zeros(r), grad_band)
     # d topk_weights[t, j] = <g[t], y of slot (t, j)>: a dot product that may cancel, so its
     # error is measured against |g[t]| |y of the slot| (Cauchy-Schwarz), the slot row's own scale.
-    dw = grad_or_zeros(w).float()
+    dw = grad_or_zeros(w).float().cpu()
     assert torch.isfinite(dw).all(), "dtopk_weights: not finite"
     scale = g.float().norm(dim=1, keepdim=True) * slot_out.detach().view(t, c["k"], hidden).norm(dim=2)
     err = float((dw - grad_or_zeros(wr)).norm() / scale.norm().clamp_min(1e-30))
     assert err < grad_band, f"dtopk_weights: error {err:.4f} of |g| |y| >= {grad_band}"
-    assert torch.all(grad_or_zeros(x)[(ids < 0).all(1)] == 0), "a token the router dropped got a gradient"
-    assert torch.all(grad_or_zeros(w)[ids < 0] == 0), "a dropped copy's weight got a gradient"
+    assert torch.all(grad_or_zeros(x).cpu()[(ids < 0).all(1)] == 0), "a token the router dropped got a gradient"
+    assert torch.all(grad_or_zeros(w).cpu()[ids < 0] == 0), "a dropped copy's weight got a gradient"
     assert w.grad is None or w.grad.dtype == w_dtype
     unused = torch.tensor(sorted(set(range(e)) - set(ids.flatten().tolist())), dtype=torch.long)
     for p in got[1:]:
         if p is not None:
-            assert torch.all(grad_or_zeros(p)[unused] == 0), "an expert without tokens got a gradient"
+            assert torch.all(grad_or_zeros(p).cpu()[unused] == 0), "an expert without tokens got a gradient"

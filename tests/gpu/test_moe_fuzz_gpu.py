@@ -20,9 +20,9 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from distgemm.nn import GroupedMLP, MoEExperts  # noqa: E402
-from tests.cpu.test_moe_layer_fuzz_cpu import (bands, check_close, combine, grad_or_zeros, leaves,  # noqa: E402
-                                               make_ids, make_params, per_slot_mlp, routings)
+from distgemm.nn import GroupedMLP  # noqa: E402
+from tests.cpu.test_moe_layer_fuzz_cpu import (bands, check_close, check_moe_experts, grad_or_zeros,  # noqa: E402
+                                               leaves, make_params, routings)
 from tests.fuzz_helpers import fuzz_examples  # noqa: E402
 from tests.moe_reference import expert_mlp_reference  # noqa: E402
 
@@ -37,57 +37,12 @@ WIDTHS = st.one_of(st.sampled_from([16, 112, 128, 144, 256, 272, 384]), st.integ
 LAYER_SIZES = dict(max_tokens=1500, max_k=8, max_experts=64)
 
 
-def _unused(ids, experts):
-    return torch.tensor(sorted(set(range(experts)) - set(ids.flatten().tolist())), dtype=torch.long)
-
-
 @pytest.mark.parametrize("fp8", [None, "block", "row"])
 @FUZZ
 @given(c=routings(**LAYER_SIZES), hidden=WIDTHS, ffn=WIDTHS, kind=st.sampled_from(["swiglu", "gelu"]),
        bias=st.booleans(), save_input=st.booleans(), w_dtype=st.sampled_from([torch.float32, torch.bfloat16]))
 def test_moe_experts_on_the_gpu_matches_the_per_slot_loop(fp8, c, hidden, ffn, kind, bias, save_input, w_dtype):
-    ids, weights = make_ids(c)
-    weights = weights.to(w_dtype)
-    t, e, k = c["tokens"], c["experts"], c["k"]
-    gen = torch.Generator().manual_seed(c["seed"] + 4)
-    layer = MoEExperts(e, hidden, ffn, activation=kind, bias=bias, fp8=fp8, save_original_input=save_input,
-                       device=DEV)
-    mlp = layer.experts
-    params = make_params(e, hidden, ffn, kind, bias, gen)
-    with torch.no_grad():
-        for p, v in zip((mlp.fc1_weight, mlp.fc2_weight, mlp.fc1_bias, mlp.fc2_bias), params):
-            if p is not None:
-                p.copy_(v)
-    x_host = torch.randn(t, hidden, generator=gen).bfloat16()
-    g_host = torch.randn(t, hidden, generator=gen).bfloat16()
-    x = x_host.to(DEV).requires_grad_()
-    w = weights.to(DEV).requires_grad_()
-    out = layer(x, ids.to(DEV), w)
-    assert out.shape == (t, hidden) and out.dtype == torch.bfloat16
-    out.backward(g_host.to(DEV))
-
-    refs = leaves(x_host, *params)
-    wr, = leaves(weights)
-    slot_out = per_slot_mlp(refs[0], ids, *refs[1:3], kind, *refs[3:])
-    ref = combine(slot_out, wr, ids >= 0)
-    if ref.requires_grad:
-        ref.backward(g_host.float())
-    out_band, grad_band = bands(fp8, int((ids >= 0).sum()), hidden, ffn)
-    check_close("out", out.cpu(), ref.detach(), out_band)
-    got = [x, mlp.fc1_weight, mlp.fc2_weight, mlp.fc1_bias, mlp.fc2_bias]
-    for name, p, r in zip(("x", "fc1_weight", "fc2_weight", "fc1_bias", "fc2_bias"), got, refs):
-        if p is not None:
-            check_close(f"d{name}", grad_or_zeros(p).cpu(), grad_or_zeros(r), grad_band)
-    dw = grad_or_zeros(w).float().cpu()
-    assert torch.isfinite(dw).all(), "dtopk_weights: not finite"
-    scale = g_host.float().norm(dim=1, keepdim=True) * slot_out.detach().view(t, k, hidden).norm(dim=2)
-    err = float((dw - grad_or_zeros(wr)).norm() / scale.norm().clamp_min(1e-30))
-    assert err < grad_band, f"dtopk_weights: error {err:.4f} of |g| |y| >= {grad_band}"
-    assert torch.all(grad_or_zeros(x).cpu()[(ids < 0).all(1)] == 0), "a token the router dropped got a gradient"
-    unused = _unused(ids, e)
-    for p in got[1:]:
-        if p is not None:
-            assert torch.all(grad_or_zeros(p).cpu()[unused] == 0), "an expert without tokens got a gradient"
+    check_moe_experts(fp8, c, hidden, ffn, kind, bias, save_input, None, w_dtype, device=DEV)
 
 
 @pytest.mark.parametrize("fp8", [None, "block", "row"])
