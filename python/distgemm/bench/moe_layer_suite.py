@@ -25,7 +25,7 @@ from typing import Dict, Tuple
 import torch
 
 from .common import bench_device, geomean, gpu_slug, plot_ratios, print_row, round_robin_ms, write_results
-from .moe_suite import _peak_mb, _step, record_kernels
+from .moe_suite import _peak_mb, _step, give_main_grads, record_kernels
 
 # (experts, top-k, hidden, ffn, tokens): SonicMoE's H100 layer; Qwen3-30B-A3B-like; Mixtral-like;
 # fine-grained (256 small experts, top-8: the 1.5x row); top-1. The quick run keeps the
@@ -108,28 +108,23 @@ def run(out_dir: str, quick: bool) -> Dict[str, object]:
             x = torch.randn(tokens, hidden, device=dev).bfloat16().requires_grad_()
             dy = torch.randn(tokens, hidden, device=dev).bfloat16()
             steps, forwards, layers = {}, {}, {}
-            for name, fp8 in (("distgemm bf16", None), ("distgemm block", "block")):
+            # The block layer with overwrite_main_grad too (Megatron-FSDP's mode): main_grad written,
+            # not zeroed and added to, as torch's gradients are set to None and written.
+            for name, fp8, overwrite in (("distgemm bf16", None, False), ("distgemm block", "block", False),
+                                         ("distgemm block, overwrite", "block", True)):
                 m = MoEExperts(experts, hidden, ffn, activation="swiglu", device=dev, fp8=fp8,
                                fuse_wgrad_accumulation=True)
-                grads = []
-                for w in (m.experts.fc1_weight, m.experts.fc2_weight):
-                    w.main_grad = torch.zeros(w.shape, device=dev)
-                    grads.append(w.main_grad)
+                grads = give_main_grads((m.experts.fc1_weight, m.experts.fc2_weight), overwrite)
                 layers[name] = m
                 call = _adapt(m, topk_ids, topk_weights)
                 steps[name] = _step(call, x, None, dy, list(m.parameters()), grads)
-                forwards[name] = (lambda c: lambda: c(x, None))(call)
-            # The block layer with overwrite_main_grad (Megatron-FSDP's mode): main_grad written, not
-            # zeroed and added to, as torch's gradients are set to None and written.
-            m = MoEExperts(experts, hidden, ffn, activation="swiglu", device=dev, fp8="block",
-                           fuse_wgrad_accumulation=True)
-            for w in (m.experts.fc1_weight, m.experts.fc2_weight):
-                w.main_grad, w.overwrite_main_grad = torch.zeros(w.shape, device=dev), True
-            steps["distgemm block, overwrite"] = _step(_adapt(m, topk_ids, topk_weights), x, None, dy,
-                                                       list(m.parameters()), [])
+                if not overwrite:  # its forward is the block layer's
+                    forwards[name] = (lambda c: lambda: c(x, None))(call)
             unfused = _PermutedMoE(layers["distgemm block"])
+            block = layers["distgemm block"].experts
             steps["distgemm block, permuted"] = _step(_adapt(unfused, topk_ids, topk_weights), x, None, dy,
-                                                      list(unfused.parameters()), grads)
+                                                      list(unfused.parameters()),
+                                                      [block.fc1_weight.main_grad, block.fc2_weight.main_grad])
             ref = layers["distgemm bf16"].experts
             tl = _TorchMoE(ref.fc1_weight, ref.fc2_weight)
             call = _adapt(tl, topk_ids, topk_weights)

@@ -95,6 +95,14 @@ class _LoopLayer(_TorchLayer):
         return torch.cat(outs)
 
 
+def give_main_grads(weights, overwrite: bool) -> List[torch.Tensor]:
+    """An FP32 main_grad for each weight, flagged overwrite_main_grad or not; returns those the
+    step zeroes (a framework zeroes accumulated ones every step, overwritten ones need not be)."""
+    for w in weights:
+        w.main_grad, w.overwrite_main_grad = torch.zeros(w.shape, device=w.device), overwrite
+    return [] if overwrite else [w.main_grad for w in weights]
+
+
 def _step(layer, x, offs, dy, params, main_grads) -> Callable[[], None]:
     def run():
         for g in main_grads:
@@ -218,14 +226,9 @@ def run(out_dir: str, quick: bool, activations=("swiglu", "gelu")) -> Dict[str, 
                 for name, fp8, save, overwrite in VARIANTS:
                     m = GroupedMLP(experts, hidden, ffn, activation=activation, device=dev, fp8=fp8,
                                    fuse_wgrad_accumulation=True, save_original_input=save)
-                    grads = []
-                    for w in (m.fc1_weight, m.fc2_weight):
-                        w.main_grad = torch.zeros(w.shape, device=dev)
-                        w.overwrite_main_grad = overwrite
-                        if not overwrite:  # zeroed in the step; overwritten ones need not be
-                            grads.append(w.main_grad)
                     layers[name] = m
-                    steps[name] = _step(m, x, offs, dy, list(m.parameters()), grads)
+                    steps[name] = _step(m, x, offs, dy, list(m.parameters()),
+                                        give_main_grads((m.fc1_weight, m.fc2_weight), overwrite))
                 ref = layers["distgemm bf16"]
                 tl = _TorchLayer(ref.fc1_weight, ref.fc2_weight, activation)
                 steps["torch bf16"] = _step(tl, x, offs, dy, list(tl.parameters()), [])
