@@ -98,6 +98,23 @@ inline dg_quantize_desc quantize_desc(dg_quant_granularity g, int64_t rows, int6
   return d;
 }
 
+// A weight w (groups, rows, cols) quantized 128 x 128 into both FP8 copies (out, out_t), the
+// scales shared (scale_t NULL).
+inline dg_quantize_weight_desc quantize_weight_desc(int64_t groups, int64_t rows, int64_t cols, dg_dtype in = DG_BF16,
+                                                    dg_dtype out = DG_E4M3) {
+  dg_quantize_weight_desc d{};
+  d.w = fake_ptr(30);
+  d.w_dtype = in;
+  d.groups = groups;
+  d.rows = rows;
+  d.cols = cols;
+  d.out = fake_ptr(31);
+  d.out_t = fake_ptr(32);
+  d.scale = static_cast<float*>(fake_ptr(33));
+  d.out_dtype = out;
+  return d;
+}
+
 // Stores any int into a C enum field, as a C caller may (no C++ enum conversion involved).
 template <class Enum>
 void set_raw(Enum* field, int value) {

@@ -1025,17 +1025,15 @@ long weight_calls = 0, weight_passed = 0;
 
 // dg_quantize_fp8_weight: w (groups, rows, cols) into out and / or out_t, scale and scale_t.
 void fuzz_weight(bool launch) {
-  dg_quantize_weight_desc d{};
-  d.w = fake_ptr(30);
-  d.w_dtype = pick({DG_BF16, DG_F16, DG_F32});
-  d.groups = coin(8) ? 0 : static_cast<int64_t>(below(64));
-  d.rows = coin(8) ? 0 : static_cast<int64_t>(below(1 << 13));
-  d.cols = coin(8) ? 0 : static_cast<int64_t>(below(1 << 13));
+  const dg_dtype in = pick({DG_BF16, DG_F16, DG_F32});
+  const int64_t groups = coin(8) ? 0 : static_cast<int64_t>(below(64));
+  const int64_t rows = coin(8) ? 0 : static_cast<int64_t>(below(1 << 13));
+  const int64_t cols = coin(8) ? 0 : static_cast<int64_t>(below(1 << 13));
+  dg_quantize_weight_desc d = quantize_weight_desc(groups, rows, cols, in);
   do {
     d.out = coin(2) ? fake_ptr(31) : nullptr;
     d.out_t = coin(2) ? fake_ptr(32) : nullptr;
   } while (!d.out && !d.out_t);
-  d.scale = static_cast<float*>(fake_ptr(33));
   d.scale_t = coin(2) ? static_cast<float*>(fake_ptr(34)) : nullptr;
   d.out_dtype = pick({DG_E4M3, DG_E5M2});
   const bool mutated = !coin(8);

@@ -929,16 +929,7 @@ TEST(MoeActivationCheck, RefusesBadArguments) {
 }
 
 TEST(QuantizeWeightCheck, ChecksItsArguments) {
-  dg_quantize_weight_desc good{};
-  good.w = fake_ptr(30);
-  good.w_dtype = DG_BF16;
-  good.groups = 4;
-  good.rows = 300;
-  good.cols = 260;
-  good.out = fake_ptr(31);
-  good.out_t = fake_ptr(32);
-  good.scale = static_cast<float*>(fake_ptr(33));
-  good.out_dtype = DG_E4M3;
+  const dg_quantize_weight_desc good = quantize_weight_desc(4, 300, 260);
   EXPECT_TRUE(accepted(dg_quantize_fp8_weight(&good, nullptr)));
   dg_quantize_weight_desc d = good;
   d.out = nullptr;  // the dgrad's copy alone
@@ -1209,16 +1200,8 @@ TEST(OutputsApart, EveryEntryPointRefusesAnOutputOverAnotherBuffer) {
   m.yt_fp8 = moved(const_cast<void*>(m.x), 100 * 256 * 2 - 1);
   EXPECT_TRUE(refused(dg_moe_permute(&m, nullptr), "yt_fp8 must not overlap x"));
 
-  dg_quantize_weight_desc w{};
-  w.w = fake_ptr(30);
-  w.w_dtype = DG_F32;
-  w.groups = 2;
-  w.rows = 128;
-  w.cols = 128;
-  w.out = fake_ptr(31);
+  dg_quantize_weight_desc w = quantize_weight_desc(2, 128, 128, DG_F32);
   w.out_t = moved(fake_ptr(31), 2 * 128 * 128 - 1);
-  w.scale = static_cast<float*>(fake_ptr(33));
-  w.out_dtype = DG_E4M3;
   EXPECT_TRUE(refused(dg_quantize_fp8_weight(&w, nullptr), "out must not overlap out_t"));
   w.out_t = const_cast<void*>(w.w);
   EXPECT_TRUE(refused(dg_quantize_fp8_weight(&w, nullptr), "out_t must not overlap w"));
