@@ -171,6 +171,8 @@ def run(out_dir: str, quick: bool) -> Dict[str, object]:
                 for name in ("distgemm block", "distgemm bf16", "torch bf16"):
                     record_kernels(row[name], name, steps[name])
             rows.append(row)
+            # each row as it lands: a run cut off by a time limit keeps what it measured
+            write_results(out_dir, gpu_slug(1), "moe_layer", rows, {}, extra={"complete": False})
             del layers, steps, forwards, tl
             torch.cuda.empty_cache()
     geo = {name: round(geomean([r[name]["vs_torch_bf16"] for r in rows]), 4) for name in names[:2]}

@@ -267,6 +267,8 @@ def run(out_dir: str, quick: bool, activations=("swiglu", "gelu")) -> Dict[str, 
                                  "torch bf16"):
                         record_kernels(row[name], name, steps[name])
                 rows.append(row)
+                # each row as it lands: a run cut off by a time limit keeps what it measured
+                write_results(out_dir, gpu_slug(1), "moe", rows, {}, extra={"complete": False})
                 del layers, steps
                 torch.cuda.empty_cache()
     geo = {name: round(geomean([r[name]["vs_torch_bf16"] for r in rows]), 4)
