@@ -1,8 +1,11 @@
 # The installed torch, used as headers + shared libraries only (the binding registers its
-# ops through TORCH_LIBRARY and does not link Python, so one build serves any CPython).
+# ops through TORCH_LIBRARY and does not link Python, so one build serves any CPython). The
+# repeat-call tables (csrc/torch/repeat_calls.cpp) use Python's stable ABI only, through the
+# headers of this interpreter; their Python symbols come from the running one at load time, and
+# libtorch_python's from the copy `import torch` loaded.
 execute_process(
   COMMAND "${Python_EXECUTABLE}" -c
-    "import torch, os; print(os.path.dirname(torch.__file__)); print(int(torch._C._GLIBCXX_USE_CXX11_ABI)); print(torch.version.cuda or '')"
+    "import torch, os, sysconfig; print(os.path.dirname(torch.__file__)); print(int(torch._C._GLIBCXX_USE_CXX11_ABI)); print(sysconfig.get_paths()['include']); print(torch.version.cuda or '')"
   OUTPUT_VARIABLE _torch_info OUTPUT_STRIP_TRAILING_WHITESPACE
   RESULT_VARIABLE _torch_result)
 if(NOT _torch_result EQUAL 0)
@@ -12,10 +15,11 @@ endif()
 string(REPLACE "\n" ";" _torch_info "${_torch_info}")
 list(GET _torch_info 0 TORCH_DIR)
 list(GET _torch_info 1 TORCH_CXX11_ABI)
+list(GET _torch_info 2 PYTHON_HEADERS_DIR)
 list(LENGTH _torch_info _n)
 set(TORCH_CUDA_VERSION "")
-if(_n GREATER 2)
-  list(GET _torch_info 2 TORCH_CUDA_VERSION)
+if(_n GREATER 3)
+  list(GET _torch_info 3 TORCH_CUDA_VERSION)
 endif()
 string(REGEX MATCH "^[0-9]+" _torch_cuda_major "${TORCH_CUDA_VERSION}")
 if(NOT _torch_cuda_major STREQUAL CUDAToolkit_VERSION_MAJOR)
@@ -29,7 +33,7 @@ target_include_directories(distgemm_torch_libs SYSTEM INTERFACE
   "${TORCH_DIR}/include" "${TORCH_DIR}/include/torch/csrc/api/include")
 target_compile_definitions(distgemm_torch_libs INTERFACE
   _GLIBCXX_USE_CXX11_ABI=${TORCH_CXX11_ABI} TORCH_API_INCLUDE_EXTENSION_H)
-foreach(lib c10 c10_cuda torch torch_cpu torch_cuda)
+foreach(lib c10 c10_cuda torch torch_cpu torch_cuda torch_python)
   find_library(TORCH_LIB_${lib} ${lib} PATHS "${TORCH_DIR}/lib" NO_DEFAULT_PATH REQUIRED)
   target_link_libraries(distgemm_torch_libs INTERFACE "${TORCH_LIB_${lib}}")
 endforeach()

@@ -9,7 +9,8 @@ What the dispatcher owns, for every op alike:
 - the rules under CUDA-graph capture and torch.compile: no timing, no trial runs (the cached
   choice, else None: the op runs its cost model's kernel);
 - the table of repeat calls: the signature of a call whose checks passed and whose choice is
-  settled -> the runner it took, so that a repeated call is one dict lookup;
+  settled -> the runner it took, so that a repeated call is one dict lookup (the 16-bit dense
+  and grouped calls have native tables instead, ``_repeat_calls``; forgotten with these);
 - what the last call ran (``autotune.last_backend()``).
 
 The ops keep their argument checks, their autograd and their candidates.
@@ -21,7 +22,7 @@ from typing import Callable, Hashable, Iterable, Optional, Sequence
 
 import torch
 
-from . import autotune
+from . import _repeat_calls, autotune
 from ._repeat_calls import RepeatCalls
 
 _is_compiling = torch.compiler.is_compiling
@@ -140,8 +141,8 @@ class Dispatcher:
 
     def remember(self, signature: Optional[Hashable], run: Callable, name: Optional[str] = None) -> None:
         """Keeps run(*operands) for the calls of `signature` (eager only). With `name`, the
-        runner records it as what the call ran; without, `run` records that itself (the
-        16-bit runners, where one Python frame more shows in the host time)."""
+        runner records it as what the call ran; without, `run` records that itself (the dense
+        runners, made with `recording`)."""
         if signature is None or _is_compiling():
             return
         self.calls.put(signature, run if name is None else recording(name, run))
@@ -192,6 +193,7 @@ _DISPATCHERS: list = []
 def _forget_calls() -> None:
     for dispatcher in _DISPATCHERS:
         dispatcher.calls.clear()
+    _repeat_calls.clear()
 
 
 autotune.on_clear(_forget_calls)  # a remembered runner holds a choice the autotuner forgot

@@ -1,10 +1,27 @@
-"""Calls seen before: the signature of a call whose checks passed and whose path was settled ->
-the runner that path took. A repeated call is then one dict lookup, for the ops where the host
-path shows (the dense and grouped GEMMs of a few microseconds)."""
+"""Calls seen before: the key of a call whose checks passed and whose path was settled -> what that
+path ran. A repeated call is then one lookup, for the ops where the host path shows (the dense
+and grouped GEMMs of a few microseconds).
+
+- 16-bit ``gemm`` calls without scales and ``grouped_mm`` forward/dgrad calls: the binding's
+  native tables (csrc/torch/repeat_calls.cpp). ``gemm(a, b, c, alpha, beta, out_dtype)`` and
+  ``grouped_mm(x, w, offs, out_dtype, trans_w)`` read the key off the tensors, and run the
+  remembered vendor call or kernel (the result) or answer None (the full path), in one call;
+  ``remember_gemm`` and ``remember_grouped_mm`` fill them, ``clear`` empties both, ``sizes()``
+  counts their keys. They take exact ``torch.Tensor`` / ``nn.Parameter`` operands outside any
+  torch-function mode and autograd; the callers check torch.compile, which must see that check.
+- Float8 ``gemm`` calls with scales: `RepeatCalls`, a dict of Python runners.
+"""
 
 from __future__ import annotations
 
+import ctypes
+import sysconfig
 from typing import Callable, Hashable, Optional
+
+from . import _settings, autotune
+from ._library import _LIB_PATH
+
+LIMIT = 4096  # keys per table before it starts again
 
 
 class RepeatCalls(dict):
@@ -13,7 +30,7 @@ class RepeatCalls(dict):
     the H200's host); `get` of an unhashable key raises TypeError, which callers treat as a miss
     (an argument the checks will name)."""
 
-    def __init__(self, limit: int = 4096):
+    def __init__(self, limit: int = LIMIT):
         super().__init__()
         self._limit = limit
 
@@ -23,3 +40,20 @@ class RepeatCalls(dict):
         if len(self) >= self._limit:
             self.clear()
         self[key] = run
+
+
+def _native_tables() -> tuple:
+    """The binding's table functions, made once (ctypes at import only: PyDLL keeps the GIL).
+    A free-threaded CPython has another object header than the stable ABI they are built for:
+    there every call takes the full path."""
+    if sysconfig.get_config_var("Py_GIL_DISABLED"):
+        def miss(*args):
+            return None
+        return miss, miss, miss, miss, miss, lambda: (0, 0)
+    make = ctypes.PyDLL(_LIB_PATH).distgemm_repeat_calls
+    make.argtypes = (ctypes.py_object, ctypes.py_object, ctypes.c_ssize_t)
+    make.restype = ctypes.py_object
+    return make(autotune.LAST_RAN, vars(_settings), LIMIT)
+
+
+gemm, grouped_mm, remember_gemm, remember_grouped_mm, clear, sizes = _native_tables()

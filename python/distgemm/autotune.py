@@ -39,8 +39,10 @@ _LOADED = False
 # so an unchanged object means an unchanged file).
 _LOADED_FROM: Optional[tuple] = None
 _LOADED_SETTINGS: Optional[object] = None
-_LAST: Optional[str] = None  # the implementation the last dense call ran, for the benchmarks
-_ON_CLEAR: list = []  # what else forgets the choices with clear() (dense's table of repeat calls)
+# What the last dense or grouped call ran, for the benchmarks: one item, which the native
+# repeat-call tables (_repeat_calls) write too.
+LAST_RAN: list = [None]
+_ON_CLEAR: list = []  # what else forgets the choices with clear() (the tables of repeat calls)
 
 
 def enabled() -> bool:
@@ -281,21 +283,19 @@ CUTLASS_PREFIX = "cutlass:"  # a choice of one of distgemm's tile configurations
 
 
 def record(backend: str) -> None:
-    global _LAST
     if not torch.compiler.is_compiling():
-        _LAST = backend
+        LAST_RAN[0] = backend
 
 
 def record_eager(backend: str) -> None:
     """record() for a caller that knows it is not being traced (a repeated call's runner)."""
-    global _LAST
-    _LAST = backend
+    LAST_RAN[0] = backend
 
 
 def last_backend() -> Optional[str]:
     """What the last dense or grouped GEMM call ran: 'cutlass:<config>' (or 'cutlass': the
     heuristic's), 'cublas', 'torch._scaled_mm' or 'torch._grouped_mm' (for benchmarks)."""
-    return _LAST
+    return LAST_RAN[0]
 
 
 def clear() -> None:

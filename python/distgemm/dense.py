@@ -8,7 +8,7 @@ from typing import Callable, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from . import autotune
+from . import _repeat_calls, autotune
 from ._checks import (FLOAT8, FLOAT16, block_scales, check_flags, check_operands, check_scalars, needs_autograd,
                       require_fp8_scales)
 from ._library import aligned16, kernel_arch, ops, warn_once
@@ -42,12 +42,13 @@ def gemm(
     Differentiable for bfloat16/float16 in a, b and c.
     """
     plain = scale_a is None and scale_b is None and use_fast_accum is False
-    if plain:  # a repeated call skips the checks too (they are functions of its signature)
-        run = _repeat_call(a, b, c, alpha, beta, out_dtype)
-        if run is not None:
-            return run(a, b, c)
-    elif scale_a is not None and scale_b is not None:  # float8 with scales: the same
-        run = _repeat_call(a, b, c, alpha, beta, out_dtype, (scale_a, scale_b, use_fast_accum))
+    if plain:  # a repeated call skips the checks too (they are functions of its key)
+        if not _is_compiling():
+            out = _repeat_gemm(a, b, c, alpha, beta, out_dtype)
+            if out is not None:
+                return out
+    elif scale_a is not None and scale_b is not None:  # float8 with scales: the same, in Python
+        run = _repeat_scaled(a, b, c, alpha, beta, out_dtype, (scale_a, scale_b, use_fast_accum))
         if run is not None:
             return run(a, b, c, scale_a, scale_b)
     autograd = needs_autograd(a, b, c)
@@ -65,42 +66,39 @@ def gemm(
 
 # One dispatcher for every dense call: 16-bit ones (cuBLAS or a tile configuration), float8
 # ones with per-tensor or row-wise scales (torch._scaled_mm or a tile configuration) and
-# 128-block-scaled ones (F.scaled_mm or our grouped kernel with one group). Its table of repeat
-# calls keys 16-bit calls without scales (operands read in place) and float8 calls with scales;
-# the checks are functions of the signature, and so is the choice.
+# 128-block-scaled ones (F.scaled_mm or our grouped kernel with one group). Settled 16-bit calls
+# without scales (operands read in place) go to the native table of repeat calls, which runs
+# them in one call (`_repeat_calls`); float8 calls with scales to the dispatcher's table of
+# Python runners. The checks are functions of the key, and so is the choice.
 _DISPATCH = Dispatcher("distgemm.gemm")
 _REPEAT_CALLS = _DISPATCH.calls
+_repeat_gemm = _repeat_calls.gemm
 _is_compiling = torch.compiler.is_compiling
+_NATIVE = "native"  # the signature of a 16-bit call: the native table reads its key off the operands
 
 
-def _call_signature(a, b, c, alpha, beta, out_dtype, scales=None) -> Optional[tuple]:
-    """The key of a call in the repeat-call table (out_dtype None: a's dtype, bfloat16 for
-    float8); scales: (scale_a, scale_b, use_fast_accum) of a float8 call. None for non-tensors,
-    which the checks will name."""
+def _scaled_signature(a, b, c, alpha, beta, out_dtype, scales) -> Optional[tuple]:
+    """The key of a float8 call in the repeat-call table (out_dtype None: bfloat16); scales:
+    its (scale_a, scale_b, use_fast_accum). None for non-tensors, which the checks will name."""
     try:
-        key = (a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype, b.device,
-               None if c is None else (c.shape, c.stride(), c.dtype, c.device), alpha, beta,
-               out_dtype if out_dtype is not None else a.dtype if scales is None else torch.bfloat16)
-        if scales is None:
-            return key
         scale_a, scale_b, fast_accum = scales
-        return key + (scale_a.shape, scale_a.stride(), scale_a.dtype, scale_a.device,
-                      scale_b.shape, scale_b.stride(), scale_b.dtype, scale_b.device, fast_accum)
+        return (a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype, b.device,
+                None if c is None else (c.shape, c.stride(), c.dtype, c.device), alpha, beta,
+                out_dtype if out_dtype is not None else torch.bfloat16,
+                scale_a.shape, scale_a.stride(), scale_a.dtype, scale_a.device,
+                scale_b.shape, scale_b.stride(), scale_b.dtype, scale_b.device, fast_accum)
     except AttributeError:
         return None
 
 
-def _repeat_call(a, b, c, alpha, beta, out_dtype, scales=None) -> Optional[Callable]:
-    """The runner of a call seen before with this signature, where it may run as is (eager, no
-    autograd to record, autotuning on); else None (the full path). run(a, b, c), or with scales
-    (a float8 call's (scale_a, scale_b, use_fast_accum)) run(a, b, c, scale_a, scale_b). Every
-    call of a few-microsecond GEMM comes through here: each step is written for host time
-    (C-level dict checks, no helper calls: each Python frame costs ~0.1-0.3 us on the H200's
-    host)."""
+def _repeat_scaled(a, b, c, alpha, beta, out_dtype, scales) -> Optional[Callable]:
+    """The runner of a float8 call seen before with this signature, where it may run as is
+    (eager, no autograd to record, autotuning on); else None (the full path).
+    run(a, b, c, scale_a, scale_b)."""
     if not _REPEAT_CALLS or _is_compiling() or not autotune.enabled():
         return None
     try:
-        run = _REPEAT_CALLS.get(_call_signature(a, b, c, alpha, beta, out_dtype, scales))
+        run = _REPEAT_CALLS.get(_scaled_signature(a, b, c, alpha, beta, out_dtype, scales))
     except TypeError:  # an unhashable argument: the checks name it
         return None
     # bool (and NumPy's) hash and compare equal to 1 and 0, which the checks refuse: only the
@@ -118,7 +116,8 @@ _PLAIN_REALS = frozenset((float, int))
 class _Call:
     """A dense call as its candidates take it: the caller's operands, the kernels' (copied or
     padded by _kernel_operands where they cannot be read in place), the epilogue, and the
-    signature a settled call is remembered under (None: not remembered)."""
+    signature a settled call is remembered under (_NATIVE: the native table's, read off the
+    operands; None: not remembered)."""
 
     __slots__ = ("a", "b", "c", "alpha", "beta", "out_dtype", "scale_a", "scale_b", "fast_accum", "kernel_dtype",
                  "arch", "ka", "kb", "kc", "kscale_a", "kscale_b", "n", "signature")
@@ -145,13 +144,10 @@ def _run_config(call: _Call, config: int):
 
 
 def _config_runner(call: _Call, config: int, name: str) -> Optional[Callable]:
-    """The repeated calls' runner of a tile configuration, where they read their operands in place."""
+    """The repeated float8 calls' runner of a tile configuration, where they read their operands
+    in place."""
     alpha, beta, kernel_dtype, out_dtype, fast, n = (call.alpha, call.beta, call.kernel_dtype, call.out_dtype,
                                                      call.fast_accum, call.n)
-    if call.scale_a is None:
-        if call.c is None and call.in_place():  # padding or a copy would show as operands not in place
-            return _run_cutlass(alpha, beta, out_dtype, config, name)
-        return None
     if not call.in_place():
         return None
 
@@ -164,18 +160,27 @@ def _config_runner(call: _Call, config: int, name: str) -> Optional[Callable]:
 def _run(call: _Call, candidate: Candidate):
     """Runs the chosen candidate; a settled call's runner is remembered for its signature."""
     _DISPATCH.record(candidate.name)
-    if call.signature is not None and not _is_compiling():
+    if call.signature is _NATIVE and not _is_compiling():
+        _remember_native(call, candidate)
+    elif call.signature is not None and not _is_compiling():
         runner = _runner_of(call, candidate)
         if runner is not None:
             _DISPATCH.remember(call.signature, runner)
     return candidate.run(call)
 
 
+def _remember_native(call: _Call, candidate: Candidate) -> None:
+    """A 16-bit call's entry in the native table: cuBLAS (F.linear, or addmm with c) or a tile
+    configuration, where it reads the operands in place (padding or a copy would show as
+    operands not in place)."""
+    if candidate.name == _CUBLAS or (candidate.config >= 0 and call.c is None and call.in_place()):
+        _repeat_calls.remember_gemm(call.a, call.b, call.c, call.alpha, call.beta, call.out_dtype, candidate.name,
+                                    candidate.config)
+
+
 def _runner_of(call: _Call, candidate: Candidate) -> Optional[Callable]:
     if candidate.config >= 0:
         return _config_runner(call, candidate.config, candidate.name)
-    if candidate.name == _CUBLAS:
-        return _run_cublas(call.out_dtype)
     if candidate.name == _SCALED_MM:
         return recording(_SCALED_MM, _scaled_mm_runner(call))
     if candidate.name == _TORCH_BLOCK:
@@ -218,7 +223,8 @@ def _cublas_why_not(call: _Call) -> Optional[str]:
 
 
 def _cublas_gemm(a, b, c, out_dtype):
-    """alpha = 1, beta = 1 (or no c) through PyTorch's cuBLAS: the 16-bit vendor candidate."""
+    """alpha = 1, beta = 1 (or no c) through PyTorch's cuBLAS: the 16-bit vendor candidate (as the
+    native table's repeated calls run it: csrc/torch/repeat_calls.cpp)."""
     if torch._C._is_any_autocast_enabled():
         # F.linear and addmm follow autocast (another dtype out, float16 overflowing bfloat16's
         # range); our kernels, and so gemm, do not.
@@ -388,15 +394,18 @@ def gemm_unchecked(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum
     before runs its remembered choice (every caller: gemm, its autograd, the modules, the TP
     fallback); `arch`: kernel_arch of a's device, read once by the caller; `looked_up`: gemm
     already looked for it."""
-    if not looked_up and scale_a is None and scale_b is None and not fast_accum:
-        run = _repeat_call(a, b, c, alpha, beta, out_dtype)
-        if run is not None:
-            return run(a, b, c)
+    unscaled = scale_a is None and scale_b is None
     scaled = scale_a is not None and scale_b is not None
+    compiling = _is_compiling()
+    if not looked_up and unscaled and not fast_accum and not compiling:
+        out = _repeat_gemm(a, b, c, alpha, beta, out_dtype)
+        if out is not None:
+            return out
     signature = None
-    if not _is_compiling():
-        signature = _call_signature(a, b, c, alpha, beta, out_dtype,
-                                    (scale_a, scale_b, fast_accum) if scaled else None)
+    if not compiling and unscaled:
+        signature = _NATIVE
+    elif not compiling and scaled:
+        signature = _scaled_signature(a, b, c, alpha, beta, out_dtype, (scale_a, scale_b, fast_accum))
     if scaled and block_scales(a, b, scale_a, scale_b):
         # Remembered for bfloat16 out without c only: gemm refuses others, but looks its table up
         # before its checks. The TP ops pass a c, which these kernels have no epilogue for.
@@ -432,23 +441,6 @@ def _trim(out, n: int, kernel_dtype, out_dtype):
     where the kernel ran in another dtype."""
     out = out if out.shape[1] == n else out[:, :n].contiguous()
     return out if kernel_dtype == out_dtype else out.to(out_dtype)
-
-
-# The runners of repeated 16-bit calls: _repeat_call has established that nothing is being traced.
-def _run_cublas(out_dtype):
-    def run(a, b, c):
-        autotune.record_eager(_CUBLAS)
-        if c is None and not torch._C._is_any_autocast_enabled():  # _cublas_gemm's first case, inlined
-            return F.linear(a, b)  # (this runs on every repeated call)
-        return _cublas_gemm(a, b, c, out_dtype)
-    return run
-
-
-def _run_cutlass(alpha, beta, out_dtype, index: int, choice: str):
-    def run(a, b, c):
-        autotune.record_eager(choice)
-        return ops.gemm(a, b, None, alpha, beta, out_dtype, None, None, False, index)
-    return run
 
 
 def _compiled_combinations() -> frozenset:

@@ -14,7 +14,7 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
-from . import autotune
+from . import _repeat_calls, autotune
 from ._dispatch import Candidate, Dispatcher, GroupedPass, configs
 from ._settings import current as _current_settings
 from ._checks import check_flags, check_no_overlap, needs_autograd
@@ -152,25 +152,14 @@ def reference_grouped_mm_wgrad(dy, x, offs, out, accumulate):
     return out
 
 
-# One dispatcher for the 16-bit grouped passes. Its table of repeat calls holds forward/dgrad
-# calls (no out, no scales, no autograd) whose checks passed and which ran on x and w in place:
-# the checks and the choice are functions of the signature, the settings (the backend, debug)
-# included.
+# One dispatcher for the 16-bit grouped passes. Forward/dgrad calls (no out, no scales, no
+# autograd) whose checks passed and which ran on x and w in place go to the native table of
+# repeat calls (`_repeat_calls`): the checks and the choice are functions of its key, the
+# settings (the backend, debug) included.
 _DISPATCH = Dispatcher("distgemm.grouped_mm")
-_REPEAT_CALLS = _DISPATCH.calls
+_repeat_grouped_mm = _repeat_calls.grouped_mm
 TORCH = "torch._grouped_mm"
 _KIND_NAMES = ("forward", "dgrad", "wgrad")
-
-
-def _call_signature(x, w, offs, out_dtype, trans_w) -> Optional[tuple]:
-    try:
-        return (x.shape, x.stride(), x.dtype, x.device, w.shape, w.stride(), w.dtype, w.device,
-                offs.shape, offs.stride(), offs.dtype, offs.device, out_dtype,
-                trans_w, trans_w.__class__,  # 1.0 equals True as a key, and its check refuses it
-                (x.data_ptr() | w.data_ptr()) & 15 == 0,  # eager only: the lookup and put skip tracing
-                id(_current_settings()))  # equal settings are one object
-    except AttributeError:  # not tensors: the checks name the argument
-        return None
 
 
 def _run_forward_config(call: GroupedPass, config: int):
@@ -222,28 +211,12 @@ _COST_MODEL = (Candidate("cutlass", lambda call: _run_forward_config(call, -1)),
                Candidate("cutlass", lambda call: _run_wgrad_config(call, -1)))
 
 
-def _kernel_forward(n: int, out_dtype, trans_w: bool, config: int, choice: str) -> Callable:
-    """A repeated call's runner of the grouped kernel's `config` into a new output, outside
-    autograd."""
-    def run(x, w, offs):
-        out = torch.empty((x.shape[0], n), dtype=out_dtype, device=x.device)
-        ops.grouped_mm_out(x, w, offs, out, False, trans_w, _CUTLASS, config)
-        autotune.record_eager(choice)  # never traced: eager calls only build this runner
-        return out
-    return run
-
-
-def _torch_forward(out_dtype, trans_w: bool) -> Callable:
-    def run(x, w, offs):
-        autotune.record_eager(TORCH)  # the autotuner's choice: eager only
-        # w.mT: the cheapest transposed view (~0.3 us under transpose(-2, -1) per call)
-        return torch._grouped_mm(x, w.mT if trans_w else w, offs=offs, out_dtype=out_dtype)
-    return run
-
-
-def _forward(call: GroupedPass, signature) -> torch.Tensor:
-    """A forward/dgrad call on distgemm's kernel or torch._grouped_mm, as the dispatcher chooses;
-    a settled plain call on operands read in place is remembered under `signature`."""
+def _forward(call: GroupedPass, remember: bool, requested_dtype) -> torch.Tensor:
+    """A forward/dgrad call on distgemm's kernel or torch._grouped_mm, as the dispatcher chooses.
+    A settled plain call on operands read in place (`remember`) goes to the native table, under
+    the out_dtype it was passed (`requested_dtype`); its repeated calls then run the kernel's
+    configuration into a new output, or torch._grouped_mm with w.mT
+    (csrc/torch/repeat_calls.cpp)."""
     kind = 0 if call.trans_w else 1
     chosen = None
     if _DISPATCH.active():
@@ -251,11 +224,10 @@ def _forward(call: GroupedPass, signature) -> torch.Tensor:
                                   _candidates(kind, call.a.dtype, call.out_dtype), call.a.device, call.scratch)
     candidate = chosen or _COST_MODEL[0]
     settled = chosen is not None or not autotune.enabled()  # not a stand-in during capture
-    if (signature is not None and settled and call.out is None and not call.autograd
+    if (remember and settled and call.out is None and not call.autograd
             and not torch.compiler.is_compiling() and not _current_settings().debug):
-        _DISPATCH.remember(signature, _torch_forward(call.out_dtype, call.trans_w) if candidate.name == TORCH
-                           else _kernel_forward(call.shape[1], call.out_dtype, call.trans_w, candidate.config,
-                                                candidate.name))
+        _repeat_calls.remember_grouped_mm(call.a, call.b, call.offs, requested_dtype, call.trans_w, call.out_dtype,
+                                          candidate.name, candidate.config)
     _DISPATCH.record(candidate.name)
     return candidate.run(call)
 
@@ -285,13 +257,10 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *,
     op = "distgemm.grouped_mm"
     plain = (out is None and accumulate is False and scale_x is None and scale_w is None
              and (use_fast_accum is False or use_fast_accum is True))  # checked below, not part of the call
-    if plain and _REPEAT_CALLS and not torch.compiler.is_compiling() and not needs_autograd(x, w):
-        try:
-            run = _REPEAT_CALLS.get(_call_signature(x, w, offs, out_dtype, trans_w))
-        except TypeError:  # an unhashable argument: the checks name it
-            run = None
-        if run is not None:
-            return run(x, w, offs)
+    if plain and not torch.compiler.is_compiling():  # a repeated call skips the checks too
+        y = _repeat_grouped_mm(x, w, offs, out_dtype, trans_w)
+        if y is not None:
+            return y
     check_flags(op, accumulate=accumulate, trans_w=trans_w, use_fast_accum=use_fast_accum)
     if isinstance(x, torch.Tensor) and x.dtype in FLOAT8:
         if scale_x is None or scale_w is None:
@@ -330,8 +299,8 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *,
             # torch._grouped_mm may answer a plain call only: its autograd would bypass ours.
             call = GroupedPass(x, w, offs, out, accumulate, (x.shape[0], n), out_dtype, trans_w, autograd,
                                torch_may_answer and out is None and not autograd)
-            eager = in_place and not torch.compiler.is_compiling()  # the signature reads data pointers
-            return _forward(call, _call_signature(x, w, offs, requested_dtype, trans_w) if eager else None)
+            eager = in_place and not torch.compiler.is_compiling()  # the key reads data pointers
+            return _forward(call, eager, requested_dtype)
         autotune.record(backend)
         if out is None:
             return ops.grouped_mm(x, w, offs, out_dtype, trans_w, code)

@@ -32,24 +32,6 @@ def test_scales_are_handed_over_aligned():
         assert flat.data_ptr() % 16 == 0 and torch.equal(flat, view)
 
 
-def test_a_repeated_call_runs_its_remembered_runner_unless_autograd_or_unhashable(monkeypatch):
-    from distgemm import dense
-
-    a, b = torch.randn(3, 8), torch.randn(5, 8)
-    ran = []
-    monkeypatch.setattr(dense._DISPATCH, "calls", type(dense._REPEAT_CALLS)())
-    monkeypatch.setattr(dense, "_REPEAT_CALLS", dense._DISPATCH.calls)
-    dense._DISPATCH.remember(dense._call_signature(a, b, None, 1.0, 0.0, torch.float32),
-                             lambda *args: ran.append(args) or "remembered")
-    assert dense.gemm(a, b) == "remembered" and len(ran) == 1
-    # the same signature needing autograd, or an unhashable alpha: the full path decides
-    assert dense._repeat_call(a.requires_grad_(), b, None, 1.0, 0.0, None) is None
-    with torch.no_grad():
-        assert dense._repeat_call(a, b, None, 1.0, 0.0, None) is not None
-    assert dense._repeat_call(a.detach(), b, None, [1.0], 0.0, None) is None
-    assert dense._repeat_call("a", b, None, 1.0, 0.0, None) is None
-
-
 def test_beta_zero_does_not_read_c():
     # as BLAS and the kernels' epilogue: beta = 0 leaves c out, NaN and all
     a, b = torch.randn(8, 16).bfloat16(), torch.randn(4, 16).bfloat16()

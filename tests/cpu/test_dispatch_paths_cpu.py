@@ -4,13 +4,15 @@ the autotuner's timing are replaced by counted plain-PyTorch stand-ins (no GPU n
 are the disk cache's: a change of them would drop every user's stored choices."""
 
 import contextlib
+import warnings
 
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import distgemm
-from distgemm import _torch_block_scaled, autotune, dense, grouped, grouped_fp8
+from distgemm import _repeat_calls, _torch_block_scaled, autotune, dense, grouped, grouped_fp8
 
 BF16, E4M3 = torch.bfloat16, torch.float8_e4m3fn
 GEMM_BF16 = tuple(autotune.CUTLASS_PREFIX + n for n in dense.ops.gemm_configs(BF16, BF16, BF16, True, 90, False))
@@ -22,7 +24,8 @@ def gpu(monkeypatch, tmp_path):
     """The dispatch of an sm_90 GPU on CPU tensors. Yields a record: `times` (candidate name ->
     ms, 1.0 unless set; a name in `refuse` raises when run), `ran` (what ran, in order: a
     config's index as ('cutlass', i), or the vendor call's name), `timings` (how often
-    candidates were timed)."""
+    candidates were timed), `natively()` (a block whose calls the native repeat-call table runs:
+    what they run goes to `ran` too, in the same names)."""
     import distgemm._library as library
     import sys
 
@@ -53,11 +56,11 @@ def gpu(monkeypatch, tmp_path):
         if name in record["refuse"]:
             raise RuntimeError(f"{name} refuses this call")
     record["run"] = ran
+    record["natively"] = lambda: _RanNatively(ran)
 
     def fake_gemm(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast=False, config=-1, swizzle=0):
         ran(("cutlass", config))
         return dense.reference_gemm(a, b, c, alpha, beta, out_dtype, scale_a, scale_b)
-    monkeypatch.setattr(dense.ops, "gemm", fake_gemm)
     linear = torch.nn.functional.linear
 
     def fake_linear(a, b, bias=None):
@@ -83,9 +86,42 @@ def gpu(monkeypatch, tmp_path):
         return (x.float() @ w[0].float().T).to(BF16)
     monkeypatch.setattr(grouped_fp8, "grouped_mm_fp8", fake_grouped_fp8)
     autotune.clear()
-    with distgemm.settings(autotune=True, autotune_cache=str(tmp_path / "cache.json"), grouped_backend="auto"):
+    with (distgemm.settings(autotune=True, autotune_cache=str(tmp_path / "cache.json"), grouped_backend="auto"),
+          cpu_kernels(gemm=fake_gemm)):
         yield record
     autotune.clear()
+
+
+@contextlib.contextmanager
+def cpu_kernels(**fakes):
+    """distgemm's ops (name -> kernel) replaced on CPU in the dispatcher, where the calls the native
+    repeat-call table runs reach them too; restored after."""
+    lib = torch.library.Library("distgemm", "IMPL")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "(?s).*Overriding a previously registered kernel")
+        for name, fake in fakes.items():
+            lib.impl(name, fake, "CPU", allow_override=True)
+    try:
+        yield
+    finally:
+        lib._destroy()
+
+
+class _RanNatively(TorchDispatchMode):
+    """Names the vendor calls a repeated call runs from the native table, which reach the
+    dispatcher from C++ past the fixture's Python fakes (F.linear as mm, torch._grouped_mm); our
+    ops' fakes are the dispatcher's (cpu_kernels) and record themselves."""
+
+    def __init__(self, ran):
+        super().__init__()
+        self.ran = ran
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+            self.ran("cublas")
+        elif func is torch.ops.aten._grouped_mm.default:
+            self.ran("torch._grouped_mm")
+        return func(*args, **(kwargs or {}))
 
 
 def bf16(m=32, n=48, k=64):
@@ -100,7 +136,8 @@ def test_bf16_fastest_config_is_cached_and_repeated(gpu):
     assert autotune.lookup("sm90|32x48x64|torch.bfloat16->torch.bfloat16|b:K|c:none|cublas:1") == GEMM_BF16[1]
     assert gpu["ran"][-1] == ("cutlass", 1) and gpu["timings"] == 1
     gpu["ran"].clear()
-    distgemm.gemm(a, b)
+    with gpu["natively"]():
+        distgemm.gemm(a, b)
     assert gpu["ran"] == [("cutlass", 1)] and gpu["timings"] == 1
     assert autotune.last_backend() == GEMM_BF16[1]
 
@@ -111,7 +148,8 @@ def test_bf16_cublas_keeps_a_near_tie_and_repeats_through_linear(gpu):
     distgemm.gemm(a, b)
     assert autotune.last_backend() == "cublas"
     gpu["ran"].clear()
-    distgemm.gemm(a, b)
+    with gpu["natively"]():
+        distgemm.gemm(a, b)
     assert gpu["ran"] == ["cublas"] and gpu["timings"] == 1
 
 
@@ -199,7 +237,8 @@ def test_block_scaled_vendor_faster_is_chosen(gpu):
 @pytest.fixture
 def grouped_gpu(gpu, monkeypatch):
     """The grouped kernels as counted stand-ins: ops.grouped_mm_out / _wgrad_out (config
-    recorded) and torch._grouped_mm."""
+    recorded; grouped_mm_out in the dispatcher, for the native table's repeated calls) and
+    torch._grouped_mm."""
     from distgemm._routing import group_bounds
 
     def fake_out(x, w, offs, out, accumulate, trans_w, backend=0, config=-1):
@@ -223,14 +262,14 @@ def grouped_gpu(gpu, monkeypatch):
         return out
     backend = grouped._backend  # as on a GPU: the inputs' device type is the one thing faked here
     monkeypatch.setattr(grouped, "_backend", lambda op, device, *args: backend(op, torch.device("cuda", 0), *args))
-    monkeypatch.setattr(grouped.ops, "grouped_mm_out", fake_out)
     monkeypatch.setattr(grouped.ops, "grouped_mm_wgrad_out", fake_wgrad_out)
     monkeypatch.setattr(torch, "_grouped_mm", fake_torch)
     monkeypatch.setattr(grouped.ops, "grouped_mm", lambda x, w, offs, out_dtype, trans_w, backend=0, config=-1:
                         _new_out(fake_out, x, w, offs, out_dtype, trans_w, config))
     monkeypatch.setattr(grouped.ops, "grouped_mm_wgrad", lambda dy, x, offs, out_dtype, backend=0, config=-1:
                         _new_wgrad(fake_wgrad_out, dy, x, offs, out_dtype, config))
-    return gpu
+    with cpu_kernels(grouped_mm_out=fake_out):
+        yield gpu
 
 
 def _new_out(fake_out, x, w, offs, out_dtype, trans_w, config):
@@ -266,7 +305,8 @@ def test_grouped_forward_fastest_config_cached_and_repeated(grouped_gpu):
     key = "sm90|grouped-forward|G4|T100|64x32|torch.bfloat16->torch.bfloat16|acc:0|torch:1"
     assert autotune.lookup(key) == names[3]
     grouped_gpu["ran"].clear()
-    distgemm.grouped_mm(x, w, offs)
+    with grouped_gpu["natively"]():
+        distgemm.grouped_mm(x, w, offs)
     assert grouped_gpu["ran"] == [("cutlass", 3)] and grouped_gpu["timings"] == 1
 
 
@@ -275,7 +315,8 @@ def test_grouped_forward_torch_keeps_a_near_tie_and_repeats(grouped_gpu):
     grouped_gpu["times"].update({grouped_names(0)[0]: 0.99, "torch._grouped_mm": 1.0})
     distgemm.grouped_mm(x, w, offs)
     grouped_gpu["ran"].clear()
-    distgemm.grouped_mm(x, w, offs)
+    with grouped_gpu["natively"]():
+        distgemm.grouped_mm(x, w, offs)
     assert grouped_gpu["ran"] == ["torch._grouped_mm"]
     assert autotune.last_backend() == "torch._grouped_mm"
 
@@ -336,7 +377,7 @@ def test_torch_compile_traces_the_cost_models_kernels_whole(gpu, monkeypatch):
     expected = grouped.reference_grouped_mm(x, w, offs, torch.zeros(100, 64), False, True)
     torch.testing.assert_close(grouped_out.float(), expected, rtol=2e-2, atol=2e-2)
     assert gpu["timings"] == 0 and gpu["ran"] == [("cutlass", -1)]
-    assert not dense._REPEAT_CALLS and not grouped._REPEAT_CALLS
+    assert not dense._REPEAT_CALLS and _repeat_calls.sizes() == (0, 0)
 
 
 def test_fp8_wgrad_times_its_configs_into_a_scratch_and_adds_once(gpu, monkeypatch):
@@ -380,7 +421,8 @@ def test_autograd_calls_take_the_settled_runner_and_the_dgrad_its_own_problem(gp
     assert autotune.lookup("sm90|32x64x48|torch.bfloat16->torch.bfloat16|b:N|c:none|cublas:1") == "cublas"
     timings = gpu["timings"]
     gpu["ran"].clear()
-    distgemm.gemm(a, b).float().sum().backward()
+    with gpu["natively"]():
+        distgemm.gemm(a, b).float().sum().backward()
     assert gpu["timings"] == timings and gpu["ran"] == ["cublas", "cublas"]  # forward, dgrad: nothing timed
     torch.testing.assert_close(a.grad.float(), 2 * b.float().sum(0).expand(32, 64), rtol=2e-2, atol=2e-2)
 

@@ -241,25 +241,6 @@ def test_grouped_linear_fp8_gradients_on_the_reference_path(grad_dtype, band):
         GroupedLinear(3, 128, 256, fp8="block", fp8_grad_dtype=torch.bfloat16)
 
 
-def test_the_repeat_signature_follows_the_settings():
-    # A remembered call must not outlive a change of the backend or of debug: the signature holds
-    # the settings (equal settings are one object), so a block under other settings and the calls
-    # after it each find their own entries.
-    from distgemm.grouped import _call_signature
-
-    x, w, offs = torch.zeros(4, 8), torch.zeros(2, 8, 8), torch.tensor([2, 4], dtype=torch.int32)
-    plain = _call_signature(x, w, offs, None, True)
-    assert _call_signature(x, w, offs, None, True) == plain
-    with distgemm.settings(grouped_backend="torch"):
-        backend = _call_signature(x, w, offs, None, True)
-        with distgemm.settings(debug=True):
-            debug = _call_signature(x, w, offs, None, True)
-    assert len({plain, backend, debug}) == 3
-    assert _call_signature(x, w, offs, None, True) == plain
-    with distgemm.settings(grouped_backend="torch"):  # the same settings again: the same entry
-        assert _call_signature(x, w, offs, None, True) == backend
-
-
 @pytest.mark.parametrize("call, name", [
     (lambda v: distgemm.grouped_mm(torch.zeros(4, 8).bfloat16(), torch.zeros(2, 8, 8).bfloat16(),
                                    torch.tensor([2, 4], dtype=torch.int32), accumulate=v), "accumulate"),
