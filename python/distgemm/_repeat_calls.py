@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import sysconfig
+import warnings
 from typing import Callable, Hashable, Optional
 
 from . import _settings, autotune
@@ -46,14 +47,22 @@ def _native_tables() -> tuple:
     """The binding's table functions, made once (ctypes at import only: PyDLL keeps the GIL).
     A free-threaded CPython has another object header than the stable ABI they are built for:
     there every call takes the full path."""
+    def miss(*args):
+        return None
+    without = (miss, miss, miss, miss, miss, lambda: (0, 0))
     if sysconfig.get_config_var("Py_GIL_DISABLED"):
-        def miss(*args):
-            return None
-        return miss, miss, miss, miss, miss, lambda: (0, 0)
-    make = ctypes.PyDLL(_LIB_PATH).distgemm_repeat_calls
-    make.argtypes = (ctypes.py_object, ctypes.py_object, ctypes.c_ssize_t)
-    make.restype = ctypes.py_object
-    return make(autotune.LAST_RAN, vars(_settings), LIMIT)
+        return without
+    try:
+        make = ctypes.PyDLL(_LIB_PATH).distgemm_repeat_calls
+        make.argtypes = (ctypes.py_object, ctypes.py_object, ctypes.c_ssize_t)
+        make.restype = ctypes.py_object
+        return make(autotune.LAST_RAN, vars(_settings), LIMIT)
+    except (AttributeError, ImportError, OSError, RuntimeError, TypeError) as e:
+        # A torch whose tensor objects differ from the headers of this build: every call still
+        # works, through the full path; only the repeated calls' host time is lost.
+        warnings.warn(f"distgemm: repeated calls take the full path ({e}); reinstall distgemm against the "
+                      "installed torch", RuntimeWarning, stacklevel=2)
+        return without
 
 
 gemm, grouped_mm, remember_gemm, remember_grouped_mm, clear, sizes = _native_tables()
