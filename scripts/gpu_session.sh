@@ -34,6 +34,9 @@ reap() {
   done
 }
 for step in ${STEPS:-}; do
+  # step@S: this step's own time limit (S seconds) in place of T / TB
+  T_ALL="${T:-}" TB_ALL="${TB:-}"
+  if [[ "$step" == *@* ]]; then T="${step##*@}" TB="${step##*@}"; step="${step%@*}"; fi
   reap
   case "$step" in
     segv1) timeout 120 cuda-gdb -batch -ex run -ex bt --args python3 -c "import torch, distgemm; print(torch.ops.distgemm.gemm_select_config(64, 64, 64, torch.bfloat16, torch.bfloat16, torch.bfloat16, True, 80, 108))" > "$OUT/segv1.log" 2>&1 ;;
@@ -92,6 +95,7 @@ for step in ${STEPS:-}; do
     *) stamp "unknown step $step" ;;
   esac
   stamp "step $step rc=$?"
+  T="$T_ALL" TB="$TB_ALL"
 done
 # At most 8 files come back from the device machine: everything but the step log goes into one archive.
 if [ -n "${PACK:-}" ]; then
