@@ -225,12 +225,16 @@ dg_status lower(const dg_gemm_desc* desc, GemmProblem* p) {
     if (d.c.rows == 1) {  // a bias row (for M == 1 also the full C: the same values)
       int64_t unused_ld = 0;
       DG_RETURN_IF_ERROR(check_row_major(d.c, "c (bias)", 1, n, &unused_ld));
-      p->bias = d.c.data;
-      p->beta_bias = d.beta;
+      if (d.beta != 0.f) {  // as BLAS: beta = 0 reads no c (0 * NaN would be NaN)
+        p->bias = d.c.data;
+        p->beta_bias = d.beta;
+      }
     } else {
       DG_RETURN_IF_ERROR(check_row_major(d.c, "c", m, n, &p->ldc));
-      p->c = d.c.data;
-      p->beta_c = d.beta;
+      if (d.beta != 0.f) {
+        p->c = d.c.data;
+        p->beta_c = d.beta;
+      }
     }
   }
   if (d.scale_a) {
