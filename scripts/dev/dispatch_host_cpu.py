@@ -21,6 +21,11 @@ import distgemm._library as library
 from distgemm import _repeat_calls, autotune, grouped
 
 
+class _NoDeviceContext(contextlib.nullcontext):
+    def __init__(self, device):
+        super().__init__()
+
+
 def fake_sm90() -> None:
     has_kernels, device_arch = library.has_kernels, library.device_arch
     for name, module in list(sys.modules.items()):
@@ -34,7 +39,7 @@ def fake_sm90() -> None:
     autotune.flush_buffer = lambda *args, **kwargs: None
     vendors = ("cublas", grouped.TORCH)
     autotune._medians = lambda candidates, flush: {n: 0.5 if n in vendors else 1.0 for n in candidates}
-    torch.cuda.device = lambda device: contextlib.nullcontext()
+    torch.cuda.device = _NoDeviceContext  # a class: torch's code tests isinstance(..., torch.cuda.device)
     backend = grouped._backend
     grouped._backend = lambda op, device, *args: backend(op, torch.device("cuda", 0), *args)
 

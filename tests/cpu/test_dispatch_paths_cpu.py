@@ -19,6 +19,11 @@ GEMM_BF16 = tuple(autotune.CUTLASS_PREFIX + n for n in dense.ops.gemm_configs(BF
 GEMM_FP8 = tuple(autotune.CUTLASS_PREFIX + n for n in dense.ops.gemm_configs(E4M3, E4M3, BF16, True, 90, False))
 
 
+class _NoDeviceContext(contextlib.nullcontext):
+    def __init__(self, device):
+        super().__init__()
+
+
 @pytest.fixture
 def gpu(monkeypatch, tmp_path):
     """The dispatch of an sm_90 GPU on CPU tensors. Yields a record: `times` (candidate name ->
@@ -49,7 +54,9 @@ def gpu(monkeypatch, tmp_path):
     monkeypatch.setattr(autotune, "flush_buffer", lambda *args, **kwargs: None)
     monkeypatch.setattr(autotune, "may_time", lambda: True)
     monkeypatch.setattr(autotune, "_LOADED", True)
-    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())  # the timing's device
+    # The timing's device context, as a class: torch's own code (Dynamo asking whether the GPU has
+    # TMA, on a machine with one) tests isinstance(..., torch.cuda.device).
+    monkeypatch.setattr(torch.cuda, "device", _NoDeviceContext)
 
     def ran(name):
         record["ran"].append(name)
