@@ -1,9 +1,9 @@
-// The repeat-call tables of distgemm.gemm (16-bit, no scales) and distgemm.grouped_mm (forward and
-// dgrad, no out): the key of a call whose checks passed and whose choice is settled -> what that
-// choice runs (the vendor call through ATen, or one of our tile configurations through the
-// dispatcher). One call from Python reads the key off the tensors, finds the entry and runs it, so
-// that a repeated call costs no more host time than the vendor call made from Python
-// (python/distgemm/_repeat_calls.py sets this up; dense.py and grouped.py fill it).
+// The repeat-call tables of distgemm.gemm (16-bit without scales; float8 with per-tensor or
+// row-wise scales) and distgemm.grouped_mm (forward and dgrad, no out): the key of a call whose checks passed and whose
+// choice is settled -> what that choice runs (the vendor call through ATen: F.linear, addmm, torch._scaled_mm or
+// torch._grouped_mm; or one of our tile configurations through the dispatcher). One call from Python reads the key off
+// the tensors, finds the entry and runs it, so that a repeated call costs no more host time than the vendor call made
+// from Python (python/distgemm/_repeat_calls.py sets this up; dense.py and grouped.py fill it).
 //
 // One build serves any CPython: this file uses the stable ABI of Py_LIMITED_API 3.10 only (the
 // object header, reference counts and functions every later CPython with a GIL keeps, as for an
@@ -25,6 +25,7 @@
 #include <cmath>
 #include <cstring>
 #include <exception>
+#include <initializer_list>
 #include <unordered_map>
 
 // torch/csrc/autograd/python_variable.h, torch/csrc/DynamicTypes.h, torch/csrc/Exceptions.h.
@@ -57,13 +58,17 @@ bool is_plain_tensor(PyObject* obj) {
 
 // A key: per tensor its dim, dtype and device in one word, then its sizes and strides; then the
 // op's other arguments and the settings in force.
-constexpr int kMaxDim = 3;  // the operands of the remembered calls are 1-D to 3-D
+constexpr int kMaxDim = 3;  // the operands of the remembered calls are 0-D (scales) to 3-D
 constexpr int kTensorWords = 1 + 2 * kMaxDim;
-constexpr int kScalarWords = 4;
-using Key = std::array<int64_t, 3 * kTensorWords + kScalarWords>;
+constexpr int kScalarWords = 5;
+template <int kTensors>
+using KeyOf = std::array<int64_t, kTensors * kTensorWords + kScalarWords>;
+using Key = KeyOf<3>;        // gemm (a, b, c) and grouped_mm (x, w, offs)
+using ScaledKey = KeyOf<5>;  // a scaled gemm (a, b, c, scale_a, scale_b)
 
 struct KeyHash {
-  size_t operator()(const Key& key) const {
+  template <class K>
+  size_t operator()(const K& key) const {
     uint64_t h = 0xcbf29ce484222325ull;
     for (int64_t word : key) h = (h ^ static_cast<uint64_t>(word)) * 0x100000001b3ull;
     return static_cast<size_t>(h);
@@ -72,7 +77,8 @@ struct KeyHash {
 
 // t's words of a key (tensor `index` of the call; t null: None). False where no remembered call
 // can have such an operand. May throw (a tensor without sizes or strides): the caller's miss.
-bool put_tensor(Key* key, int index, const at::Tensor* t) {
+template <class K>
+bool put_tensor(K* key, int index, const at::Tensor* t) {
   int64_t* words = key->data() + index * kTensorWords;
   if (t == nullptr) {
     words[0] = -1;
@@ -92,20 +98,28 @@ bool put_tensor(Key* key, int index, const at::Tensor* t) {
   return true;
 }
 
-int64_t& scalar_word(Key* key, int i) { return (*key)[3 * kTensorWords + i]; }
+template <class K>
+int64_t& scalar_word(K* key, int i) {
+  return (*key)[key->size() - kScalarWords + i];
+}
 
 // What a remembered call runs.
 struct Run {
   int64_t config = -1;  // one of our tile configurations, or -1: the vendor call
   at::ScalarType out_dtype = at::kFloat;
-  double alpha = 1.0, beta = 0.0;  // gemm
-  int64_t n = 0;                   // grouped_mm: the output's columns
-  bool trans_w = true;             // grouped_mm
-  PyObject* name = nullptr;        // what autotune.last_backend() reports then (owned)
+  double alpha = 1.0, beta = 0.0;            // gemm
+  int64_t n = 0;                             // grouped_mm: the output's columns; scaled gemm: b's rows
+  bool trans_w = true;                       // grouped_mm
+  int64_t m = 0;                             // scaled gemm: a's rows
+  at::ScalarType kernel_dtype = at::kFloat;  // scaled gemm, our kernel: what it writes (cast to out_dtype)
+  bool fast_accum = false;                   // scaled gemm: the accumulation it runs
+  bool row_wise = false;                     // scaled gemm, torch._scaled_mm: the scales' forms
+  PyObject* name = nullptr;                  // what autotune.last_backend() reports then (owned)
 };
 
 // The calls of one op. Every use holds the GIL: the Python calls below are its only users, and a
 // repeated call copies its entry before it lets the GIL go.
+template <class Key>
 class Table {
  public:
   explicit Table(size_t limit) : limit_(limit) {}
@@ -143,8 +157,9 @@ class Table {
 constexpr at::ScalarType kOutDtypes[] = {at::kBFloat16, at::kHalf, at::kFloat};
 
 struct State {
-  explicit State(size_t limit) : gemm(limit), grouped(limit) {}
-  Table gemm, grouped;
+  explicit State(size_t limit) : gemm(limit), grouped(limit), scaled(limit) {}
+  Table<Key> gemm, grouped;
+  Table<ScaledKey> scaled;
   PyObject* last_ran = nullptr;          // autotune's one-item list of what the last call ran
   PyObject* settings_globals = nullptr;  // distgemm._settings' globals: the settings in force are
   PyObject* settings_name = nullptr;     // its _current (equal settings are one object)
@@ -190,9 +205,11 @@ int64_t bits_of(double value) {
   return bits;
 }
 
-bool records_autograd(const at::Tensor* a, const at::Tensor* b, const at::Tensor* c = nullptr) {
-  return at::GradMode::is_enabled() &&
-         (a->requires_grad() || b->requires_grad() || (c != nullptr && c->requires_grad()));
+bool records_autograd(std::initializer_list<const at::Tensor*> operands) {
+  if (!at::GradMode::is_enabled()) return false;
+  for (const at::Tensor* t : operands)
+    if (t != nullptr && t->requires_grad()) return true;
+  return false;
 }
 
 PyObject* current_settings() { return PyDict_GetItem(state->settings_globals, state->settings_name); }
@@ -206,15 +223,15 @@ struct GemmCall {
   at::ScalarType out_dtype;  // None: a's
 };
 
-bool read_gemm(PyObject* const* args, GemmCall* call) {
+bool read_gemm(PyObject* const* args, GemmCall* call, bool scaled = false) {
   if (!is_plain_tensor(args[0]) || !is_plain_tensor(args[1]) || (args[2] != Py_None && !is_plain_tensor(args[2])))
     return false;
   call->a = &tensor_of(args[0]);
   call->b = &tensor_of(args[1]);
   call->c = args[2] == Py_None ? nullptr : &tensor_of(args[2]);
   if (!read_real(args[3], &call->alpha) || !read_real(args[4], &call->beta)) return false;
-  if (args[5] == Py_None) {
-    call->out_dtype = call->a->scalar_type();
+  if (args[5] == Py_None) {  // as the checks resolve it (for float8: bfloat16)
+    call->out_dtype = scaled ? at::kBFloat16 : call->a->scalar_type();
     return true;
   }
   return read_dtype(args[5], &call->out_dtype);
@@ -226,6 +243,43 @@ bool gemm_key(const GemmCall& call, PyObject* settings, Key* key) {
   scalar_word(key, 1) = bits_of(call.beta);
   scalar_word(key, 2) = static_cast<int64_t>(call.out_dtype);
   scalar_word(key, 3) = reinterpret_cast<intptr_t>(settings);
+  return true;
+}
+
+// gemm(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, use_fast_accum) of a float8 call with
+// scales as its key reads it.
+struct ScaledCall {
+  GemmCall gemm;
+  const at::Tensor* scale_a;
+  const at::Tensor* scale_b;
+  bool fast_accum;
+};
+
+// True or False only: 1 and 1.0 equal True, and the checks refuse them.
+bool read_flag(PyObject* obj, bool* flag) {
+  if (obj != Py_True && obj != Py_False) return false;
+  *flag = obj == Py_True;
+  return true;
+}
+
+bool read_scaled(PyObject* const* args, ScaledCall* call) {
+  if (!read_gemm(args, &call->gemm, /*scaled=*/true) || !is_plain_tensor(args[6]) || !is_plain_tensor(args[7]))
+    return false;
+  call->scale_a = &tensor_of(args[6]);
+  call->scale_b = &tensor_of(args[7]);
+  return read_flag(args[8], &call->fast_accum);
+}
+
+bool scaled_key(const ScaledCall& call, PyObject* settings, ScaledKey* key) {
+  const GemmCall& g = call.gemm;
+  if (!put_tensor(key, 0, g.a) || !put_tensor(key, 1, g.b) || !put_tensor(key, 2, g.c) ||
+      !put_tensor(key, 3, call.scale_a) || !put_tensor(key, 4, call.scale_b))
+    return false;
+  scalar_word(key, 0) = bits_of(g.alpha);
+  scalar_word(key, 1) = bits_of(g.beta);
+  scalar_word(key, 2) = static_cast<int64_t>(g.out_dtype);
+  scalar_word(key, 3) = reinterpret_cast<intptr_t>(settings);
+  scalar_word(key, 4) = call.fast_accum;
   return true;
 }
 
@@ -249,10 +303,7 @@ bool read_grouped(PyObject* const* args, GroupedCall* call) {
     if (!read_dtype(args[3], &dtype)) return false;
     call->out_dtype = static_cast<int64_t>(dtype);
   }
-  // True or False only: 1 and 1.0 equal True, and the checks refuse them.
-  if (args[4] != Py_True && args[4] != Py_False) return false;
-  call->trans_w = args[4] == Py_True;
-  return true;
+  return read_flag(args[4], &call->trans_w);
 }
 
 bool grouped_key(const GroupedCall& call, PyObject* settings, Key* key) {
@@ -269,8 +320,8 @@ bool grouped_key(const GroupedCall& call, PyObject* settings, Key* key) {
 
 // The entry of a call, or null: a call no entry answers. Reading the key may throw for tensors
 // no remembered call has (no strides, symbolic sizes): a miss too.
-template <class Call, class KeyOf>
-const Run* find(const Table& table, const Call& call, KeyOf key_of) {
+template <class Key, class Call, class KeyReader>
+const Run* find(const Table<Key>& table, const Call& call, KeyReader key_of) {
   PyObject* settings = current_settings();
   if (settings == nullptr) return nullptr;
   Key key{};
@@ -355,6 +406,34 @@ at::Tensor run_grouped(const Run& run, const at::Tensor& x, const at::Tensor& w,
   return out;
 }
 
+// A scale as our kernels read it (dense._flat): 1-D, contiguous and 16-byte aligned.
+at::Tensor flat_scale(const at::Tensor& scale) {
+  at::Tensor flat = scale.reshape({-1}).contiguous();
+  return reinterpret_cast<uintptr_t>(flat.const_data_ptr()) % 16 == 0 ? flat : flat.clone();
+}
+
+// A scale in torch._scaled_mm's form (dense._scaled_mm_runner): 0-D per tensor; row-wise
+// (rows, cols) contiguous, one value expanded.
+at::Tensor scaled_mm_scale(const at::Tensor& scale, bool row_wise, int64_t rows, int64_t cols) {
+  if (!row_wise) return scale.reshape({});
+  return (scale.numel() == 1 ? scale.reshape({1, 1}).expand({rows, cols}) : scale.reshape({rows, cols})).contiguous();
+}
+
+at::Tensor run_scaled(const Run& run, const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& c,
+                      const at::Tensor& scale_a, const at::Tensor& scale_b) {
+  if (run.config < 0) {  // torch._scaled_mm as dense._scaled_mm_runner calls it
+    std::optional<at::Tensor> bias;
+    if (c) bias = c->reshape({-1}).to(run.out_dtype);
+    return at::_scaled_mm(a, b.t(), scaled_mm_scale(scale_a, run.row_wise, run.m, 1),
+                          scaled_mm_scale(scale_b, run.row_wise, 1, run.n), bias, /*scale_result=*/std::nullopt,
+                          run.out_dtype, run.fast_accum);
+  }
+  // dense._config_runner: the operands read in place (b unpadded: the output has b's rows).
+  at::Tensor out = gemm_op().call(a, b, c, run.alpha, run.beta, run.kernel_dtype, flat_scale(scale_a),
+                                  flat_scale(scale_b), run.fast_accum, run.config, 0);
+  return run.kernel_dtype == run.out_dtype ? out : out.to(run.out_dtype);
+}
+
 bool takes_args(const char* name, Py_ssize_t nargs, Py_ssize_t expected) {
   if (nargs == expected) return true;
   PyErr_Format(PyExc_TypeError, "%s takes %zd arguments, got %zd", name, expected, nargs);
@@ -366,7 +445,7 @@ PyObject* repeat_gemm(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (!takes_args("gemm", nargs, 6)) return nullptr;
   GemmCall call;
   if (state->gemm.empty() || at::impl::torch_function_mode_enabled() || !read_gemm(args, &call) ||
-      records_autograd(call.a, call.b, call.c))
+      records_autograd({call.a, call.b, call.c}))
     Py_RETURN_NONE;
   const Run* run = find(state->gemm, call, gemm_key);
   if (run == nullptr) Py_RETURN_NONE;
@@ -375,12 +454,28 @@ PyObject* repeat_gemm(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return run_entry(*run, [a = *call.a, b = *call.b, c = std::move(c)](const Run& r) { return run_gemm(r, a, b, c); });
 }
 
+// scaled_gemm(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, use_fast_accum): the same for a
+// float8 call with per-tensor or row-wise scales.
+PyObject* repeat_scaled_gemm(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (!takes_args("scaled_gemm", nargs, 9)) return nullptr;
+  ScaledCall call;
+  if (state->scaled.empty() || at::impl::torch_function_mode_enabled() || !read_scaled(args, &call) ||
+      records_autograd({call.gemm.a, call.gemm.b, call.gemm.c, call.scale_a, call.scale_b}))
+    Py_RETURN_NONE;
+  const Run* run = find(state->scaled, call, scaled_key);
+  if (run == nullptr) Py_RETURN_NONE;
+  std::optional<at::Tensor> c;
+  if (call.gemm.c != nullptr) c = *call.gemm.c;
+  return run_entry(*run, [a = *call.gemm.a, b = *call.gemm.b, c = std::move(c), sa = *call.scale_a,
+                          sb = *call.scale_b](const Run& r) { return run_scaled(r, a, b, c, sa, sb); });
+}
+
 // grouped_mm(x, w, offs, out_dtype, trans_w): the same for a grouped call.
 PyObject* repeat_grouped_mm(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (!takes_args("grouped_mm", nargs, 5)) return nullptr;
   GroupedCall call;
   if (state->grouped.empty() || at::impl::torch_function_mode_enabled() || !read_grouped(args, &call) ||
-      records_autograd(call.x, call.w))
+      records_autograd({call.x, call.w}))
     Py_RETURN_NONE;
   const Run* run = find(state->grouped, call, grouped_key);
   if (run == nullptr) Py_RETURN_NONE;
@@ -450,15 +545,50 @@ PyObject* remember_grouped_mm(PyObject*, PyObject* const* args, Py_ssize_t nargs
   Py_RETURN_NONE;
 }
 
+// remember_scaled_gemm(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, use_fast_accum,
+// kernel_dtype, kernel_fast_accum, name, config): the same for a float8 call with per-tensor or
+// row-wise scales (config -1: torch._scaled_mm, run with kernel_fast_accum; else our kernel, in
+// kernel_dtype, on the operands in place).
+PyObject* remember_scaled_gemm(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (!takes_args("remember_scaled_gemm", nargs, 13)) return nullptr;
+  Run run;
+  if (!read_run(args[11], args[12], &run)) return nullptr;
+  if (!read_dtype(args[9], &run.kernel_dtype) || !read_flag(args[10], &run.fast_accum)) {
+    PyErr_SetString(PyExc_TypeError,
+                    "remember_scaled_gemm: kernel_dtype must be bfloat16, float16 or float32 and "
+                    "kernel_fast_accum a bool");
+    return nullptr;
+  }
+  ScaledCall call;
+  ScaledKey key{};
+  PyObject* settings = current_settings();
+  if (settings == nullptr || !read_scaled(args, &call)) Py_RETURN_NONE;
+  try {
+    if (!scaled_key(call, settings, &key) || call.gemm.a->dim() != 2 || call.gemm.b->dim() != 2) Py_RETURN_NONE;
+    run.m = call.gemm.a->size(0);
+    run.n = call.gemm.b->size(0);
+    run.row_wise = call.scale_a->numel() > 1 || call.scale_b->numel() > 1;  // dense._row_wise
+  } catch (...) {
+    torch::translate_exception_to_python(std::current_exception());
+    return nullptr;
+  }
+  run.alpha = call.gemm.alpha;
+  run.beta = call.gemm.beta;
+  run.out_dtype = call.gemm.out_dtype;
+  state->scaled.put(key, run);
+  Py_RETURN_NONE;
+}
+
 PyObject* clear(PyObject*, PyObject*) {
   state->gemm.clear();
   state->grouped.clear();
+  state->scaled.clear();
   Py_RETURN_NONE;
 }
 
 PyObject* sizes(PyObject*, PyObject*) {
-  return Py_BuildValue("(nn)", static_cast<Py_ssize_t>(state->gemm.size()),
-                       static_cast<Py_ssize_t>(state->grouped.size()));
+  return Py_BuildValue("(nnn)", static_cast<Py_ssize_t>(state->gemm.size()),
+                       static_cast<Py_ssize_t>(state->grouped.size()), static_cast<Py_ssize_t>(state->scaled.size()));
 }
 
 PyMethodDef functions[] = {
@@ -466,12 +596,19 @@ PyMethodDef functions[] = {
      "gemm(a, b, c, alpha, beta, out_dtype): a remembered call's result, or None"},
     {"grouped_mm", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(repeat_grouped_mm)), METH_FASTCALL,
      "grouped_mm(x, w, offs, out_dtype, trans_w): a remembered call's result, or None"},
+    {"scaled_gemm", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(repeat_scaled_gemm)), METH_FASTCALL,
+     "scaled_gemm(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, use_fast_accum): a remembered call's "
+     "result, or None"},
     {"remember_gemm", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(remember_gemm)), METH_FASTCALL,
      "remember_gemm(a, b, c, alpha, beta, out_dtype, name, config)"},
     {"remember_grouped_mm", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(remember_grouped_mm)),
      METH_FASTCALL, "remember_grouped_mm(x, w, offs, out_dtype, trans_w, kernel_out_dtype, name, config)"},
+    {"remember_scaled_gemm", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(remember_scaled_gemm)),
+     METH_FASTCALL,
+     "remember_scaled_gemm(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, use_fast_accum, kernel_dtype, "
+     "kernel_fast_accum, name, config)"},
     {"clear", clear, METH_NOARGS, "clear(): forgets every remembered call"},
-    {"sizes", sizes, METH_NOARGS, "sizes(): the number of remembered gemm and grouped_mm calls"},
+    {"sizes", sizes, METH_NOARGS, "sizes(): the number of remembered gemm, grouped_mm and scaled gemm calls"},
 };
 
 // Whether tensor_of reads torch's tensor objects right: a tensor made here, wrapped by torch, is
@@ -490,7 +627,8 @@ bool tensor_layout_matches() {
 }  // namespace distgemm::torch_binding
 
 // Called once by distgemm._repeat_calls (through ctypes, the GIL held): makes the tables and
-// returns their functions (gemm, grouped_mm, remember_gemm, remember_grouped_mm, clear, sizes).
+// returns their functions (gemm, grouped_mm, scaled_gemm, remember_gemm, remember_grouped_mm,
+// remember_scaled_gemm, clear, sizes).
 // last_ran: autotune's one-item list of what the last call ran; settings_globals:
 // distgemm._settings' globals; limit: the keys a table holds before it starts again.
 extern "C" __attribute__((visibility("default"))) PyObject* distgemm_repeat_calls(PyObject* last_ran,

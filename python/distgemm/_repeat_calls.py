@@ -2,14 +2,17 @@
 path ran. A repeated call is then one lookup, for the ops where the host path shows (the dense
 and grouped GEMMs of a few microseconds).
 
-- 16-bit ``gemm`` calls without scales and ``grouped_mm`` forward/dgrad calls: the binding's
-  native tables (csrc/torch/repeat_calls.cpp). ``gemm(a, b, c, alpha, beta, out_dtype)`` and
+- 16-bit ``gemm`` calls without scales, float8 ``gemm`` calls with per-tensor or row-wise scales
+  and ``grouped_mm`` forward/dgrad calls: the binding's native tables
+  (csrc/torch/repeat_calls.cpp). ``gemm(a, b, c, alpha, beta, out_dtype)``,
+  ``scaled_gemm(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, use_fast_accum)`` and
   ``grouped_mm(x, w, offs, out_dtype, trans_w)`` read the key off the tensors, and run the
   remembered vendor call or kernel (the result) or answer None (the full path), in one call;
-  ``remember_gemm`` and ``remember_grouped_mm`` fill them, ``clear`` empties both, ``sizes()``
-  counts their keys. They take exact ``torch.Tensor`` / ``nn.Parameter`` operands outside any
-  torch-function mode and autograd; the callers check torch.compile, which must see that check.
-- Float8 ``gemm`` calls with scales: `RepeatCalls`, a dict of Python runners.
+  ``remember_gemm``, ``remember_scaled_gemm`` and ``remember_grouped_mm`` fill them, ``clear``
+  empties them, ``sizes()`` counts their keys (gemm, grouped_mm, scaled gemm). They take exact
+  ``torch.Tensor`` / ``nn.Parameter`` operands outside any torch-function mode and autograd; the
+  callers check torch.compile, which must see that check.
+- Float8 ``gemm`` calls with 128-block scales: `RepeatCalls`, a dict of Python runners.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ def _native_tables() -> tuple:
     there every call takes the full path."""
     def miss(*args):
         return None
-    without = (miss, miss, miss, miss, miss, lambda: (0, 0))
+    without = (miss,) * 7 + (lambda: (0, 0, 0),)
     if sysconfig.get_config_var("Py_GIL_DISABLED"):
         return without
     try:
@@ -65,4 +68,5 @@ def _native_tables() -> tuple:
         return without
 
 
-gemm, grouped_mm, remember_gemm, remember_grouped_mm, clear, sizes = _native_tables()
+(gemm, grouped_mm, scaled_gemm, remember_gemm, remember_grouped_mm, remember_scaled_gemm, clear,
+ sizes) = _native_tables()

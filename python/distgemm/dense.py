@@ -47,8 +47,12 @@ def gemm(
             out = _repeat_gemm(a, b, c, alpha, beta, out_dtype)
             if out is not None:
                 return out
-    elif scale_a is not None and scale_b is not None:  # float8 with scales: the same, in Python
-        run = _repeat_scaled(a, b, c, alpha, beta, out_dtype, (scale_a, scale_b, use_fast_accum))
+    elif scale_a is not None and scale_b is not None:  # float8 with scales: the same
+        if not _is_compiling():
+            out = _repeat_scaled_gemm(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, use_fast_accum)
+            if out is not None:
+                return out
+        run = _repeat_scaled(a, b, c, alpha, beta, out_dtype, (scale_a, scale_b, use_fast_accum))  # 128-block
         if run is not None:
             return run(a, b, c, scale_a, scale_b)
     autograd = needs_autograd(a, b, c)
@@ -67,19 +71,23 @@ def gemm(
 # One dispatcher for every dense call: 16-bit ones (cuBLAS or a tile configuration), float8
 # ones with per-tensor or row-wise scales (torch._scaled_mm or a tile configuration) and
 # 128-block-scaled ones (F.scaled_mm or our grouped kernel with one group). Settled 16-bit calls
-# without scales (operands read in place) go to the native table of repeat calls, which runs
-# them in one call (`_repeat_calls`); float8 calls with scales to the dispatcher's table of
-# Python runners. The checks are functions of the key, and so is the choice.
+# without scales and float8 calls with per-tensor or row-wise scales (the vendor call, or ours on
+# operands read in place) go to the native tables of repeat calls, which run them in one call
+# (`_repeat_calls`); 128-block-scaled calls to the dispatcher's table of Python runners. The
+# checks are functions of the key, and so is the choice.
 _DISPATCH = Dispatcher("distgemm.gemm")
 _REPEAT_CALLS = _DISPATCH.calls
 _repeat_gemm = _repeat_calls.gemm
+_repeat_scaled_gemm = _repeat_calls.scaled_gemm
 _is_compiling = torch.compiler.is_compiling
-_NATIVE = "native"  # the signature of a 16-bit call: the native table reads its key off the operands
+_NATIVE = "native"  # the signature of a call the native tables take: they read its key off the operands
 
 
 def _scaled_signature(a, b, c, alpha, beta, out_dtype, scales) -> Optional[tuple]:
-    """The key of a float8 call in the repeat-call table (out_dtype None: bfloat16); scales:
-    its (scale_a, scale_b, use_fast_accum). None for non-tensors, which the checks will name."""
+    """The key of a 128-block-scaled float8 call in the Python table of repeat calls (out_dtype
+    None: bfloat16; the calls with per-tensor or row-wise scales have the native table's key);
+    scales: its (scale_a, scale_b, use_fast_accum). None for non-tensors, which the checks will
+    name."""
     try:
         scale_a, scale_b, fast_accum = scales
         return (a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype, b.device,
@@ -92,8 +100,8 @@ def _scaled_signature(a, b, c, alpha, beta, out_dtype, scales) -> Optional[tuple
 
 
 def _repeat_scaled(a, b, c, alpha, beta, out_dtype, scales) -> Optional[Callable]:
-    """The runner of a float8 call seen before with this signature, where it may run as is
-    (eager, no autograd to record, autotuning on); else None (the full path).
+    """The runner of a 128-block-scaled float8 call seen before with this signature, where it may
+    run as is (eager, no autograd to record, autotuning on); else None (the full path).
     run(a, b, c, scale_a, scale_b)."""
     if not _REPEAT_CALLS or _is_compiling() or not autotune.enabled():
         return None
@@ -116,16 +124,19 @@ _PLAIN_REALS = frozenset((float, int))
 class _Call:
     """A dense call as its candidates take it: the caller's operands, the kernels' (copied or
     padded by _kernel_operands where they cannot be read in place), the epilogue, and the
-    signature a settled call is remembered under (_NATIVE: the native table's, read off the
-    operands; None: not remembered)."""
+    signature a settled call is remembered under (_NATIVE: the native tables', read off the
+    operands; None: not remembered). fast_accum is the accumulation the kernels run,
+    asked_fast_accum the caller's (a float8 call's key)."""
 
     __slots__ = ("a", "b", "c", "alpha", "beta", "out_dtype", "scale_a", "scale_b", "fast_accum", "kernel_dtype",
-                 "arch", "ka", "kb", "kc", "kscale_a", "kscale_b", "n", "signature")
+                 "arch", "ka", "kb", "kc", "kscale_a", "kscale_b", "n", "signature", "asked_fast_accum")
 
-    def __init__(self, a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, kernel_dtype, arch, signature):
+    def __init__(self, a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum, kernel_dtype, arch, signature,
+                 asked_fast_accum=None):
         self.a, self.b, self.c, self.alpha, self.beta, self.out_dtype = a, b, c, alpha, beta, out_dtype
         self.scale_a, self.scale_b, self.fast_accum, self.kernel_dtype = scale_a, scale_b, fast_accum, kernel_dtype
         self.arch, self.signature = arch, signature
+        self.asked_fast_accum = fast_accum if asked_fast_accum is None else asked_fast_accum
         if kernel_dtype is not None:
             self.ka, self.kb, self.kc, self.kscale_b, self.n = _kernel_operands(a, b, c, kernel_dtype, scale_b, arch)
             self.kscale_a = _flat(scale_a)
@@ -143,20 +154,6 @@ def _run_config(call: _Call, config: int):
     return _trim(out, call.n, call.kernel_dtype, call.out_dtype)
 
 
-def _config_runner(call: _Call, config: int, name: str) -> Optional[Callable]:
-    """The repeated float8 calls' runner of a tile configuration, where they read their operands
-    in place."""
-    alpha, beta, kernel_dtype, out_dtype, fast, n = (call.alpha, call.beta, call.kernel_dtype, call.out_dtype,
-                                                     call.fast_accum, call.n)
-    if not call.in_place():
-        return None
-
-    def run(a, b, c, scale_a, scale_b):
-        return _trim(ops.gemm(a, b, c, alpha, beta, kernel_dtype, _flat(scale_a), _flat(scale_b), fast, config),
-                     n, kernel_dtype, out_dtype)
-    return recording(name, run)
-
-
 def _run(call: _Call, candidate: Candidate):
     """Runs the chosen candidate; a settled call's runner is remembered for its signature."""
     _DISPATCH.record(candidate.name)
@@ -170,19 +167,22 @@ def _run(call: _Call, candidate: Candidate):
 
 
 def _remember_native(call: _Call, candidate: Candidate) -> None:
-    """A 16-bit call's entry in the native table: cuBLAS (F.linear, or addmm with c) or a tile
-    configuration, where it reads the operands in place (padding or a copy would show as
-    operands not in place)."""
-    if candidate.name == _CUBLAS or (candidate.config >= 0 and call.c is None and call.in_place()):
+    """A call's entry in the native tables. 16-bit: cuBLAS (F.linear, or addmm with c) or a tile
+    configuration without c; float8 with per-tensor or row-wise scales: torch._scaled_mm (as
+    _scaled_mm_runner calls it) or a tile configuration (as _run_config, with c). Ours where it
+    reads the operands in place (padding or a copy would show as operands not in place)."""
+    if call.scale_a is not None:
+        if candidate.name == _SCALED_MM or (candidate.config >= 0 and call.in_place()):
+            _repeat_calls.remember_scaled_gemm(call.a, call.b, call.c, call.alpha, call.beta, call.out_dtype,
+                                               call.scale_a, call.scale_b, call.asked_fast_accum,
+                                               call.kernel_dtype, call.fast_accum, candidate.name, candidate.config)
+    elif candidate.name == _CUBLAS or (candidate.config >= 0 and call.c is None and call.in_place()):
         _repeat_calls.remember_gemm(call.a, call.b, call.c, call.alpha, call.beta, call.out_dtype, candidate.name,
                                     candidate.config)
 
 
 def _runner_of(call: _Call, candidate: Candidate) -> Optional[Callable]:
-    if candidate.config >= 0:
-        return _config_runner(call, candidate.config, candidate.name)
-    if candidate.name == _SCALED_MM:
-        return recording(_SCALED_MM, _scaled_mm_runner(call))
+    """A 128-block-scaled call's runner."""
     if candidate.name == _TORCH_BLOCK:
         alpha = call.alpha
         return recording(_TORCH_BLOCK, lambda a, b, c, scale_a, scale_b:
@@ -266,9 +266,9 @@ def _scaled_mm_why_not(call: _Call) -> Optional[str]:
 
 
 def _scaled_mm_runner(call: _Call) -> Callable:
-    """run(a, b, c, scale_a, scale_b) through torch._scaled_mm for calls of this one's signature.
-    The scales and bias are put in its forms when it runs, not when a call that runs our kernel
-    asks."""
+    """run(a, b, c, scale_a, scale_b) through torch._scaled_mm for calls of this one's signature
+    (the native table's repeated calls run the same: csrc/torch/repeat_calls.cpp). The scales and
+    bias are put in its forms when it runs, not when a call that runs our kernel asks."""
     m, n, out_dtype, fast_accum = call.a.shape[0], call.b.shape[0], call.out_dtype, call.fast_accum
     row_wise = _row_wise(call.scale_a, call.scale_b)
 
@@ -401,16 +401,15 @@ def gemm_unchecked(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum
         out = _repeat_gemm(a, b, c, alpha, beta, out_dtype)
         if out is not None:
             return out
-    signature = None
-    if not compiling and unscaled:
-        signature = _NATIVE
-    elif not compiling and scaled:
-        signature = _scaled_signature(a, b, c, alpha, beta, out_dtype, (scale_a, scale_b, fast_accum))
+    signature = None if compiling or not (unscaled or scaled) else _NATIVE
     if scaled and block_scales(a, b, scale_a, scale_b):
         # Remembered for bfloat16 out without c only: gemm refuses others, but looks its table up
         # before its checks. The TP ops pass a c, which these kernels have no epilogue for.
-        call = _Call(a, b, None, alpha, beta, torch.bfloat16, scale_a, scale_b, fast_accum, None, arch,
-                     signature if out_dtype == torch.bfloat16 and c is None else None)
+        if signature is not None and out_dtype == torch.bfloat16 and c is None:
+            signature = _scaled_signature(a, b, c, alpha, beta, out_dtype, (scale_a, scale_b, fast_accum))
+        else:
+            signature = None
+        call = _Call(a, b, None, alpha, beta, torch.bfloat16, scale_a, scale_b, fast_accum, None, arch, signature)
         out = _block_scaled_gemm(call)
         if c is not None and beta != 0:
             out = out.float() + beta * c.float().reshape(-1, b.shape[0])
@@ -425,7 +424,7 @@ def gemm_unchecked(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast_accum
         warn_once(f"distgemm: no kernel in this build for {a.dtype} x {b.dtype} -> {out_dtype} (nor float32 "
                   "out); running the PyTorch reference")
         return reference_gemm(a, b, c, alpha, beta, out_dtype, scale_a, scale_b)
-    call = _Call(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast, kernel_dtype, arch, signature)
+    call = _Call(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, fast, kernel_dtype, arch, signature, fast_accum)
     # 16-bit calls are tuned where the kernel gives out_dtype itself (the key does not name a cast).
     if (a.dtype in FLOAT8 or kernel_dtype == out_dtype) and _DISPATCH.active():
         candidates = _candidates(a.dtype, b.dtype, kernel_dtype, _k_major(call.kb), arch, fast)

@@ -1,9 +1,10 @@
 """Host time of a repeated `distgemm.gemm` and `distgemm.grouped_mm` without a GPU: CPU tensors,
 the dispatch of an sm_90 GPU (kernel checks faked, the autotuner's timing replaced so that the
-vendor call is chosen), so that the repeated call runs its remembered runner, F.linear or
-torch._grouped_mm. Prints our calls against F.linear, torch.matmul and torch._grouped_mm, and
-the pieces of our path: the native table's call alone (its key, lookup and vendor call; the rest
-of ours is the op's Python frame and its torch.compile check). What it measures is this host;
+vendor call is chosen), so that the repeated call runs its remembered runner, F.linear,
+torch._scaled_mm (float8, per-tensor scales) or torch._grouped_mm. Prints our calls against
+F.linear, torch.matmul, torch._scaled_mm and torch._grouped_mm, and the pieces of our path: the
+native table's call alone (its key, lookup and vendor call; the rest of ours is the op's Python
+frame and its torch.compile check). What it measures is this host;
 the H200's figures come from the bench's `host` suite.
 
     python scripts/dev/dispatch_host_cpu.py
@@ -37,7 +38,7 @@ def fake_sm90() -> None:
     autotune._LOADED = True
     autotune.may_time = lambda: True
     autotune.flush_buffer = lambda *args, **kwargs: None
-    vendors = ("cublas", grouped.TORCH)
+    vendors = ("cublas", "torch._scaled_mm", grouped.TORCH)
     autotune._medians = lambda candidates, flush: {n: 0.5 if n in vendors else 1.0 for n in candidates}
     torch.cuda.device = _NoDeviceContext  # a class: torch's code tests isinstance(..., torch.cuda.device)
     backend = grouped._backend
@@ -68,6 +69,21 @@ def main() -> None:
               f"{t['matmul']:.2f} us; ours - torch.matmul {t['ours'] - t['matmul']:+.2f} us")
         print(f"  of ours: the native table's call {t['native']:.2f} us ({t['native'] - t['linear']:+.2f} us over "
               f"F.linear: its key and lookup), the Python around it {t['ours'] - t['native']:.2f} us")
+        fa, fb = torch.randn(1, 16).to(torch.float8_e4m3fn), torch.randn(16, 16).to(torch.float8_e4m3fn)
+        sa, sb = torch.tensor(0.5), torch.tensor(2.0)
+        distgemm.gemm(fa, fb, scale_a=sa, scale_b=sb)
+        assert autotune.last_backend() == "torch._scaled_mm", autotune.last_backend()
+        calls = {"ours": lambda: distgemm.gemm(fa, fb, scale_a=sa, scale_b=sb),
+                 "peer": lambda: torch._scaled_mm(fa, fb.t(), sa, sb, out_dtype=torch.bfloat16)}
+        native = getattr(_repeat_calls, "scaled_gemm", None)
+        if native is not None:
+            calls["native"] = lambda: native(fa, fb, None, 1.0, 0.0, None, sa, sb, False)
+        t = per_call_us(calls, number=50_000)
+        print(f"distgemm.gemm float8, per-tensor scales (repeated) {t['ours']:.2f} us; torch._scaled_mm "
+              f"{t['peer']:.2f} us; ours - torch {t['ours'] - t['peer']:+.2f} us")
+        if native is not None:
+            print(f"  of ours: the native table's call {t['native']:.2f} us ({t['native'] - t['peer']:+.2f} us over "
+                  f"torch._scaled_mm), the Python around it {t['ours'] - t['native']:.2f} us")
         x, w = torch.randn(16, 8, dtype=torch.bfloat16), torch.randn(2, 8, 8, dtype=torch.bfloat16)
         offs = torch.tensor([8, 16], dtype=torch.int32)
         distgemm.grouped_mm(x, w, offs)

@@ -116,8 +116,8 @@ def cpu_kernels(**fakes):
 
 class _RanNatively(TorchDispatchMode):
     """Names the vendor calls a repeated call runs from the native table, which reach the
-    dispatcher from C++ past the fixture's Python fakes (F.linear as mm, torch._grouped_mm); our
-    ops' fakes are the dispatcher's (cpu_kernels) and record themselves."""
+    dispatcher from C++ past the fixture's Python fakes (F.linear as mm, torch._scaled_mm,
+    torch._grouped_mm); our ops' fakes are the dispatcher's (cpu_kernels) and record themselves."""
 
     def __init__(self, ran):
         super().__init__()
@@ -126,6 +126,8 @@ class _RanNatively(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
             self.ran("cublas")
+        elif func is torch.ops.aten._scaled_mm.default:
+            self.ran("torch._scaled_mm")
         elif func is torch.ops.aten._grouped_mm.default:
             self.ran("torch._grouped_mm")
         return func(*args, **(kwargs or {}))
@@ -198,8 +200,9 @@ def test_fp8_vendor_keeps_a_near_tie_and_repeats(gpu):
     key = "sm90|32x48x64|torch.float8_e4m3fnxtorch.float8_e4m3fn->torch.bfloat16|scales:tensor|fast:0|c:none|peer:1"
     assert autotune.lookup(key) == "torch._scaled_mm"
     gpu["ran"].clear()
-    out = distgemm.gemm(a, b, scale_a=sa, scale_b=sb)
-    assert gpu["ran"] == ["torch._scaled_mm"] and gpu["timings"] == 1
+    with gpu["natively"]():
+        out = distgemm.gemm(a, b, scale_a=sa, scale_b=sb)
+    assert gpu["ran"] == ["torch._scaled_mm"] and gpu["timings"] == 1 and _repeat_calls.sizes()[2] == 1
     torch.testing.assert_close(out.float(), a.float() @ b.float().T, rtol=2e-2, atol=2e-2)
 
 
@@ -211,7 +214,7 @@ def test_fp8_vendor_refusing_leaves_our_configs(gpu):
     assert autotune.last_backend() == GEMM_FP8[2]
     gpu["ran"].clear()
     distgemm.gemm(a, b, scale_a=sa, scale_b=sb)
-    assert gpu["ran"] == [("cutlass", 2)]
+    assert gpu["ran"] == [("cutlass", 2)] and _repeat_calls.sizes()[2] == 1
 
 
 def block(m=32, n=48, k=256):
@@ -384,7 +387,7 @@ def test_torch_compile_traces_the_cost_models_kernels_whole(gpu, monkeypatch):
     expected = grouped.reference_grouped_mm(x, w, offs, torch.zeros(100, 64), False, True)
     torch.testing.assert_close(grouped_out.float(), expected, rtol=2e-2, atol=2e-2)
     assert gpu["timings"] == 0 and gpu["ran"] == [("cutlass", -1)]
-    assert not dense._REPEAT_CALLS and _repeat_calls.sizes() == (0, 0)
+    assert not dense._REPEAT_CALLS and _repeat_calls.sizes() == (0, 0, 0)
 
 
 def test_fp8_wgrad_times_its_configs_into_a_scratch_and_adds_once(gpu, monkeypatch):
