@@ -494,28 +494,40 @@ bool read_run(PyObject* name, PyObject* config, Run* run) {
   return !(run->config == -1 && PyErr_Occurred());
 }
 
-// remember_gemm(a, b, c, alpha, beta, out_dtype, name, config): later calls of this key run
-// `config` (-1: cuBLAS through PyTorch) and report `name`. Operands a repeated call would not
-// take (another subclass) are not remembered.
-PyObject* remember_gemm(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (!takes_args("remember_gemm", nargs, 8)) return nullptr;
-  Run run;
-  if (!read_run(args[6], args[7], &run)) return nullptr;
-  GemmCall call;
-  Key key{};
+// Puts `run` in `table` under the key of the call in `args` (read by `read`, keyed by `key_of`),
+// once `complete(call, &run)` has filled in what the entry takes from the call (false: not
+// remembered). Operands a repeated call would not take (another subclass) are not remembered; a
+// C++ error becomes the Python exception torch raises.
+template <class Call, class K, class Reader, class KeyReader, class Complete>
+PyObject* remember(Table<K>* table, PyObject* const* args, Run run, Reader read, KeyReader key_of, Complete complete) {
+  Call call;
+  K key{};
   PyObject* settings = current_settings();
-  if (settings == nullptr || !read_gemm(args, &call)) Py_RETURN_NONE;
+  if (settings == nullptr || !read(args, &call)) Py_RETURN_NONE;
   try {
-    if (!gemm_key(call, settings, &key)) Py_RETURN_NONE;
+    if (!key_of(call, settings, &key) || !complete(call, &run)) Py_RETURN_NONE;
   } catch (...) {
     torch::translate_exception_to_python(std::current_exception());
     return nullptr;
   }
-  run.alpha = call.alpha;
-  run.beta = call.beta;
-  run.out_dtype = call.out_dtype;
-  state->gemm.put(key, run);
+  table->put(key, run);
   Py_RETURN_NONE;
+}
+
+// remember_gemm(a, b, c, alpha, beta, out_dtype, name, config): later calls of this key run
+// `config` (-1: cuBLAS through PyTorch) and report `name`.
+PyObject* remember_gemm(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (!takes_args("remember_gemm", nargs, 8)) return nullptr;
+  Run run;
+  if (!read_run(args[6], args[7], &run)) return nullptr;
+  return remember<GemmCall>(
+      &state->gemm, args, run, [](PyObject* const* a, GemmCall* call) { return read_gemm(a, call); }, gemm_key,
+      [](const GemmCall& call, Run* r) {
+        r->alpha = call.alpha;
+        r->beta = call.beta;
+        r->out_dtype = call.out_dtype;
+        return true;
+      });
 }
 
 // remember_grouped_mm(x, w, offs, out_dtype, trans_w, kernel_out_dtype, name, config): the same
@@ -529,20 +541,13 @@ PyObject* remember_grouped_mm(PyObject*, PyObject* const* args, Py_ssize_t nargs
     PyErr_SetString(PyExc_TypeError, "remember_grouped_mm: kernel_out_dtype must be bfloat16, float16 or float32");
     return nullptr;
   }
-  GroupedCall call;
-  Key key{};
-  PyObject* settings = current_settings();
-  if (settings == nullptr || !read_grouped(args, &call)) Py_RETURN_NONE;
-  try {
-    if (!grouped_key(call, settings, &key) || call.w->dim() != 3) Py_RETURN_NONE;
-    run.n = call.w->size(call.trans_w ? 1 : 2);
-  } catch (...) {
-    torch::translate_exception_to_python(std::current_exception());
-    return nullptr;
-  }
-  run.trans_w = call.trans_w;
-  state->grouped.put(key, run);
-  Py_RETURN_NONE;
+  return remember<GroupedCall>(&state->grouped, args, run, read_grouped, grouped_key,
+                               [](const GroupedCall& call, Run* r) {
+                                 if (call.w->dim() != 3) return false;
+                                 r->n = call.w->size(call.trans_w ? 1 : 2);
+                                 r->trans_w = call.trans_w;
+                                 return true;
+                               });
 }
 
 // remember_scaled_gemm(a, b, c, alpha, beta, out_dtype, scale_a, scale_b, use_fast_accum,
@@ -559,24 +564,17 @@ PyObject* remember_scaled_gemm(PyObject*, PyObject* const* args, Py_ssize_t narg
                     "kernel_fast_accum a bool");
     return nullptr;
   }
-  ScaledCall call;
-  ScaledKey key{};
-  PyObject* settings = current_settings();
-  if (settings == nullptr || !read_scaled(args, &call)) Py_RETURN_NONE;
-  try {
-    if (!scaled_key(call, settings, &key) || call.gemm.a->dim() != 2 || call.gemm.b->dim() != 2) Py_RETURN_NONE;
-    run.m = call.gemm.a->size(0);
-    run.n = call.gemm.b->size(0);
-    run.row_wise = call.scale_a->numel() > 1 || call.scale_b->numel() > 1;  // dense._row_wise
-  } catch (...) {
-    torch::translate_exception_to_python(std::current_exception());
-    return nullptr;
-  }
-  run.alpha = call.gemm.alpha;
-  run.beta = call.gemm.beta;
-  run.out_dtype = call.gemm.out_dtype;
-  state->scaled.put(key, run);
-  Py_RETURN_NONE;
+  return remember<ScaledCall>(&state->scaled, args, run, read_scaled, scaled_key, [](const ScaledCall& call, Run* r) {
+    const GemmCall& g = call.gemm;
+    if (g.a->dim() != 2 || g.b->dim() != 2) return false;
+    r->m = g.a->size(0);
+    r->n = g.b->size(0);
+    r->row_wise = call.scale_a->numel() > 1 || call.scale_b->numel() > 1;  // dense._row_wise
+    r->alpha = g.alpha;
+    r->beta = g.beta;
+    r->out_dtype = g.out_dtype;
+    return true;
+  });
 }
 
 PyObject* clear(PyObject*, PyObject*) {
