@@ -13,7 +13,8 @@
 // one-shot kernel takes those calls (its loads are per row already).
 //
 // weight_kernel: a CTA per 128 x 128 block of a weight: one amax, the FP8 block written as it
-// is and, through shared memory, transposed.
+// is and, through shared memory, transposed. weight_rows_t_kernel: the row recipe's transposed
+// copy, one scale per column of the weight.
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -22,6 +23,7 @@
 
 #include "moe/moe_act_quantize.h"
 #include "quant/fp8_device.cuh"
+#include "quant/fp8_quantize.h"
 
 namespace distgemm::moe {
 namespace {
@@ -713,6 +715,93 @@ __global__ void __launch_bounds__(kThreads)
   cp_async_wait<0>();
 }
 
+// ---------------------------------------------------------------- weights, one scale per channel
+
+constexpr int kStripCols = 64;   // columns of w (rows of the transpose) a CTA owns
+constexpr int kStripRows = 128;  // rows of w a CTA stages at a time
+
+// The row recipe's dgrad copy: out_t (groups, cols, rows), w's transpose with one scale per row
+// of it (a column of w: scale_t (groups, cols)), the bits quantize_fp8(..., "row") gives for
+// w^T, without w^T ever formed. A CTA owns 64 columns of one group: it reads them once for
+// their amax (thread t: columns 8 (t % 8) + [0, 8), every 32nd row), then again a 128-row tile
+// at a time through shared memory, where thread t writes 32 bytes of transposed row t % 64.
+template <class In, __nv_fp8_interpretation_t I>
+__global__ void __launch_bounds__(kThreads)
+    weight_rows_t_kernel(const typename In::Storage* __restrict__ w, int64_t groups, int64_t rows, int64_t cols,
+                         bool vec, uint8_t* __restrict__ out_t, bool vec_t, float* __restrict__ scale_t) {
+  static_assert(kThreads == 256, "the lane layouts below assume 256 threads");
+  __shared__ __align__(16) float tile[kStripRows][kStripCols];
+  __shared__ float strip_scale[kStripCols];
+  auto* red = reinterpret_cast<uint32_t(*)[kStripCols]>(&tile[0][0]);  // [32][64] in the tile's memory
+  const int64_t strips_per_group = (cols + kStripCols - 1) / kStripCols;
+  const int64_t strips = groups * strips_per_group;
+  const int load_col = (threadIdx.x & 7) * 8, load_row = threadIdx.x >> 3;  // 8 columns of row 0..31
+  const int out_row = threadIdx.x & 63, chunk = threadIdx.x >> 6;           // 32 rows of w each
+  for (int64_t strip = blockIdx.x; strip < strips; strip += gridDim.x) {
+    const int64_t g = strip / strips_per_group;
+    const int64_t c0 = (strip - g * strips_per_group) * kStripCols;
+    const auto* wg = w + g * rows * cols;
+    uint32_t m[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#pragma unroll 4
+    for (int64_t r = load_row; r < rows; r += 32) {
+      float v[8];
+      load8<In>(wg + r * cols, c0 + load_col, cols, vec, v);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) m[e] = max(m[e], abs_bits(v[e]));
+    }
+#pragma unroll
+    for (int e = 0; e < 8; ++e) red[load_row][load_col + e] = m[e];
+    __syncthreads();
+    if (threadIdx.x < kStripCols) {
+      uint32_t amax = 0;
+#pragma unroll 8
+      for (int i = 0; i < 32; ++i) amax = max(amax, red[i][threadIdx.x]);
+      const float s = scale_of<I>(amax);
+      strip_scale[threadIdx.x] = s;
+      if (c0 + threadIdx.x < cols) scale_t[g * cols + c0 + threadIdx.x] = s;
+    }
+    __syncthreads();
+    const Divisor d(strip_scale[out_row]);
+    const int64_t oc = c0 + out_row;  // the transposed row this thread writes
+    for (int64_t r0 = 0; r0 < rows; r0 += kStripRows) {
+#pragma unroll
+      for (int pass = 0; pass < kStripRows / 32; ++pass) {
+        const int row = load_row + 32 * pass;
+        float v[8];
+        if (r0 + row < rows) {
+          load8<In>(wg + (r0 + row) * cols, c0 + load_col, cols, vec, v);
+        } else {
+#pragma unroll
+          for (int e = 0; e < 8; ++e) v[e] = 0.f;
+        }
+        reinterpret_cast<float4*>(&tile[row][load_col])[0] = make_float4(v[0], v[1], v[2], v[3]);
+        reinterpret_cast<float4*>(&tile[row][load_col])[1] = make_float4(v[4], v[5], v[6], v[7]);
+      }
+      __syncthreads();
+      const int64_t orow0 = r0 + chunk * 32;  // this thread's first column of its transposed row
+      if (oc < cols && orow0 < rows) {
+        uint32_t packed[8];
+        quant::with_quotient(d, [&](const auto& q) {
+#pragma unroll
+          for (int i = 0; i < 8; ++i) {
+            const int r = chunk * 32 + 4 * i;
+            packed[i] =
+                to_fp8x4<I>(tile[r][out_row], tile[r + 1][out_row], tile[r + 2][out_row], tile[r + 3][out_row], q);
+          }
+        });
+        uint8_t* o = out_t + (g * cols + oc) * rows + orow0;
+        if (vec_t && orow0 + 32 <= rows) {
+          reinterpret_cast<uint4*>(o)[0] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+          reinterpret_cast<uint4*>(o)[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
+        } else {
+          for (int e = 0; e < 32 && orow0 + e < rows; ++e) o[e] = static_cast<uint8_t>(packed[e / 4] >> (8 * (e % 4)));
+        }
+      }
+      __syncthreads();  // the tile is rewritten by the next rows (or by the next strip's amax)
+    }
+  }
+}
+
 // ---------------------------------------------------------------- launch
 
 // Sets a kernel's dynamic shared memory and gives its persistent grid: the CTAs that fit on the
@@ -805,8 +894,43 @@ cudaError_t launch_weight_typed(const WeightProblem& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+// The row recipe's copies: the forward's is quantize_fp8's per-row kernel on w as
+// (groups * rows, cols); the dgrad's, weight_rows_t_kernel.
+template <class In, __nv_fp8_interpretation_t I>
+cudaError_t launch_weight_rows_typed(const WeightProblem& p, cudaStream_t stream) {
+  if (p.out != nullptr) {
+    quant::QuantizeProblem q;
+    q.x = p.w;
+    q.x_dtype = p.w_dtype;
+    q.rows = p.groups * p.rows;
+    q.cols = p.cols;
+    q.granularity = quant::kRow;
+    q.out = p.out;
+    q.out_dtype = p.fp8_dtype;
+    q.scale = p.scale;
+    q.sm_count = p.sm_count;
+    const cudaError_t err = quant::launch_quantize_fp8(q, stream);
+    if (err != cudaSuccess || p.out_t == nullptr) return err;
+  }
+  const int64_t strips = p.groups * ((p.cols + kStripCols - 1) / kStripCols);
+  if (strips == 0) return cudaSuccess;
+  auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
+  const bool vec = aligned(p.w) && p.cols % 8 == 0;
+  const bool vec_t = aligned(p.out_t) && p.rows % 16 == 0;
+  unsigned grid = 0;
+  const cudaError_t err = persistent_grid(weight_rows_t_kernel<In, I>, 0, p.sm_count, strips, &grid);
+  if (err != cudaSuccess) return err;
+  weight_rows_t_kernel<In, I><<<grid, kThreads, 0, stream>>>(static_cast<const typename In::Storage*>(p.w), p.groups,
+                                                             p.rows, p.cols, vec, static_cast<uint8_t*>(p.out_t), vec_t,
+                                                             p.scale_t);
+  return cudaGetLastError();
+}
+
 template <class In>
 cudaError_t launch_weight_for_input(const WeightProblem& p, cudaStream_t stream) {
+  if (p.row_scales)
+    return p.fp8_dtype == DG_E5M2 ? launch_weight_rows_typed<In, __NV_E5M2>(p, stream)
+                                  : launch_weight_rows_typed<In, __NV_E4M3>(p, stream);
   return p.fp8_dtype == DG_E5M2 ? launch_weight_typed<In, __NV_E5M2>(p, stream)
                                 : launch_weight_typed<In, __NV_E4M3>(p, stream);
 }

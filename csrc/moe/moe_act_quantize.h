@@ -57,6 +57,9 @@ struct WeightProblem {
   float* scale = nullptr;
   float* scale_t = nullptr;  // or NULL: the scales as (groups, ceil(cols / 128), ceil(rows / 128))
   dg_dtype fp8_dtype = DG_E4M3;
+  // One scale per row of each copy (DG_QUANT_ROW): scale (groups, rows) with out, scale_t
+  // (groups, cols) with out_t; else per 128 x 128 block, as above.
+  bool row_scales = false;
   int sm_count = 0;
 };
 

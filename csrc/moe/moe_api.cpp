@@ -180,26 +180,38 @@ dg_status lower_permute(const dg_moe_permute_desc* desc, ActProblem* p) {
 dg_status lower_weight(const dg_quantize_weight_desc* desc, WeightProblem* p) {
   DG_REQUIRE(desc != nullptr, "desc must not be NULL");
   const dg_quantize_weight_desc& d = *desc;
-  const int in = raw_enum(d.w_dtype), out = raw_enum(d.out_dtype);
+  const int in = raw_enum(d.w_dtype), out = raw_enum(d.out_dtype), granularity = raw_enum(d.granularity);
   DG_REQUIRE(in == DG_BF16 || in == DG_F16 || in == DG_F32, "w must be bfloat16, float16 or float32, got dtype ", in);
   DG_REQUIRE(out == DG_E4M3 || out == DG_E5M2, "out dtype must be DG_E4M3 or DG_E5M2, got ", out);
+  DG_REQUIRE(granularity == DG_QUANT_128X128 || granularity == DG_QUANT_ROW,
+             "granularity must be DG_QUANT_128X128 or DG_QUANT_ROW, got ", granularity);
   DG_REQUIRE(d.groups >= 0 && d.rows >= 0 && d.cols >= 0, "w must have non-negative (groups, rows, cols), got (",
              d.groups, ", ", d.rows, ", ", d.cols, ")");
   DG_REQUIRE(d.out != nullptr || d.out_t != nullptr, "no output: set out, out_t or both");
-  int64_t elems = 0, scales = 0;
+  const bool rows = granularity == DG_QUANT_ROW;
+  int64_t elems = 0, scales = 0, scales_t = 0;
   DG_REQUIRE(checked_product({d.groups, d.rows, d.cols}, &elems), "w of (", d.groups, ", ", d.rows, ", ", d.cols,
              ") elements overflows int64");
-  DG_REQUIRE(checked_product({d.groups, blocks_of(d.rows), blocks_of(d.cols)}, &scales), "w's scales overflow int64");
+  if (rows) {
+    DG_REQUIRE(checked_product({d.groups, d.rows}, &scales) && checked_product({d.groups, d.cols}, &scales_t),
+               "w's scales overflow int64");
+  } else {
+    DG_REQUIRE(checked_product({d.groups, blocks_of(d.rows), blocks_of(d.cols)}, &scales), "w's scales overflow int64");
+    scales_t = scales;
+  }
+  // 128 x 128: scale always (both copies share it), scale_t where given; row: each with its copy.
+  const bool want_scale = !rows || d.out != nullptr;
+  const bool want_scale_t = rows ? d.out_t != nullptr : d.scale_t != nullptr;
   const int bytes = dtype_bytes(d.w_dtype);
   DG_RETURN_IF_ERROR(check_extent(d.w, "w", {elems}, bytes, static_cast<unsigned>(bytes)));
   if (d.out != nullptr) DG_RETURN_IF_ERROR(check_extent(d.out, "out", {elems}, 1, 1));
   if (d.out_t != nullptr) DG_RETURN_IF_ERROR(check_extent(d.out_t, "out_t", {elems}, 1, 1));
-  DG_RETURN_IF_ERROR(check_extent(d.scale, "scale", {scales}, 4, 4));
-  if (d.scale_t != nullptr) DG_RETURN_IF_ERROR(check_extent(d.scale_t, "scale_t", {scales}, 4, 4));
+  if (want_scale) DG_RETURN_IF_ERROR(check_extent(d.scale, "scale", {scales}, 4, 4));
+  if (want_scale_t) DG_RETURN_IF_ERROR(check_extent(d.scale_t, "scale_t", {scales_t}, 4, 4));
   DG_RETURN_IF_ERROR(check_no_overlap({{"out", d.out, d.out != nullptr ? elems : 0, true},
                                        {"out_t", d.out_t, d.out_t != nullptr ? elems : 0, true},
-                                       {"scale", d.scale, 4 * scales, true},
-                                       {"scale_t", d.scale_t, d.scale_t != nullptr ? 4 * scales : 0, true},
+                                       {"scale", d.scale, want_scale ? 4 * scales : 0, true},
+                                       {"scale_t", d.scale_t, want_scale_t ? 4 * scales_t : 0, true},
                                        {"w", d.w, elems * bytes, false}}));
   p->w = d.w;
   p->w_dtype = d.w_dtype;
@@ -208,9 +220,10 @@ dg_status lower_weight(const dg_quantize_weight_desc* desc, WeightProblem* p) {
   p->cols = d.cols;
   p->out = d.out;
   p->out_t = d.out_t;
-  p->scale = d.scale;
-  p->scale_t = d.scale_t;
+  p->scale = want_scale ? d.scale : nullptr;
+  p->scale_t = want_scale_t ? d.scale_t : nullptr;
   p->fp8_dtype = d.out_dtype;
+  p->row_scales = rows;
   return DG_SUCCESS;
 }
 

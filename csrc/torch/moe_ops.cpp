@@ -1,4 +1,4 @@
-// distgemm::moe_act (and its gather, dg_moe_permute), distgemm::quantize_fp8_weight,
+// distgemm::moe_act (and its gather, dg_moe_permute), distgemm::quantize_fp8_weight(_rows),
 // distgemm::moe_combine and distgemm::moe_combine_backward: tensors -> C API descriptors.
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
@@ -127,30 +127,62 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_act(
   return {out.y, out.y8, out.sy, out.yt8, out.syt};
 }
 
+// The weight quantization desc of w (G, R, C) at `granularity`, its copies allocated where asked
+// (empty otherwise); scale and scale_t are left to the caller.
+struct WeightCopies {
+  at::Tensor w, out, out_t;
+  dg_quantize_weight_desc desc{};
+};
+WeightCopies weight_copies(const at::Tensor& w_in, at::ScalarType dtype, bool want_out, bool want_t,
+                           dg_quant_granularity granularity, const char* op) {
+  TORCH_CHECK_VALUE(w_in.dim() == 3, op, ": w must be 3-D (G, R, C), got shape ", w_in.sizes());
+  WeightCopies c;
+  c.w = w_in.contiguous();
+  const int64_t g = c.w.size(0), r = c.w.size(1), cols = c.w.size(2);
+  const auto f8 = c.w.options().dtype(dtype);
+  c.out = want_out ? at::empty({g, r, cols}, f8) : at::empty({0}, f8);
+  c.out_t = want_t ? at::empty({g, cols, r}, f8) : at::empty({0}, f8);
+  dg_quantize_weight_desc& d = c.desc;
+  d.w = c.w.data_ptr();
+  d.w_dtype = to_dg_dtype(c.w.scalar_type(), "w");
+  d.groups = g;
+  d.rows = r;
+  d.cols = cols;
+  d.out_dtype = to_dg_dtype(dtype, "dtype");
+  d.out = want_out ? c.out.data_ptr() : nullptr;
+  d.out_t = want_t ? c.out_t.data_ptr() : nullptr;
+  d.granularity = granularity;
+  return c;
+}
+
 // w (G, R, C) -> (w_fp8 (G, R, C) or empty, w_fp8_t (G, C, R) or empty, scale (G, ceil(R/128), ceil(C/128))).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_fp8_weight(const at::Tensor& w_in, at::ScalarType dtype,
                                                                    bool want_out, bool want_t) {
   constexpr const char* kOp = "distgemm.quantize_fp8_weight";
-  TORCH_CHECK_VALUE(w_in.dim() == 3, kOp, ": w must be 3-D (G, R, C), got shape ", w_in.sizes());
   const c10::cuda::CUDAGuard guard(w_in.device());
-  const at::Tensor w = w_in.contiguous();
-  const int64_t g = w.size(0), r = w.size(1), c = w.size(2);
-  dg_quantize_weight_desc desc{};
-  desc.w = w.data_ptr();
-  desc.w_dtype = to_dg_dtype(w.scalar_type(), "w");
-  desc.groups = g;
-  desc.rows = r;
-  desc.cols = c;
-  desc.out_dtype = to_dg_dtype(dtype, "dtype");
-  const auto f8 = w.options().dtype(dtype);
-  at::Tensor out = want_out ? at::empty({g, r, c}, f8) : at::empty({0}, f8);
-  at::Tensor out_t = want_t ? at::empty({g, c, r}, f8) : at::empty({0}, f8);
-  at::Tensor scale = at::empty({g, blocks_of(r), blocks_of(c)}, w.options().dtype(at::kFloat));
-  desc.out = want_out ? out.data_ptr() : nullptr;
-  desc.out_t = want_t ? out_t.data_ptr() : nullptr;
-  desc.scale = scale.data_ptr<float>();
-  check(dg_quantize_fp8_weight(&desc, current_stream()), kOp);
-  return {out, out_t, scale};
+  WeightCopies c = weight_copies(w_in, dtype, want_out, want_t, DG_QUANT_128X128, kOp);
+  at::Tensor scale =
+      at::empty({c.desc.groups, blocks_of(c.desc.rows), blocks_of(c.desc.cols)}, c.w.options().dtype(at::kFloat));
+  c.desc.scale = scale.data_ptr<float>();
+  check(dg_quantize_fp8_weight(&c.desc, current_stream()), kOp);
+  return {c.out, c.out_t, scale};
+}
+
+// w (G, R, C) -> (w_fp8 (G, R, C), scale (G, R); w_fp8_t (G, C, R), scale_t (G, C)): one scale per
+// row of each copy, each pair empty unless asked for.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_fp8_weight_rows(const at::Tensor& w_in,
+                                                                                    at::ScalarType dtype, bool want_out,
+                                                                                    bool want_t) {
+  constexpr const char* kOp = "distgemm.quantize_fp8_weight_rows";
+  const c10::cuda::CUDAGuard guard(w_in.device());
+  WeightCopies c = weight_copies(w_in, dtype, want_out, want_t, DG_QUANT_ROW, kOp);
+  const auto f32 = c.w.options().dtype(at::kFloat);
+  at::Tensor scale = want_out ? at::empty({c.desc.groups, c.desc.rows}, f32) : at::empty({0}, f32);
+  at::Tensor scale_t = want_t ? at::empty({c.desc.groups, c.desc.cols}, f32) : at::empty({0}, f32);
+  c.desc.scale = want_out ? scale.data_ptr<float>() : nullptr;
+  c.desc.scale_t = want_t ? scale_t.data_ptr<float>() : nullptr;
+  check(dg_quantize_fp8_weight(&c.desc, current_stream()), kOp);
+  return {c.out, scale, c.out_t, scale_t};
 }
 
 // The routing ops' common checks: a 2-D float tensor, int64 rows of tokens * k on its device, and
@@ -246,6 +278,9 @@ TORCH_LIBRARY_FRAGMENT(distgemm, m) {
       "moe_act(Tensor x, Tensor? dy, int act, int inner, Tensor? offs, bool want_y, bool want_fp8, "
       "bool want_t, ScalarType fp8_dtype, Tensor? rows=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("quantize_fp8_weight(Tensor w, ScalarType dtype, bool want_out, bool want_t) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "quantize_fp8_weight_rows(Tensor w, ScalarType dtype, bool want_out, bool want_t) -> (Tensor, Tensor, Tensor, "
+      "Tensor)");
   // The MoE combine (distgemm/moe.py's unpermute, and permute's backward) and its backward.
   m.def("moe_combine(Tensor y, Tensor rows, Tensor? weights, int tokens, int k) -> Tensor");
   m.def(
@@ -256,6 +291,7 @@ TORCH_LIBRARY_FRAGMENT(distgemm, m) {
 TORCH_LIBRARY_IMPL(distgemm, CUDA, m) {
   m.impl("moe_act", &distgemm::torch_binding::moe_act);
   m.impl("quantize_fp8_weight", &distgemm::torch_binding::quantize_fp8_weight);
+  m.impl("quantize_fp8_weight_rows", &distgemm::torch_binding::quantize_fp8_weight_rows);
   m.impl("moe_combine", &distgemm::torch_binding::moe_combine);
   m.impl("moe_combine_backward", &distgemm::torch_binding::moe_combine_backward);
 }

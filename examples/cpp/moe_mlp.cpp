@@ -125,6 +125,7 @@ int main() {
     q.scale = s;
     q.scale_t = s_kn;  // (G, Kb, Nb): what the forward GEMM reads
     q.out_dtype = DG_E4M3;
+    q.granularity = DG_QUANT_128X128;
     CHECK_DG(dg_quantize_fp8_weight(&q, stream));
   }
 

@@ -183,6 +183,9 @@ def quantize_weight(w: torch.Tensor, recipe: str = "block", *, copies: str = "bo
             wt8 = w8.transpose(1, 2).contiguous() if dgrad else None
         # Both copies share the scales.
         return (w8 if fwd else None, sw if fwd else None, wt8 if dgrad else None, sw if dgrad else None)
+    if w.is_cuda and has_kernels(w.device):  # the transpose's scales from w's columns: w^T never formed
+        w8, sw, wt8, swt = ops.quantize_fp8_weight_rows(w, dtype, fwd, dgrad)
+        return (w8 if fwd else None, sw if fwd else None, wt8 if dgrad else None, swt if dgrad else None)
     out = [None] * 4
     if fwd:
         w8, sw = quantize_fp8(w.reshape(g * n, k), "row", dtype=dtype)
@@ -631,6 +634,14 @@ def _quantize_fp8_weight_fake(w, dtype, want_out, want_t):
     scale = torch.empty((g, (r + BLOCK - 1) // BLOCK, (c + BLOCK - 1) // BLOCK), dtype=torch.float32, device=w.device)
     return (w.new_empty((g, r, c) if want_out else (0,), dtype=dtype),
             w.new_empty((g, c, r) if want_t else (0,), dtype=dtype), scale)
+
+
+@torch.library.register_fake("distgemm::quantize_fp8_weight_rows")
+def _quantize_fp8_weight_rows_fake(w, dtype, want_out, want_t):
+    g, r, c = w.shape
+    f32 = dict(dtype=torch.float32, device=w.device)
+    return (w.new_empty((g, r, c) if want_out else (0,), dtype=dtype), torch.empty((g, r) if want_out else (0,), **f32),
+            w.new_empty((g, c, r) if want_t else (0,), dtype=dtype), torch.empty((g, c) if want_t else (0,), **f32))
 
 
 @torch.library.register_fake("distgemm::moe_combine")

@@ -112,6 +112,7 @@ inline dg_quantize_weight_desc quantize_weight_desc(int64_t groups, int64_t rows
   d.out_t = fake_ptr(32);
   d.scale = static_cast<float*>(fake_ptr(33));
   d.out_dtype = out;
+  d.granularity = DG_QUANT_128X128;
   return d;
 }
 

@@ -1034,14 +1034,21 @@ void fuzz_weight(bool launch) {
     d.out = coin(2) ? fake_ptr(31) : nullptr;
     d.out_t = coin(2) ? fake_ptr(32) : nullptr;
   } while (!d.out && !d.out_t);
-  d.scale_t = coin(2) ? static_cast<float*>(fake_ptr(34)) : nullptr;
+  d.granularity = coin(2) ? DG_QUANT_128X128 : DG_QUANT_ROW;
+  // 128 x 128: scale_t optional; row: scale_t with out_t, scale with out (or none: it is unread).
+  const bool rows_scaled = d.granularity == DG_QUANT_ROW;
+  d.scale_t = (rows_scaled ? d.out_t != nullptr : coin(2)) ? static_cast<float*>(fake_ptr(34)) : nullptr;
+  if (rows_scaled && !d.out && coin(2)) d.scale = nullptr;
   d.out_dtype = pick({DG_E4M3, DG_E5M2});
   const bool mutated = !coin(8);
   const int count = mutated ? 1 + static_cast<int>(below(3)) : 0;
   for (int i = 0; i < count; ++i) {
-    switch (below(10)) {
+    switch (below(11)) {
       case 0:
         mutate_enum(&d.w_dtype);
+        break;
+      case 10:
+        mutate_enum(&d.granularity);
         break;
       case 1:
         mutate_enum(&d.out_dtype);
@@ -1078,21 +1085,28 @@ void fuzz_weight(bool launch) {
   ++weight_calls;
   weight_passed += st != DG_ERROR_INVALID_ARGUMENT;
   if (st != DG_ERROR_INVALID_ARGUMENT) {
-    const int in = raw(d.w_dtype), out = raw(d.out_dtype);
+    const int in = raw(d.w_dtype), out = raw(d.out_dtype), gran = raw(d.granularity);
+    const bool row = gran == DG_QUANT_ROW;
     const i128 g = d.groups, r = d.rows, c = d.cols, elems = g * r * c;
-    const i128 scales = g * ((r + 127) / 128) * ((c + 127) / 128), eb = in == DG_F32 ? 4 : 2;
-    if ((in != DG_BF16 && in != DG_F16 && in != DG_F32) || (out != DG_E4M3 && out != DG_E5M2))
-      report("dg_quantize_fp8_weight oracle", "dtypes");
-    else if (g < 0 || r < 0 || c < 0 || elems * eb > INT64_MAX || scales * 4 > INT64_MAX)
+    const i128 scales = row ? g * r : g * ((r + 127) / 128) * ((c + 127) / 128), eb = in == DG_F32 ? 4 : 2;
+    const i128 scales_t = row ? g * c : scales;
+    // The scales each granularity writes: 128 x 128 scale always and scale_t where given; row
+    // each with its copy.
+    const bool has_scale = !row || d.out, has_scale_t = row ? d.out_t != nullptr : d.scale_t != nullptr;
+    if ((in != DG_BF16 && in != DG_F16 && in != DG_F32) || (out != DG_E4M3 && out != DG_E5M2) ||
+        (gran != DG_QUANT_128X128 && !row))
+      report("dg_quantize_fp8_weight oracle", "dtypes or granularity");
+    else if (g < 0 || r < 0 || c < 0 || elems * eb > INT64_MAX || scales * 4 > INT64_MAX || scales_t * 4 > INT64_MAX)
       report("dg_quantize_fp8_weight oracle", "sizes");
     else if ((!d.out && !d.out_t) || !quant_buffer(d.w, elems * eb, (unsigned)eb) ||
              (d.out && !quant_buffer(d.out, elems, 1)) || (d.out_t && !quant_buffer(d.out_t, elems, 1)) ||
-             !quant_buffer(d.scale, 4 * scales, 4) || (d.scale_t && !quant_buffer(d.scale_t, 4 * scales, 4)))
+             (has_scale && !quant_buffer(d.scale, 4 * scales, 4)) ||
+             (has_scale_t && !quant_buffer(d.scale_t, 4 * scales_t, 4)))
       report("dg_quantize_fp8_weight oracle", "w, out, out_t, scale or scale_t");
     else if (!apart({{d.out, d.out ? elems : 0, true},
                      {d.out_t, d.out_t ? elems : 0, true},
-                     {d.scale, 4 * scales, true},
-                     {d.scale_t, d.scale_t ? 4 * scales : 0, true},
+                     {d.scale, has_scale ? 4 * scales : 0, true},
+                     {d.scale_t, has_scale_t ? 4 * scales_t : 0, true},
                      {d.w, elems * eb, false}}))
       report("dg_quantize_fp8_weight oracle", "an output overlaps another buffer");
   }

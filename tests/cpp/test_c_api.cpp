@@ -963,6 +963,37 @@ TEST(QuantizeWeightCheck, ChecksItsArguments) {
   d.w_dtype = DG_F32;
   d.w = static_cast<const char*>(good.w) + 2;
   EXPECT_TRUE(refused(dg_quantize_fp8_weight(&d, nullptr), "w must be a 4-byte aligned"));
+  d = good;
+  d.granularity = DG_QUANT_1X128;
+  EXPECT_TRUE(refused(dg_quantize_fp8_weight(&d, nullptr), "granularity must be DG_QUANT_128X128 or DG_QUANT_ROW"));
+  set_raw(&d.granularity, 0);  // a zeroed desc: the granularity is not guessed
+  EXPECT_TRUE(refused(dg_quantize_fp8_weight(&d, nullptr), "granularity must be"));
+}
+
+TEST(QuantizeWeightCheck, RowScalesGoWithTheirCopies) {
+  dg_quantize_weight_desc d = quantize_weight_desc(4, 300, 260);
+  d.granularity = DG_QUANT_ROW;
+  EXPECT_TRUE(refused(dg_quantize_fp8_weight(&d, nullptr), "scale_t must not be NULL"));  // out_t without it
+  d.scale_t = static_cast<float*>(fake_ptr(34));
+  EXPECT_TRUE(accepted(dg_quantize_fp8_weight(&d, nullptr)));
+  d.out = nullptr;
+  d.scale = nullptr;  // the dgrad copy alone: scale is not read
+  EXPECT_TRUE(accepted(dg_quantize_fp8_weight(&d, nullptr)));
+  d = quantize_weight_desc(4, 300, 260);
+  d.granularity = DG_QUANT_ROW;
+  d.out_t = nullptr;  // the forward copy alone: scale_t is not read
+  EXPECT_TRUE(accepted(dg_quantize_fp8_weight(&d, nullptr)));
+  d.scale = nullptr;
+  EXPECT_TRUE(refused(dg_quantize_fp8_weight(&d, nullptr), "scale must not be NULL"));
+  // Row scales are (groups, rows) and (groups, cols): scale_t of 4 * 260 floats overlapping out
+  // at its last byte is refused, one past it accepted.
+  d = quantize_weight_desc(4, 300, 260);
+  d.granularity = DG_QUANT_ROW;
+  d.out = nullptr;
+  d.scale_t = reinterpret_cast<float*>(static_cast<char*>(fake_ptr(32)) - 4 * 4 * 260 + 4);
+  EXPECT_TRUE(refused(dg_quantize_fp8_weight(&d, nullptr), "out_t must not overlap scale_t"));
+  d.scale_t = reinterpret_cast<float*>(static_cast<char*>(fake_ptr(32)) - 4 * 4 * 260);
+  EXPECT_TRUE(accepted(dg_quantize_fp8_weight(&d, nullptr)));
 }
 
 TEST(MoeRun, NothingRunsWithoutKernelsOrADevice) {
@@ -1533,6 +1564,7 @@ TEST(Abi, StructLayoutsBelongToTheSoversion) {
   EXPECT_EQ(offsetof(dg_moe_act_desc, workspace_bytes), 112u);
   EXPECT_EQ(sizeof(dg_moe_permute_desc), 120u);
   EXPECT_EQ(offsetof(dg_moe_permute_desc, fp8_dtype), 96u);
-  EXPECT_EQ(sizeof(dg_quantize_weight_desc), 80u);
+  EXPECT_EQ(sizeof(dg_quantize_weight_desc), 88u);
   EXPECT_EQ(offsetof(dg_quantize_weight_desc, out_dtype), 64u);
+  EXPECT_EQ(offsetof(dg_quantize_weight_desc, granularity), 80u);
 }

@@ -288,6 +288,7 @@ TEST(CApiGpu, WeightCopiesMatchQuantizeFp8) {
   d.scale = static_cast<float*>(sc.ptr);
   d.scale_t = static_cast<float*>(sc_t.ptr);
   d.out_dtype = DG_E4M3;
+  d.granularity = DG_QUANT_128X128;
   ASSERT_EQ(dg_quantize_fp8_weight(&d, nullptr), DG_SUCCESS) << dg_last_error();
   dg_quantize_desc q{};
   q.x = w.ptr;
@@ -312,6 +313,51 @@ TEST(CApiGpu, WeightCopiesMatchQuantizeFp8) {
     for (int64_t i = 0; i < rb; ++i)
       for (int64_t j = 0; j < cb; ++j)
         EXPECT_EQ(std::memcmp(&st[((g * cb + j) * rb + i) * 4], &s[((g * rb + i) * cb + j) * 4], 4), 0);
+  }
+}
+
+// The row recipe's copies: out per row of w, out_t per row of w's transpose (a column of w),
+// each bit for bit dg_quantize_fp8 DG_QUANT_ROW of w and of a transposed copy made on the host.
+TEST(CApiGpu, WeightRowCopiesMatchQuantizeFp8) {
+  REQUIRE_SM90();
+  const int64_t groups = 3, rows = 200, cols = 136;
+  const std::vector<float> wv = random_values(size_t(groups * rows * cols), 7, 3.f);
+  std::vector<float> wt(wv.size());
+  for (int64_t g = 0; g < groups; ++g)
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c) wt[(g * cols + c) * rows + r] = wv[(g * rows + r) * cols + c];
+  Buffer w(wv.size() * 2), w_t(wv.size() * 2), out(wv.size()), out_t(wv.size()), sc(groups * rows * 4),
+      sc_t(groups * cols * 4);
+  upload_bf16(w, wv);
+  upload_bf16(w_t, wt);
+  dg_quantize_weight_desc d{};
+  d.w = w.ptr;
+  d.w_dtype = DG_BF16;
+  d.groups = groups;
+  d.rows = rows;
+  d.cols = cols;
+  d.out = out.ptr;
+  d.out_t = out_t.ptr;
+  d.scale = static_cast<float*>(sc.ptr);
+  d.scale_t = static_cast<float*>(sc_t.ptr);
+  d.out_dtype = DG_E4M3;
+  d.granularity = DG_QUANT_ROW;
+  ASSERT_EQ(dg_quantize_fp8_weight(&d, nullptr), DG_SUCCESS) << dg_last_error();
+  for (const bool transposed : {false, true}) {
+    dg_quantize_desc q{};
+    q.x = transposed ? w_t.ptr : w.ptr;
+    q.x_dtype = DG_BF16;
+    q.batch = 1;
+    q.rows = groups * (transposed ? cols : rows);
+    q.cols = transposed ? rows : cols;
+    q.granularity = DG_QUANT_ROW;
+    q.out_dtype = DG_E4M3;
+    Buffer ref(wv.size()), ref_sc(size_t(q.rows) * 4);
+    q.out = ref.ptr;
+    q.scale = static_cast<float*>(ref_sc.ptr);
+    ASSERT_EQ(dg_quantize_fp8(&q, nullptr), DG_SUCCESS) << dg_last_error();
+    EXPECT_EQ(bytes_of(transposed ? out_t : out, wv.size()), bytes_of(ref, wv.size())) << transposed;
+    EXPECT_EQ(bytes_of(transposed ? sc_t : sc, size_t(q.rows) * 4), bytes_of(ref_sc, size_t(q.rows) * 4)) << transposed;
   }
 }
 

@@ -27,7 +27,9 @@ def test_cpp_tests_pass_under_ctest():
     if cmake is None or ctest is None:
         pytest.fail("cmake and ctest are needed to build and run the C++ tests (pip install cmake)")
     rc, out = _run([cmake, "-S", str(ROOT / "tests" / "cpp"), "-B", str(BUILD), "-DCMAKE_BUILD_TYPE=Release",
-                    f"-DCMAKE_PREFIX_PATH={distgemm.cmake_prefix_path}"], 300)
+                    f"-DCMAKE_PREFIX_PATH={distgemm.cmake_prefix_path}",
+                    # find_package keeps the distgemm_DIR a previous configure cached: name this one's
+                    f"-Ddistgemm_DIR={pathlib.Path(distgemm.cmake_prefix_path) / 'distgemm'}"], 300)
     assert rc == 0, f"configuring tests/cpp against the installed distgemm failed:\n{out[-4000:]}"
     jobs = str(os.cpu_count() or 2)
     rc, out = _run([cmake, "--build", str(BUILD), "-j", jobs], 900)

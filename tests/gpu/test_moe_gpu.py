@@ -173,17 +173,80 @@ def test_weight_kernel_on_other_inputs_matches_quantize_fp8(w_dtype, offset, dty
         assert torch.equal(_bits(wt8_alone), _bits(wt8)) and torch.equal(swt_alone, rs)
 
 
-@pytest.mark.parametrize("experts", [1, 9, 17])
-def test_row_weight_copies_match_quantize_fp8(experts):
+def _same_bits(a, b):
+    """Equal shapes and bits (FP32 scales by their bits, so that NaN scales compare)."""
+    view = {torch.float32: torch.int32}
+    return a.shape == b.shape and torch.equal(_bits(a).view(view.get(a.dtype, _bits(a).dtype)),
+                                              _bits(b).view(view.get(b.dtype, _bits(b).dtype)))
+
+
+def _row_copies_reference(w, dtype):
+    """The row recipe's two copies as quantize_fp8 makes them: w per row, w's transpose per row."""
+    g, n, k = w.shape
+    r8, rs = distgemm.quantize_fp8(w.reshape(g * n, k).contiguous(), "row", dtype=dtype)
+    t8, ts = distgemm.quantize_fp8(w.transpose(1, 2).reshape(g * k, n), "row", dtype=dtype)
+    return r8.view(g, n, k), rs.view(g, n), t8.view(g, k, n), ts.view(g, k)
+
+
+# (experts, N, K): 144 rows (transposed rows end mid-vector), 272 / 200 / 13 columns (a strip of
+# 64 ends early; 13: no vector loads), one row, one column, no rows, no columns, 300 experts of a
+# few rows (more strips than CTAs: the grid strides), 4,100 rows (32 staged tiles).
+ROW_WEIGHT_SHAPES = [(1, 144, 272), (9, 144, 272), (17, 200, 200), (3, 13, 13), (2, 1, 130), (2, 130, 1),
+                     (2, 0, 64), (2, 64, 0), (300, 16, 256), (1, 4100, 96)]
+
+
+@pytest.mark.parametrize("shape", ROW_WEIGHT_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_row_weight_copies_match_quantize_fp8(shape):
     """The row recipe's copies: the forward's per output channel, the dgrad's per output channel
-    of the transpose (made a few experts at a time), bit for bit quantize_fp8's."""
-    torch.manual_seed(experts)
-    w = (torch.randn(experts, 144, 272, device=DEV) * torch.rand(experts, 1, 272, device=DEV) * 10).bfloat16()
-    w8, sw, wt8, swt = moe.quantize_weight(w, "row")
-    r8, rs = distgemm.quantize_fp8(w.reshape(-1, 272), "row")
-    t8, ts = distgemm.quantize_fp8(w.transpose(1, 2).reshape(-1, 144), "row")
-    assert torch.equal(_bits(w8), _bits(r8.view(experts, 144, 272))) and torch.equal(sw, rs.view(experts, 144))
-    assert torch.equal(_bits(wt8), _bits(t8.view(experts, 272, 144))) and torch.equal(swt, ts.view(experts, 272))
+    of the transpose (w's columns, the transpose never formed), bit for bit quantize_fp8's;
+    each copy alone the same bits."""
+    torch.manual_seed(sum(shape))
+    g, n, k = shape
+    w = (torch.randn(g, n, k, device=DEV) * torch.rand(g, 1, k, device=DEV) * 10).bfloat16()
+    got = moe.quantize_weight(w, "row")
+    want = _row_copies_reference(w, E4M3)
+    for name, a, b in zip(("w8", "scale", "wt8", "scale_t"), got, want):
+        assert _same_bits(a, b), name
+    fwd, dgrad = moe.quantize_weight(w, "row", copies="forward"), moe.quantize_weight(w, "row", copies="dgrad")
+    assert fwd[2] is None and fwd[3] is None and dgrad[0] is None and dgrad[1] is None
+    assert _same_bits(fwd[0], want[0]) and _same_bits(fwd[1], want[1])
+    assert _same_bits(dgrad[2], want[2]) and _same_bits(dgrad[3], want[3])
+
+
+@pytest.mark.parametrize("w_dtype, offset", [(torch.float32, False), (torch.float16, False), (torch.bfloat16, True)])
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_row_weight_copies_on_other_inputs_match_quantize_fp8(w_dtype, offset, dtype):
+    """float32 / float16 weights and a bf16 one 2 bytes past a 16-byte boundary (element loads),
+    e5m2, and columns holding zeros, a tiny amax (scales outside the fast quotient's range), inf
+    and NaN: both row copies quantize_fp8's bits."""
+    torch.manual_seed(7)
+    for shape in [(3, 144, 264), (2, 200, 72), (1, 33, 130)]:
+        w = (torch.randn(*shape, device=DEV) * 5).to(w_dtype)
+        w[:, :, 0] = 0  # a column of zeros: scale 1
+        w[:, :, 1] *= 1e-30 if w_dtype == torch.float32 else 1e-6
+        w[0, 3, 2] = float("inf")
+        w[-1, 5, 3] = float("nan")
+        if offset:
+            w = _two_bytes_past_16(w)
+        got = moe.quantize_weight(w, "row", dtype=dtype)
+        want = _row_copies_reference(w, dtype)
+        for name, a, b in zip(("w8", "scale", "wt8", "scale_t"), got, want):
+            assert _same_bits(a, b), (shape, name)
+
+
+def test_row_dgrad_copy_holds_no_transposed_bf16_weight():
+    """The dgrad copy is made without a transposed bf16 copy of w: what it allocates is the FP8
+    copy and its scales, nothing as large as w."""
+    w = torch.randn(8, 1024, 2048, device=DEV).bfloat16()
+    moe.quantize_weight(w, "row", copies="dgrad")  # warm up
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = moe.quantize_weight(w, "row", copies="dgrad")
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    assert extra <= w.numel() + 8 * 2048 * 4 + 2 ** 20, extra  # FP8 copy + scales (+ allocator rounding)
+    del out
 
 
 def test_activation_refuses_bad_arguments():

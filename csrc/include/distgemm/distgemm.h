@@ -392,12 +392,18 @@ DG_API dg_status dg_moe_activation_workspace_size(const dg_moe_act_desc* desc, s
 /* Every check, then the kernels on `stream` (no host sync, no allocation; graph-capturable). */
 DG_API dg_status dg_moe_activation(const dg_moe_act_desc* desc, cudaStream_t stream);
 
-/* A batch of weights w (groups, rows, cols) quantized per 128 x 128 block in one read: out
- * (groups, rows, cols) and out_t (groups, cols, rows) = its transpose (the dgrad's K-major
- * operand), both with scale (groups, ceil(rows / 128), ceil(cols / 128)); either may be NULL.
- * The same bits as dg_quantize_fp8 with DG_QUANT_128X128 (and that, transposed). scale_t (or
- * NULL) receives the same scales as (groups, ceil(cols / 128), ceil(rows / 128)): the layout
- * dg_grouped_gemm's FORWARD BLOCK reads for w = out, as scale reads for w = out_t. */
+/* A batch of weights w (groups, rows, cols) in FP8: out (groups, rows, cols) and out_t
+ * (groups, cols, rows) = its transpose (the dgrad's K-major operand); either may be NULL.
+ *   granularity DG_QUANT_128X128: both from one read, with scale (groups, ceil(rows / 128),
+ *     ceil(cols / 128)); the same bits as dg_quantize_fp8 with DG_QUANT_128X128 (and that,
+ *     transposed). scale_t (or NULL) receives the same scales as (groups, ceil(cols / 128),
+ *     ceil(rows / 128)): the layout dg_grouped_gemm's FORWARD BLOCK reads for w = out, as scale
+ *     reads for w = out_t.
+ *   granularity DG_QUANT_ROW: one scale per row of each copy (the row-wise recipe's output
+ *     channels): out with scale (groups, rows) and out_t with scale_t (groups, cols), each
+ *     needed with its copy; the same bits as dg_quantize_fp8 with DG_QUANT_ROW of w viewed
+ *     (groups * rows, cols) and of its transpose (groups * cols, rows), which is never formed
+ *     (w is read twice, not copied). */
 typedef struct dg_quantize_weight_desc {
   const void* w;    /* row-major, contiguous */
   dg_dtype w_dtype; /* DG_BF16, DG_F16 or DG_F32 */
@@ -407,8 +413,9 @@ typedef struct dg_quantize_weight_desc {
   void* out;
   void* out_t;
   float* scale;
-  dg_dtype out_dtype; /* DG_E4M3 or DG_E5M2 */
-  float* scale_t;     /* 4-byte aligned, or NULL */
+  dg_dtype out_dtype;               /* DG_E4M3 or DG_E5M2 */
+  float* scale_t;                   /* 4-byte aligned, or NULL */
+  dg_quant_granularity granularity; /* DG_QUANT_128X128 or DG_QUANT_ROW */
 } dg_quantize_weight_desc;
 
 DG_API dg_status dg_quantize_fp8_weight(const dg_quantize_weight_desc* desc, cudaStream_t stream);
