@@ -381,6 +381,17 @@ def test_every_compiled_wgrad_config_matches(accumulate, dy_dtype):
         check_wgrad(counts, 384, 640, accumulate, dy_dtype, config=config)
 
 
+def test_repeated_wgrad_calls_of_a_config_follow_accumulate_and_groups():
+    """Each FP8 wgrad config called over and over with accumulation and the expert count
+    changing between calls (the kernel parameters of a repeated call are reused only where
+    everything they are made from repeats): every call against the reference."""
+    names = ops.grouped_configs(2, E4M3, torch.float32, 90, 2)
+    for config in range(len(names)):
+        for counts in ([300, 0, 129, 40], [300, 0, 129, 40], [77, 512, 3]):
+            for accumulate in (False, True, False):
+                check_wgrad(counts, 200, 260, accumulate, config=config)
+
+
 @pytest.mark.parametrize("accumulate", [False, True])
 def test_every_compiled_wgrad_config_clips_partial_tiles(accumulate):
     # N and K not multiples of any tile: the last tiles' stores (and reduce-adds, accumulating)

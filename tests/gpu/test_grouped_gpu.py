@@ -121,6 +121,36 @@ def test_every_config(kind, out_dtype, n, k):
             assert_close(out, ref_forward(x, w, counts, trans_w=kind == 0))
 
 
+def test_repeated_calls_of_a_config_follow_their_arguments():
+    """A config called again with the same arrays reuses the kernel parameters CUTLASS made for
+    the last call; any argument they depend on (accumulation, group count, outputs, routing)
+    changing between calls of the same config must still give that call's result: a sequence
+    of calls per config, each against the reference, into NaN-filled outputs."""
+    names = ops.grouped_configs(2, torch.bfloat16, torch.float32, device_arch(torch.device(DEV)))
+    fwd_names = ops.grouped_configs(0, torch.bfloat16, torch.bfloat16, device_arch(torch.device(DEV)))
+    n, k = 200, 136
+    torch.manual_seed(3)
+    problems = []
+    for groups, tokens in ((5, 700), (5, 700), (9, 700), (5, 333)):
+        counts = random_counts(groups, tokens, (1,))
+        problems.append((groups, counts, make_offs(counts), torch.randn(tokens, n, device=DEV).bfloat16(),
+                         torch.randn(tokens, k, device=DEV).bfloat16()))
+    for config, name in enumerate(names):
+        for i, (groups, counts, offs, dy, x) in enumerate(problems):
+            for accumulate in (False, True, False):
+                start = torch.randn(groups, n, k, device=DEV)
+                out = start.clone() if accumulate else torch.full((groups, n, k), float("nan"), device=DEV)
+                ops.grouped_mm_wgrad_out(dy, x, offs, out, accumulate, 0, config)
+                assert_close(out, ref_wgrad(dy, x, counts) + (start.double() if accumulate else 0)), (name, i)
+    for config, name in enumerate(fwd_names):
+        for i, (groups, counts, offs, dy, x) in enumerate(problems):
+            w = torch.randn(groups, n, k, device=DEV).bfloat16()
+            for _ in range(2):
+                out = torch.full((x.shape[0], n), float("nan"), device=DEV).bfloat16()
+                ops.grouped_mm_out(x, w, offs, out, False, True, 0, config)
+                assert_close(out, ref_forward(x, w, counts)), (name, i)
+
+
 @pytest.mark.parametrize("kind", [0, 1])
 def test_every_config_accumulates_bf16(kind):
     """accumulate=True into a bf16 out, every forward / dgrad config: one rounding of out + x @ w."""
