@@ -1096,7 +1096,8 @@ void fuzz_weight(bool launch) {
     if ((in != DG_BF16 && in != DG_F16 && in != DG_F32) || (out != DG_E4M3 && out != DG_E5M2) ||
         (gran != DG_QUANT_128X128 && !row))
       report("dg_quantize_fp8_weight oracle", "dtypes or granularity");
-    else if (g < 0 || r < 0 || c < 0 || elems * eb > INT64_MAX || scales * 4 > INT64_MAX || scales_t * 4 > INT64_MAX)
+    else if (g < 0 || r < 0 || c < 0 || elems * eb > INT64_MAX || (has_scale && scales * 4 > INT64_MAX) ||
+             (has_scale_t && scales_t * 4 > INT64_MAX))
       report("dg_quantize_fp8_weight oracle", "sizes");
     else if ((!d.out && !d.out_t) || !quant_buffer(d.w, elems * eb, (unsigned)eb) ||
              (d.out && !quant_buffer(d.out, elems, 1)) || (d.out_t && !quant_buffer(d.out_t, elems, 1)) ||
