@@ -603,6 +603,49 @@ def test_gpu_span_counts_the_time_no_kernel_runs():
     assert gpu_span([(50.0, 60.0), (0.0, 100.0), (120.0, 130.0)]) == {"span_us": 130.0, "idle_us": 20.0}
 
 
+def test_moe_kernel_table_reports_per_step_over_back_to_back_steps(monkeypatch):
+    """kernel_table profiles several steps as the timed rounds run them (no sync between) and
+    reports per step: kernel times and calls, classes, span and idle (gaps between steps too)."""
+    import contextlib
+    import types
+
+    import torch
+    import torch.profiler
+
+    from distgemm.bench import moe_suite
+
+    steps, clock, events = [], [0.0], []
+
+    def step():  # one step: a GEMM of 10 us and a fill of 2, a 1 us gap between them
+        steps.append(1)
+        start = clock[0]
+        for name, length, gap in (("cutlass_gemm", 10.0, 1.0), ("FillFunctor", 2.0, 4.0)):
+            events.append(types.SimpleNamespace(name=name, device_type=torch.autograd.DeviceType.CUDA,
+                                                device_time_total=length,
+                                                time_range=types.SimpleNamespace(start=start, end=start + length)))
+            start += length + gap
+        clock[0] = start
+
+    class FakeProfile(contextlib.AbstractContextManager):
+        def __init__(self, activities):
+            events.clear()
+
+        def __exit__(self, *exc):
+            return False
+
+        def events(self):
+            return list(events)
+
+    monkeypatch.setattr(torch.profiler, "profile", FakeProfile)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    rows, classes, span = moe_suite.kernel_table(step, steps=3)
+    assert len(steps) == 4  # one unprofiled, three profiled
+    assert {r["kernel"]: (r["calls"], r["us"]) for r in rows} == {"cutlass_gemm": (1, 10.0), "FillFunctor": (1, 2.0)}
+    assert sum(classes.values()) == pytest.approx(12.0)
+    # three steps of 17 us, the last one's trailing 4 us gap outside the span: (51 - 4) / 3, idle (15 - 4) / 3
+    assert span == {"span_us": round(47 / 3, 1), "idle_us": round(11 / 3, 1)}
+
+
 def test_moe_peak_counts_the_gradients_a_step_allocates(monkeypatch):
     """A layer that allocates its .grad in the step (set to None at the step's start) has them
     counted: the previous step's are freed before the base is read, not inside the measurement."""

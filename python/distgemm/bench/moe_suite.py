@@ -145,25 +145,30 @@ KERNEL_CLASSES = (("quantize / activation", ("act_kernel", "act_pipelined", "qua
                   ("optimizer update (p *= 1 - 1e-4)", ("aunaryfunctor", "mul")))
 
 
-def kernel_table(fn: Callable[[], None]) -> Tuple[List[dict], Dict[str, float], Dict[str, float]]:
-    """One step under torch.profiler: each kernel's GPU time (us), the time per class, and the
-    step's span on the GPU (first kernel's start to last kernel's end) with the part of it no
-    kernel ran (waiting on the host, a sync, or launch gaps)."""
+def kernel_table(fn: Callable[[], None], steps: int = 3) -> Tuple[List[dict], Dict[str, float], Dict[str, float]]:
+    """`steps` back-to-back steps under torch.profiler (as the timed rounds run them: no sync
+    between): each kernel's GPU time per step (us), the time per class, and the steps' span on
+    the GPU (first kernel's start to last kernel's end) with the part of it no kernel ran
+    (waiting on the host, a sync, or launch gaps), per step."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
+        for _ in range(steps):
+            fn()
         torch.cuda.synchronize()
     kernels: Dict[str, List[float]] = {}
     intervals: List[Tuple[float, float]] = []
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time_total > 0:
-            kernels.setdefault(ev.name, []).append(ev.device_time_total)
+            kernels.setdefault(ev.name, []).append(ev.device_time_total / steps)
             intervals.append((ev.time_range.start, ev.time_range.end))
     rows, classes = tabulate_kernels(kernels)
-    return rows, classes, gpu_span(intervals)
+    for r in rows:  # calls per step (a kernel some steps skip: a fraction)
+        r["calls"] = r["calls"] // steps if r["calls"] % steps == 0 else round(r["calls"] / steps, 2)
+    span = gpu_span(intervals)
+    return rows, classes, {k: round(v / steps, 1) for k, v in span.items()}
 
 
 def gpu_span(intervals: List[Tuple[float, float]]) -> Dict[str, float]:
@@ -194,8 +199,8 @@ def tabulate_kernels(kernels: Dict[str, List[float]]) -> Tuple[List[dict], Dict[
 
 
 def record_kernels(entry: dict, name: str, fn: Callable[[], None]) -> None:
-    """Profiles one step of `fn`, keeps its longest kernels, its time per class and its GPU span
-    and idle time in `entry`, and prints them."""
+    """Profiles back-to-back steps of `fn`, keeps its longest kernels, its time per class and its
+    GPU span and idle time (per step) in `entry`, and prints them."""
     table, classes, span = kernel_table(fn)
     entry["kernels"] = table[:25]
     entry["kernel_classes_us"] = classes
@@ -205,7 +210,7 @@ def record_kernels(entry: dict, name: str, fn: Callable[[], None]) -> None:
         f"{c} {us / 1e3:.2f} ms ({100 * us / total:.0f}%)" for c, us in classes.items()))
     print(f"      span {span['span_us'] / 1e3:.2f} ms, of it no kernel running {span['idle_us'] / 1e3:.2f} ms")
     for k in table[:8]:
-        print(f"      {k['us'] / 1e3:8.3f} ms  {k['calls']:3d}x  {k['kernel'][:90]}")
+        print(f"      {k['us'] / 1e3:8.3f} ms  {k['calls']!s:>4}x  {k['kernel'][:90]}")
 
 
 def run(out_dir: str, quick: bool, activations=("swiglu", "gelu")) -> Dict[str, object]:
