@@ -271,12 +271,10 @@ TEST(CApiGpu, MoePermuteWritesTheGatheredRowsInEveryForm) {
   EXPECT_EQ(bytes_of(yts, scale.size()), scale) << "its scales";
 }
 
-TEST(CApiGpu, WeightCopiesMatchQuantizeFp8) {
-  REQUIRE_SM90();
-  const int64_t groups = 2, rows = 200, cols = 136, rb = 2, cb = 2;
-  const std::vector<float> wv = random_values(size_t(groups * rows * cols), 6, 1.f);
-  Buffer w(wv.size() * 2), out(wv.size()), out_t(wv.size()), sc(groups * rb * cb * 4), sc_t(groups * rb * cb * 4);
-  upload_bf16(w, wv);
+// dg_quantize_fp8_weight's desc for a bf16 w (groups, rows, cols) into both e4m3 copies.
+dg_quantize_weight_desc bf16_weight_desc(const Buffer& w, int64_t groups, int64_t rows, int64_t cols, const Buffer& out,
+                                         const Buffer& out_t, const Buffer& sc, const Buffer& sc_t,
+                                         dg_quant_granularity granularity) {
   dg_quantize_weight_desc d{};
   d.w = w.ptr;
   d.w_dtype = DG_BF16;
@@ -288,7 +286,17 @@ TEST(CApiGpu, WeightCopiesMatchQuantizeFp8) {
   d.scale = static_cast<float*>(sc.ptr);
   d.scale_t = static_cast<float*>(sc_t.ptr);
   d.out_dtype = DG_E4M3;
-  d.granularity = DG_QUANT_128X128;
+  d.granularity = granularity;
+  return d;
+}
+
+TEST(CApiGpu, WeightCopiesMatchQuantizeFp8) {
+  REQUIRE_SM90();
+  const int64_t groups = 2, rows = 200, cols = 136, rb = 2, cb = 2;
+  const std::vector<float> wv = random_values(size_t(groups * rows * cols), 6, 1.f);
+  Buffer w(wv.size() * 2), out(wv.size()), out_t(wv.size()), sc(groups * rb * cb * 4), sc_t(groups * rb * cb * 4);
+  upload_bf16(w, wv);
+  const dg_quantize_weight_desc d = bf16_weight_desc(w, groups, rows, cols, out, out_t, sc, sc_t, DG_QUANT_128X128);
   ASSERT_EQ(dg_quantize_fp8_weight(&d, nullptr), DG_SUCCESS) << dg_last_error();
   dg_quantize_desc q{};
   q.x = w.ptr;
@@ -330,18 +338,7 @@ TEST(CApiGpu, WeightRowCopiesMatchQuantizeFp8) {
       sc_t(groups * cols * 4);
   upload_bf16(w, wv);
   upload_bf16(w_t, wt);
-  dg_quantize_weight_desc d{};
-  d.w = w.ptr;
-  d.w_dtype = DG_BF16;
-  d.groups = groups;
-  d.rows = rows;
-  d.cols = cols;
-  d.out = out.ptr;
-  d.out_t = out_t.ptr;
-  d.scale = static_cast<float*>(sc.ptr);
-  d.scale_t = static_cast<float*>(sc_t.ptr);
-  d.out_dtype = DG_E4M3;
-  d.granularity = DG_QUANT_ROW;
+  const dg_quantize_weight_desc d = bf16_weight_desc(w, groups, rows, cols, out, out_t, sc, sc_t, DG_QUANT_ROW);
   ASSERT_EQ(dg_quantize_fp8_weight(&d, nullptr), DG_SUCCESS) << dg_last_error();
   for (const bool transposed : {false, true}) {
     dg_quantize_desc q{};
