@@ -127,6 +127,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_act(
   return {out.y, out.y8, out.sy, out.yt8, out.syt};
 }
 
+// A wanted output's address for the C API, which reads NULL as "not wanted": one without
+// elements has no storage (a NULL data pointer), so it gets a stand-in for its zero bytes (its
+// scales may still have rows to write: a weight with no columns has a scale of 1 per row).
+void* wanted_output(const at::Tensor& t) {
+  static char no_bytes;
+  return t.numel() > 0 ? t.data_ptr() : &no_bytes;
+}
+
 // The weight quantization desc of w (G, R, C) at `granularity`, its copies allocated where asked
 // (empty otherwise); scale and scale_t are left to the caller.
 struct WeightCopies {
@@ -149,8 +157,8 @@ WeightCopies weight_copies(const at::Tensor& w_in, at::ScalarType dtype, bool wa
   d.rows = r;
   d.cols = cols;
   d.out_dtype = to_dg_dtype(dtype, "dtype");
-  d.out = want_out ? c.out.data_ptr() : nullptr;
-  d.out_t = want_t ? c.out_t.data_ptr() : nullptr;
+  d.out = want_out ? wanted_output(c.out) : nullptr;
+  d.out_t = want_t ? wanted_output(c.out_t) : nullptr;
   d.granularity = granularity;
   return c;
 }
