@@ -894,24 +894,9 @@ cudaError_t launch_weight_typed(const WeightProblem& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-// The row recipe's copies: the forward's is quantize_fp8's per-row kernel on w as
-// (groups * rows, cols); the dgrad's, weight_rows_t_kernel.
+// The row recipe's dgrad copy (weight_rows_t_kernel).
 template <class In, __nv_fp8_interpretation_t I>
-cudaError_t launch_weight_rows_typed(const WeightProblem& p, cudaStream_t stream) {
-  if (p.out != nullptr) {
-    quant::QuantizeProblem q;
-    q.x = p.w;
-    q.x_dtype = p.w_dtype;
-    q.rows = p.groups * p.rows;
-    q.cols = p.cols;
-    q.granularity = quant::kRow;
-    q.out = p.out;
-    q.out_dtype = p.fp8_dtype;
-    q.scale = p.scale;
-    q.sm_count = p.sm_count;
-    const cudaError_t err = quant::launch_quantize_fp8(q, stream);
-    if (err != cudaSuccess || p.out_t == nullptr) return err;
-  }
+cudaError_t launch_weight_rows_t_typed(const WeightProblem& p, cudaStream_t stream) {
   const int64_t strips = p.groups * ((p.cols + kStripCols - 1) / kStripCols);
   if (strips == 0) return cudaSuccess;
   auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
@@ -929,10 +914,26 @@ cudaError_t launch_weight_rows_typed(const WeightProblem& p, cudaStream_t stream
 template <class In>
 cudaError_t launch_weight_for_input(const WeightProblem& p, cudaStream_t stream) {
   if (p.row_scales)
-    return p.fp8_dtype == DG_E5M2 ? launch_weight_rows_typed<In, __NV_E5M2>(p, stream)
-                                  : launch_weight_rows_typed<In, __NV_E4M3>(p, stream);
+    return p.fp8_dtype == DG_E5M2 ? launch_weight_rows_t_typed<In, __NV_E5M2>(p, stream)
+                                  : launch_weight_rows_t_typed<In, __NV_E4M3>(p, stream);
   return p.fp8_dtype == DG_E5M2 ? launch_weight_typed<In, __NV_E5M2>(p, stream)
                                 : launch_weight_typed<In, __NV_E4M3>(p, stream);
+}
+
+// The row recipe's forward copy: quantize_fp8's per-row kernel on w as (groups * rows, cols),
+// which picks its own types.
+cudaError_t launch_weight_rows(const WeightProblem& p, cudaStream_t stream) {
+  quant::QuantizeProblem q;
+  q.x = p.w;
+  q.x_dtype = p.w_dtype;
+  q.rows = p.groups * p.rows;
+  q.cols = p.cols;
+  q.granularity = quant::kRow;
+  q.out = p.out;
+  q.out_dtype = p.fp8_dtype;
+  q.scale = p.scale;
+  q.sm_count = p.sm_count;
+  return quant::launch_quantize_fp8(q, stream);
 }
 
 }  // namespace
@@ -948,6 +949,10 @@ cudaError_t launch_act(const ActProblem& p, cudaStream_t stream) {
 }
 
 cudaError_t launch_weight_quantize(const WeightProblem& p, cudaStream_t stream) {
+  if (p.row_scales && p.out != nullptr) {
+    const cudaError_t err = launch_weight_rows(p, stream);
+    if (err != cudaSuccess || p.out_t == nullptr) return err;
+  }
   return quant::with_input_type(p.w_dtype, [&](auto in) { return launch_weight_for_input<decltype(in)>(p, stream); });
 }
 

@@ -188,11 +188,11 @@ dg_status lower_weight(const dg_quantize_weight_desc* desc, WeightProblem* p) {
   DG_REQUIRE(d.groups >= 0 && d.rows >= 0 && d.cols >= 0, "w must have non-negative (groups, rows, cols), got (",
              d.groups, ", ", d.rows, ", ", d.cols, ")");
   DG_REQUIRE(d.out != nullptr || d.out_t != nullptr, "no output: set out, out_t or both");
-  const bool rows = granularity == DG_QUANT_ROW;
+  const bool per_row = granularity == DG_QUANT_ROW;
   int64_t elems = 0, scales = 0, scales_t = 0;
   DG_REQUIRE(checked_product({d.groups, d.rows, d.cols}, &elems), "w of (", d.groups, ", ", d.rows, ", ", d.cols,
              ") elements overflows int64");
-  if (rows) {
+  if (per_row) {
     DG_REQUIRE(checked_product({d.groups, d.rows}, &scales) && checked_product({d.groups, d.cols}, &scales_t),
                "w's scales overflow int64");
   } else {
@@ -200,8 +200,8 @@ dg_status lower_weight(const dg_quantize_weight_desc* desc, WeightProblem* p) {
     scales_t = scales;
   }
   // 128 x 128: scale always (both copies share it), scale_t where given; row: each with its copy.
-  const bool want_scale = !rows || d.out != nullptr;
-  const bool want_scale_t = rows ? d.out_t != nullptr : d.scale_t != nullptr;
+  const bool want_scale = !per_row || d.out != nullptr;
+  const bool want_scale_t = per_row ? d.out_t != nullptr : d.scale_t != nullptr;
   const int bytes = dtype_bytes(d.w_dtype);
   DG_RETURN_IF_ERROR(check_extent(d.w, "w", {elems}, bytes, static_cast<unsigned>(bytes)));
   if (d.out != nullptr) DG_RETURN_IF_ERROR(check_extent(d.out, "out", {elems}, 1, 1));
@@ -223,7 +223,7 @@ dg_status lower_weight(const dg_quantize_weight_desc* desc, WeightProblem* p) {
   p->scale = want_scale ? d.scale : nullptr;
   p->scale_t = want_scale_t ? d.scale_t : nullptr;
   p->fp8_dtype = d.out_dtype;
-  p->row_scales = rows;
+  p->row_scales = per_row;
   return DG_SUCCESS;
 }
 
